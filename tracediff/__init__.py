@@ -5,39 +5,51 @@ Public API::
 
     with tracediff.record("train.zarr", role="trainer") as rec:
         rec.tap(draft.fc, name="fc_in", capture="input", segment_size=H)
+        rec.labels(seq=..., position=..., token_id=...)   # optional, per step
         ...
 
     store = tracediff.open_store("train.zarr")
+
+Importing this package is cheap (no torch, no numpy) because the injected start-up shim imports it
+in every Python process of a recorded command.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
 
-from tracediff.errors import TracediffError  # noqa: E402
-from tracediff.store import TraceStore, open_store  # noqa: E402
 
-
-def record(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+def record(*args: Any, **kwargs: Any) -> Any:
     """Start a :class:`tracediff.recorder.Recorder` (see its docstring); use as a context manager."""
-    from tracediff.recorder import Recorder  # noqa: PLC0415  (keeps `import tracediff` torch-free)
+    from tracediff.recorder import Recorder  # noqa: PLC0415
 
     return Recorder(*args, **kwargs)
 
 
-def current():  # noqa: ANN201
+def open_store(path: Any) -> Any:
+    """Open a trace store for reading (:class:`tracediff.store.TraceStore`)."""
+    from tracediff.store import TraceStore  # noqa: PLC0415
+
+    return TraceStore(path)
+
+
+def current() -> Any:
     """The recorder active in this process (in-process or injected by `tracediff record`), or None."""
-    from tracediff.recorder import active_recorder  # noqa: PLC0415
+    import sys  # noqa: PLC0415
 
-    return active_recorder()
+    if "tracediff.recorder" not in sys.modules:
+        return None
+    return sys.modules["tracediff.recorder"].active_recorder()
 
 
-def labels(**fields):  # noqa: ANN003, ANN201
-    """Give the labels (seq, position, token_id, next_token_id, phase, step) for the next capture in
-    this thread. A no-op when nothing records, so scripts may call it unconditionally."""
+def labels(**fields: Any) -> None:
+    """Give the labels (seq, position, token_id, next_token_id, phase, step, valid) of the next
+    capture in this thread. A no-op when nothing records, so scripts may call it unconditionally."""
     rec = current()
     if rec is not None:
         rec.labels(**fields)
 
 
-__all__ = ["TraceStore", "TracediffError", "__version__", "current", "labels", "open_store", "record"]
+__all__ = ["__version__", "current", "labels", "open_store", "record"]

@@ -142,11 +142,28 @@ def _compressors(name: str, itemsize: int):
         return None
     from zarr.codecs import BloscCodec  # noqa: PLC0415
 
+    _thread_local_blosc_mutex()
     if name == "lz4":
         return [BloscCodec(cname="lz4", clevel=1, shuffle="bitshuffle", typesize=itemsize)]
     if name == "zstd":
         return [BloscCodec(cname="zstd", clevel=1, shuffle="bitshuffle", typesize=itemsize)]
     raise UsageError(f"unknown compressor {name!r}; choose one of {', '.join(COMPRESSORS)}")
+
+
+def _thread_local_blosc_mutex() -> None:
+    """numcodecs' blosc creates a *multiprocessing* Lock on first use. Inside a process started by
+    multiprocessing (SGLang's schedulers), that semaphore's finaliser fails at exit and prints a
+    traceback into the host's log. A process-local lock guards the same (per-process) blosc state."""
+    import threading  # noqa: PLC0415
+
+    try:
+        import numcodecs.blosc as blosc  # noqa: PLC0415
+
+        if not getattr(blosc, "_MUTEX_IS_INIT", True):
+            blosc._MUTEX = threading.Lock()
+            blosc._MUTEX_IS_INIT = True
+    except (ImportError, AttributeError):  # another numcodecs: keep its own behaviour
+        pass
 
 
 def create_store(
@@ -317,7 +334,7 @@ class TraceWriter:
                     shape=(0,),
                     chunks=(DEFAULT_LABEL_CHUNK_ROWS,),
                     dtype=LABEL_DTYPES[name],
-                    compressors=_compressors("lz4", LABEL_DTYPES[name].itemsize),
+                    compressors=None,  # labels are ~1% of the bytes: not worth a codec
                     fill_value=LABEL_FILL[name],
                     config={"write_empty_chunks": True},
                 )

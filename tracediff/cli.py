@@ -1,0 +1,248 @@
+"""The `tracediff` command: a thin layer over the library.
+
+Every command maps :class:`tracediff.errors.TracediffError` to a one-line ``tracediff: error: ...``
+message and exit code 2; a traceback from here is a bug.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tracediff import __version__
+from tracediff.errors import TracediffError, UsageError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | None, what: str) -> int | None:
+    """'512MiB', '2G', '1000' -> bytes (binary multiples)."""
+    if text is None:
+        return None
+    match = _SIZE.match(text)
+    if not match:
+        raise UsageError(f"{what}: cannot read size {text!r}; use e.g. 512MiB or 2GiB")
+    number, unit = float(match[1]), match[2].lower()
+    return int(number * (1024 ** " kmgt".index(unit or " ")))
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except TracediffError as exc:
+            click.echo(f"tracediff: error: {exc}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="tracediff")
+def main() -> None:
+    """Record and compare the fc-input rows an EAGLE-3 draft sees in training and in serving."""
+
+
+# ---------------------------------------------------------------------------------- record
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="Store to create.")
+@click.option("--adapter", "adapters", multiple=True, help="Framework adapter (hf, generic); repeatable.")
+@click.option("--tap", "taps", multiple=True, help="Tap spec [NAME=]CLASS[.ATTR.PATH][:input|:output]; repeatable.")
+@click.option("--labels-from", "labels_from", multiple=True,
+              help="Class whose forward's input_ids/position_ids label the rows captured after it.")
+@click.option("--segment-size", type=int, help="Width of one segment of the tapped rows (e.g. hidden size).")
+@click.option("--segment-labels", help="Comma-separated segment names, e.g. hs0,hs3,hs6.")
+@click.option("--role", default="", help="What this recording is (trainer, server, bank...).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing store.")
+@click.option("--max-rows", type=int, help="Rows to record at most, per tap and process.")
+@click.option("--max-bytes", help="Bytes to record at most, per tap and process (e.g. 4GiB).")
+@click.option("--every-n-steps", type=int, default=1, show_default=True, help="Record one step in N.")
+@click.option("--first-n-steps", type=int, help="Record only steps 0..N-1.")
+@click.option("--phases", help="Comma-separated phases to record (train, prefill, draft_extend, decode...).")
+@click.option("--on-full", type=click.Choice(["drop", "block"]), default="drop", show_default=True,
+              help="When the writer falls behind: drop and count the batch, or wait (bounded) for it.")
+@click.option("--queue-bytes", default="1GiB", show_default=True, help="Host memory the queue may hold.")
+@click.option("--compressor", type=click.Choice(["none", "lz4", "zstd"]), default="none", show_default=True)
+@click.option("--chunk-rows", type=int, default=256, show_default=True)
+@click.option("--durable", is_flag=True, help="fsync each batch before committing it.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+def record(
+    output: Path,
+    adapters: tuple[str, ...],
+    taps: tuple[str, ...],
+    labels_from: tuple[str, ...],
+    segment_size: int | None,
+    segment_labels: str | None,
+    role: str,
+    overwrite: bool,
+    max_rows: int | None,
+    max_bytes: str | None,
+    every_n_steps: int,
+    first_n_steps: int | None,
+    phases: str | None,
+    on_full: str,
+    queue_bytes: str,
+    compressor: str,
+    chunk_rows: int,
+    durable: bool,
+    command: tuple[str, ...],
+) -> None:
+    """Run COMMAND with recording injected into each of its Python processes.
+
+    Example: tracediff record --tap Eagle3DraftModel.fc:input -o train.zarr -- python train.py
+    """
+    from tracediff.adapters import adapter_info, check_installed  # noqa: PLC0415
+    from tracediff.recorder import Limits  # noqa: PLC0415
+    from tracediff.store import create_store, default_source, open_store  # noqa: PLC0415
+    from tracediff.tapspec import TapSpec  # noqa: PLC0415
+
+    specs = [TapSpec.parse(t) for t in taps]
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise UsageError(f"two --tap specs share a tap name ({', '.join(names)}); name them with NAME=SPEC")
+    for name in adapters:
+        adapter_info(name)
+        check_installed(name)
+    if not specs and not adapters:
+        raise UsageError("nothing to record: give --tap SPEC and/or --adapter NAME")
+    if segment_size is not None and segment_size <= 0:
+        raise UsageError(f"--segment-size must be positive, got {segment_size}")
+    if chunk_rows <= 0:
+        raise UsageError(f"--chunk-rows must be positive, got {chunk_rows}")
+    limits = Limits(
+        max_rows=max_rows,
+        max_bytes=parse_size(max_bytes, "--max-bytes"),
+        every_n_steps=every_n_steps,
+        first_n_steps=first_n_steps,
+        phases=frozenset(p.strip() for p in phases.split(",") if p.strip()) if phases else None,
+    )
+    queue_limit = parse_size(queue_bytes, "--queue-bytes") or 0
+    if queue_limit <= 0:
+        raise UsageError("--queue-bytes must be positive")
+    command = tuple(c for c in command if c != "--") if command[:1] == ("--",) else command
+    if not command:
+        raise UsageError("no command to run after --")
+
+    config = {
+        "store": str(output.resolve()),
+        "role": role,
+        "taps": [s.text for s in specs],
+        "adapters": list(adapters),
+        "labels_from": list(labels_from),
+        "segment_size": segment_size,
+        "segment_labels": [x.strip() for x in segment_labels.split(",")] if segment_labels else None,
+        "limits": limits.as_dict(),
+        "on_full": on_full,
+        "max_queue_bytes": queue_limit,
+        "compressor": compressor,
+        "chunk_rows": chunk_rows,
+        "durable": durable,
+    }
+    source = default_source(role)
+    source["argv"] = list(command)
+    source["recorded_by"] = ["tracediff", "record", *sys.argv[2:]] if len(sys.argv) > 1 else ["tracediff", "record"]
+    create_store(output, role=role, source=source, overwrite=overwrite,
+                 meta={"record": {k: v for k, v in config.items() if k != "store"}})
+
+    env = dict(os.environ)
+    hooks_dir = _hooks_dir()
+    env["PYTHONPATH"] = os.pathsep.join([hooks_dir, *filter(None, [env.get("PYTHONPATH")])])
+    env["TRACEDIFF_CONFIG"] = json.dumps(config)
+    returncode = _run_forwarding_signals(list(command), env)
+
+    store = open_store(output)
+    try:
+        from tracediff.describe import describe_store, warnings_for  # noqa: PLC0415
+
+        desc = describe_store(store)
+    finally:
+        store.close()
+    click.echo(_record_summary(desc, returncode), err=True)
+    for warning in warnings_for(desc, expected_taps=names):
+        click.echo(f"tracediff: warning: {warning}", err=True)
+    sys.exit(returncode)
+
+
+def _hooks_dir() -> str:
+    import tracediff.hooks  # noqa: PLC0415  (the top-level hooks/ folder, installed as tracediff.hooks)
+
+    return str(Path(tracediff.hooks.__file__).resolve().parent)
+
+
+def _run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
+    """Run the child; forward SIGTERM/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 to it; return its exit code
+    (128+N when a signal N ended it). SIGINT from a terminal reaches the child directly (same
+    process group), so it is not forwarded twice."""
+    try:
+        child = subprocess.Popen(command, env=env)
+    except OSError as exc:
+        raise UsageError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from exc
+    forwarded = [signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2]
+    previous = {}
+
+    def forward(signum: int, frame: Any) -> None:
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    for sig in forwarded:
+        previous[sig] = signal.signal(sig, forward)
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        returncode = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _record_summary(desc: dict[str, Any], returncode: int) -> str:
+    lines = [f"tracediff: command exited with code {returncode}; store {desc['path']}"]
+    if not desc["taps"]:
+        lines.append("tracediff: no rows were recorded")
+    for tap, info in desc["taps"].items():
+        for w in info["writers"]:
+            lines.append(
+                f"tracediff:   {tap}/{w['writer']}: {w['rows']} rows, width {w['width']} {w['dtype']}, "
+                f"{w['batches']} batches, dropped {w['dropped_rows']}, skipped {w['skipped_rows']}, {w['status']}"
+            )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- inspect
+@main.command()
+@click.argument("store", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def inspect(store: Path, as_json: bool) -> None:
+    """Show what STORE holds: taps, processes, rows, width, dtype, segments, phases, drops, meta."""
+    from tracediff.describe import describe_store, render_text  # noqa: PLC0415
+    from tracediff.store import open_store  # noqa: PLC0415
+
+    opened = open_store(store)
+    try:
+        desc = describe_store(opened)
+    finally:
+        opened.close()
+    click.echo(json.dumps(desc, indent=2, sort_keys=True) if as_json else render_text(desc))
+
+
+# ---------------------------------------------------------------------------------- pack
+@main.command()
+@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("dest", type=click.Path(path_type=Path), required=False)
+@click.option("--overwrite", is_flag=True)
+def pack(store: Path, dest: Path | None, overwrite: bool) -> None:
+    """Pack a store folder into one .zarr.zip file (to attach to a bug report)."""
+    from tracediff.store import pack_store  # noqa: PLC0415
+
+    dest = dest or store.with_name(store.name + ".zip")
+    click.echo(str(pack_store(store, dest, overwrite=overwrite)))
+
+
+if __name__ == "__main__":
+    main()

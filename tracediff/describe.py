@@ -1,0 +1,126 @@
+"""What a trace store holds, as plain data (``tracediff inspect`` and the end-of-record summary).
+
+Reads metadata and label columns only, never the values: cheap even on a large store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tracediff.store import PHASES, TraceStore, TraceStream
+
+
+def describe_stream(stream: TraceStream) -> dict[str, Any]:
+    commit = stream.commit
+    labels = stream.labels(("seq", "phase", "valid", "token_id", "position"))
+    phase_counts = np.bincount(labels["phase"].clip(0, len(PHASES) - 1).astype(np.int64), minlength=len(PHASES))
+    segment_size = stream.segment_size
+    return {
+        "tap": stream.tap,
+        "writer": stream.writer,
+        "rows": stream.rows,
+        "width": stream.width,
+        "dtype": stream.dtype,
+        "bytes": stream.nbytes,
+        "segment_size": segment_size,
+        "segments": stream.width // segment_size if segment_size and stream.width % segment_size == 0 else None,
+        "segment_labels": stream.segment_labels,
+        "module": stream.attrs.get("module"),
+        "capture": stream.attrs.get("capture"),
+        "rank": stream.attrs.get("rank"),
+        "pid": (stream.attrs.get("source") or {}).get("pid"),
+        "phases": {PHASES[i]: int(c) for i, c in enumerate(phase_counts) if c},
+        "sequences": int(np.unique(labels["seq"]).size),
+        "invalid_rows": int((~labels["valid"]).sum()),
+        "rows_without_token": int((labels["token_id"] < 0).sum()),
+        "max_position": int(labels["position"].max()) if stream.rows else None,
+        "status": commit.get("status"),
+        "error": commit.get("error") or None,
+        "batches": commit.get("batches", 0),
+        "dropped_rows": commit.get("dropped_rows", 0),
+        "dropped_batches": commit.get("dropped_batches", 0),
+        "skipped_rows": commit.get("skipped_rows", 0),
+    }
+
+
+def describe_store(store: TraceStore) -> dict[str, Any]:
+    streams = [describe_stream(s) for tap in store.taps for s in store.streams[tap]]
+    return {
+        "path": str(store.path),
+        "format": store.format,
+        "written_by": store.version,
+        "source": store.source,
+        "meta": store.meta,
+        "taps": {
+            tap: {
+                "rows": sum(s["rows"] for s in streams if s["tap"] == tap),
+                "writers": [s for s in streams if s["tap"] == tap],
+            }
+            for tap in store.taps
+        },
+    }
+
+
+def warnings_for(desc: dict[str, Any], expected_taps: list[str] | None = None) -> list[str]:
+    """Problems a person should see: taps that never fired, writers that did not close, drops."""
+    out: list[str] = []
+    for tap in expected_taps or []:
+        if tap not in desc["taps"] or desc["taps"][tap]["rows"] == 0:
+            out.append(
+                f"tap {tap!r} never fired in any process: check the class name in the tap spec, that the "
+                f"module runs a Python forward (CUDA-graph replay skips hooks: add --disable-cuda-graph), "
+                f"and the sampling limits"
+            )
+    for tap, info in desc["taps"].items():
+        for w in info["writers"]:
+            where = f"{tap}/{w['writer']}"
+            if w["status"] == "recording":
+                out.append(f"{where}: the process did not close its writer (killed?); its {w['rows']} committed rows are readable")
+            elif w["status"] == "failed":
+                out.append(f"{where}: recording stopped after an error: {w['error']}")
+            if w["dropped_rows"]:
+                out.append(
+                    f"{where}: {w['dropped_rows']} rows in {w['dropped_batches']} batches were dropped because the "
+                    f"writer fell behind (raise --queue-bytes, use --on-full block, or record fewer steps)"
+                )
+    return out
+
+
+def render_text(desc: dict[str, Any]) -> str:
+    lines = [f"store   {desc['path']}  (format {desc['format']}, written by tracediff {desc['written_by']})"]
+    src = desc.get("source") or {}
+    if src:
+        lines.append(
+            f"source  role={src.get('role') or '-'} host={src.get('host', '-')} pid={src.get('pid', '-')} "
+            f"started={src.get('started', '-')}"
+        )
+    meta = desc.get("meta") or {}
+    if meta:
+        keys = ", ".join(sorted(meta))
+        lines.append(f"meta    {keys}")
+    if not desc["taps"]:
+        lines.append("taps    none (nothing was recorded)")
+    for tap, info in desc["taps"].items():
+        lines.append(f"tap {tap}: {info['rows']} rows from {len(info['writers'])} writer(s)")
+        for w in info["writers"]:
+            seg = (
+                f"{w['segments']} x {w['segment_size']}"
+                + (f" [{', '.join(w['segment_labels'])}]" if w["segment_labels"] else "")
+                if w["segments"]
+                else "segments unknown"
+            )
+            phases = ", ".join(f"{k} {v}" for k, v in w["phases"].items()) or "-"
+            lines.append(
+                f"  {w['writer']:<22} rows {w['rows']:>9}  width {w['width']} {w['dtype']}  {seg}"
+            )
+            lines.append(
+                f"  {'':<22} sequences {w['sequences']}  phases {phases}  invalid {w['invalid_rows']}  "
+                f"dropped {w['dropped_rows']}  skipped {w['skipped_rows']}  status {w['status']}"
+            )
+            if w["module"]:
+                lines.append(f"  {'':<22} module {w['module']} ({w['capture']})")
+    for warning in warnings_for(desc):
+        lines.append(f"warning: {warning}")
+    return "\n".join(lines)

@@ -1,0 +1,288 @@
+"""Activation of the recorder inside processes started by ``tracediff record -- CMD``.
+
+``hooks/sitecustomize.py`` calls :func:`activate_from_env` in every Python process of the command's
+tree (spawned multiprocessing children included: they inherit ``PYTHONPATH`` and ``TRACEDIFF_CONFIG``).
+Activation must be cheap and harmless in processes that never use torch: it only installs a watcher
+for the import of ``torch``. Once torch is imported, every ``nn.Module`` subclass whose MRO names a
+watched class gets its ``__init__`` wrapped, so taps attach as soon as an instance is fully built.
+The recorder itself is created lazily, at the first attach: processes that match nothing write nothing.
+Nothing here may raise into the host: failures are logged and recording stays off.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+log = logging.getLogger("tracediff")
+ENV_CONFIG = "TRACEDIFF_CONFIG"
+ENV_DISABLE = "TRACEDIFF_DISABLE"
+
+_lock = threading.RLock()
+_context: _Context | None = None
+
+
+class _Context:
+    """What one process records, from the JSON config the launcher put in the environment."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        from tracediff.tapspec import TapSpec  # noqa: PLC0415
+
+        self.config = config
+        self.specs = [TapSpec.parse(s) for s in config.get("taps", [])]
+        self.adapters = list(config.get("adapters", []))
+        self.labels_from = list(config.get("labels_from", []))
+        self.recorder_obj: Any = None
+        self.failed = False
+        self.attached: list[str] = []
+
+    def watched_names(self) -> set[str]:
+        from tracediff.adapters import load_adapter  # noqa: PLC0415
+
+        names = {spec.cls for spec in self.specs} | set(self.labels_from)
+        for name in self.adapters:
+            names |= set(load_adapter(name).WATCH)
+        return names
+
+    def recorder(self) -> Any:
+        if self.recorder_obj is None and not self.failed:
+            from tracediff.recorder import Limits, Recorder  # noqa: PLC0415
+
+            cfg = self.config
+            limits = Limits(**{k: v for k, v in (cfg.get("limits") or {}).items() if v is not None})
+            rank = _env_int("RANK")
+            self.recorder_obj = Recorder(
+                cfg["store"],
+                role=cfg.get("role", ""),
+                append=True,
+                rank=rank,
+                world_size=_env_int("WORLD_SIZE"),
+                limits=limits,
+                on_full=cfg.get("on_full", "drop"),
+                max_queue_bytes=int(cfg.get("max_queue_bytes", 1 << 30)),
+                chunk_rows=int(cfg.get("chunk_rows", 256)),
+                compressor=cfg.get("compressor", "none"),
+                durable=bool(cfg.get("durable", False)),
+                adapter=",".join(self.adapters) or "generic",
+                meta={"injected": True},
+            )
+            for spec in self.specs:
+                self.recorder_obj.declare(spec.name, **_segment_kw(cfg, spec.name))
+        return self.recorder_obj
+
+    def on_constructed(self, module: Any) -> None:
+        """Called after the ``__init__`` of an instance of a watched class has finished."""
+        if self.failed:
+            return
+        try:
+            from tracediff.adapters import load_adapter  # noqa: PLC0415
+            from tracediff.adapters.generic import attach_label_source, attach_spec  # noqa: PLC0415
+
+            klass = type(module)
+            for spec in self.specs:
+                if spec.class_matches(klass):
+                    rec = self.recorder()
+                    if attach_spec(rec, spec, module):
+                        self.attached.append(f"{spec.name} <- {klass.__qualname__}")
+                        log.info("tracediff: tap %s attached to %s (pid %d)", spec.name, spec.module_path, os.getpid())
+                    else:
+                        _attach_on_first_forward(self, spec, module)
+            for name in self.labels_from:
+                if any(_class_named(base, name) for base in klass.__mro__):
+                    attach_label_source(self.recorder(), module)
+            for name in self.adapters:
+                adapter = load_adapter(name)
+                if any(_class_named(base, w) for w in adapter.WATCH for base in klass.__mro__):
+                    if adapter.attach(self.recorder(), module):
+                        self.attached.append(f"{name} <- {klass.__qualname__}")
+        except Exception as exc:  # noqa: BLE001
+            self.failed = True
+            log.error("tracediff: cannot attach taps in pid %d (recording off, the program goes on): %s: %s",
+                      os.getpid(), type(exc).__name__, exc)
+
+
+def _segment_kw(cfg: dict[str, Any], tap: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if cfg.get("segment_size"):
+        out["segment_size"] = int(cfg["segment_size"])
+    if cfg.get("segment_labels"):
+        out["segment_labels"] = list(cfg["segment_labels"])
+    return out
+
+
+def _attach_on_first_forward(ctx: _Context, spec: Any, module: Any) -> None:
+    """The path did not exist when __init__ ended (set later): retry once, at the first forward."""
+    from tracediff.adapters.generic import attach_spec  # noqa: PLC0415
+
+    handle: Any = None
+
+    def pre_hook(mod: Any, args: tuple) -> None:
+        handle.remove()
+        try:
+            if attach_spec(ctx.recorder(), spec, mod):
+                ctx.attached.append(f"{spec.name} <- {type(mod).__qualname__}")
+            else:
+                log.warning("tracediff: %s has no attribute path %s; tap %s not attached",
+                            type(mod).__qualname__, ".".join(spec.path), spec.name)
+        except Exception as exc:  # noqa: BLE001
+            log.error("tracediff: attaching tap %s failed: %s", spec.name, exc)
+
+    handle = module.register_forward_pre_hook(pre_hook)
+
+
+def _class_named(klass: type, name: str) -> bool:
+    return name in (klass.__name__, klass.__qualname__, f"{klass.__module__}.{klass.__qualname__}")
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------------- class watching
+def _wrap_class(klass: type, names: set[str]) -> None:
+    if "_tracediff_wrapped" in klass.__dict__:
+        return
+    if not any(_class_named(base, n) for n in names for base in klass.__mro__):
+        return
+    original = klass.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        # Only the most derived class's wrapper acts: by then the instance is fully built.
+        if type(self) is klass and _context is not None:
+            _context.on_constructed(self)
+
+    klass.__init__ = __init__  # type: ignore[misc]
+    klass._tracediff_wrapped = True  # type: ignore[attr-defined]
+
+
+def _on_torch_imported() -> None:
+    ctx = _context
+    if ctx is None:
+        return
+    try:
+        import torch  # noqa: PLC0415
+
+        names = ctx.watched_names()
+        module_cls = torch.nn.Module
+        previous = module_cls.__dict__.get("__init_subclass__")
+
+        def __init_subclass__(cls: type, **kwargs: Any) -> None:  # noqa: N807
+            if previous is not None:
+                previous.__func__(cls, **kwargs)
+            else:
+                super(module_cls, cls).__init_subclass__(**kwargs)
+            try:
+                _wrap_class(cls, names)
+            except Exception as exc:  # noqa: BLE001
+                log.error("tracediff: cannot watch class %s: %s", cls.__qualname__, exc)
+
+        module_cls.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
+        stack = [module_cls]
+        while stack:
+            klass = stack.pop()
+            _wrap_class(klass, names)
+            stack.extend(klass.__subclasses__())
+    except Exception as exc:  # noqa: BLE001
+        ctx.failed = True
+        log.error("tracediff: cannot watch torch modules (recording off, the program goes on): %s", exc)
+
+
+class _TorchImportWatcher:
+    """A meta-path finder that runs a callback right after ``torch`` finishes importing."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "torch":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            try:
+                original(module)
+            finally:
+                try:
+                    del loader.exec_module  # back to the class's method
+                except AttributeError:
+                    pass
+            _remove_watcher()
+            _on_torch_imported()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+_watcher = _TorchImportWatcher()
+
+
+def _remove_watcher() -> None:
+    try:
+        sys.meta_path.remove(_watcher)
+    except ValueError:
+        pass
+
+
+def activate(config: dict[str, Any]) -> None:
+    """Start watching for the configured taps in this process."""
+    global _context
+    with _lock:
+        if _context is not None:
+            return
+        _context = _Context(config)
+        _setup_logging()
+        if "torch" in sys.modules:
+            _on_torch_imported()
+        else:
+            sys.meta_path.insert(0, _watcher)
+
+
+def activate_from_env() -> None:
+    """Entry point of the sitecustomize shim: never raises."""
+    text = os.environ.get(ENV_CONFIG)
+    if not text or os.environ.get(ENV_DISABLE):
+        return
+    try:
+        config = json.loads(text)
+        if not isinstance(config, dict) or "store" not in config:
+            raise ValueError("config is not an object with a 'store'")
+        activate(config)
+    except Exception as exc:  # noqa: BLE001
+        print(f"tracediff: ignoring {ENV_CONFIG} in pid {os.getpid()}: {exc}", file=sys.stderr)
+
+
+def _setup_logging() -> None:
+    level = os.environ.get("TRACEDIFF_LOG", "WARNING").upper()
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(getattr(logging, level, logging.WARNING))
+
+
+def context_summary() -> dict[str, Any]:
+    """What this process attached (for tests and logs)."""
+    ctx = _context
+    if ctx is None:
+        return {}
+    return {"attached": list(ctx.attached), "failed": ctx.failed}

@@ -1,0 +1,854 @@
+"""The recorder: runs inside someone else's training step or server forward and captures rows.
+
+Path of a captured tensor::
+
+    forward hook ──> Recorder.capture ──> one copy off the forward path ──> bounded queue
+        (host thread: clone on CPU, async copy into a pinned buffer on CUDA; nothing else)
+    writer thread ──> waits for the copy ──> numpy ──> TraceWriter.append (chunks, then commit)
+
+What this module must never do to its host: raise out of a hook, block a forward for longer than
+``block_timeout`` seconds, hold more than ``max_queue_bytes`` of copies, or change a tensor the host
+uses. Any exception inside a hook or the writer is logged once, recording stops (the reason goes
+into the store), and the host goes on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tracediff.errors import StoreExistsError, UsageError
+from tracediff.store import (
+    DEFAULT_CHUNK_ROWS,
+    DEFAULT_COMPRESSOR,
+    LABEL_FIELDS,
+    PHASES,
+    TraceWriter,
+    create_store,
+    default_source,
+    phase_code,
+)
+
+log = logging.getLogger("tracediff")
+
+_TORCH_TO_STORE = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+}
+_LABEL_KEYS = ("seq", "position", "token_id", "next_token_id", "step", "phase", "valid")
+LabelProvider = Callable[..., "Mapping[str, Any] | None"]
+
+
+@dataclass
+class Limits:
+    """Sampling and resource controls; per tap and per process. ``None`` means unlimited."""
+
+    max_rows: int | None = None
+    max_bytes: int | None = None
+    every_n_steps: int = 1
+    first_n_steps: int | None = None
+    phases: frozenset[str] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_rows", "max_bytes", "first_n_steps"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise UsageError(f"limit {name} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.every_n_steps, int) or self.every_n_steps < 1:
+            raise UsageError(f"limit every_n_steps must be an integer >= 1, got {self.every_n_steps!r}")
+        if self.phases is not None:
+            phases = frozenset(str(p).lower() for p in self.phases)
+            unknown = phases - set(PHASES)
+            if unknown:
+                raise UsageError(f"unknown phase(s) {sorted(unknown)}; known phases: {', '.join(PHASES)}")
+            self.phases = phases
+
+    def wants_step(self, step: int) -> bool:
+        if self.first_n_steps is not None and step >= self.first_n_steps:
+            return False
+        return step % self.every_n_steps == 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "max_rows": self.max_rows,
+            "max_bytes": self.max_bytes,
+            "every_n_steps": self.every_n_steps,
+            "first_n_steps": self.first_n_steps,
+            "phases": sorted(self.phases) if self.phases is not None else None,
+        }
+
+
+@dataclass
+class TapState:
+    """One named tap in this process: its declaration and running counts (host-thread side)."""
+
+    name: str
+    segment_size: int | None = None
+    segment_labels: list[str] | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+    calls: int = 0
+    rows_queued: int = 0
+    bytes_queued: int = 0
+    dropped_rows: int = 0
+    dropped_batches: int = 0
+    skipped_rows: int = 0
+    skipped_batches: int = 0
+    width: int | None = None
+    dtype: str | None = None
+    next_seq: int = 0
+    label_generation: int = -1
+    warned: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Batch:
+    tap: str
+    values: torch.Tensor  # host tensor (pinned when copied from a device)
+    labels: dict[str, Any]
+    event: Any  # torch.cuda.Event or None
+    nbytes: int
+    pooled: bool
+
+
+class _PinnedPool:
+    """Reuses pinned host buffers for device-to-host copies (pinning memory is slow)."""
+
+    def __init__(self, max_buffers: int = 8) -> None:
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self._max = max_buffers
+
+    def get(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            bucket = self._free.get((numel, dtype))
+            if bucket:
+                return bucket.pop()
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def put(self, buf: torch.Tensor) -> None:
+        key = (buf.numel(), buf.dtype)
+        with self._lock:
+            bucket = self._free.setdefault(key, [])
+            if len(bucket) < self._max:
+                bucket.append(buf)
+
+
+_active: list[weakref.ReferenceType[Recorder]] = []
+_active_lock = threading.Lock()
+
+
+def active_recorder() -> Recorder | None:
+    """The most recently started recorder of this process that is still open."""
+    with _active_lock:
+        for ref in reversed(_active):
+            rec = ref()
+            if rec is not None and not rec.closed:
+                return rec
+    return None
+
+
+def _close_all_at_exit() -> None:
+    with _active_lock:
+        recs = [ref() for ref in _active]
+    for rec in recs:
+        if rec is not None and not rec.closed:
+            rec.close()
+
+
+def _register_exit_hook() -> None:
+    """Close recorders at interpreter exit *before* thread pools shut down.
+
+    zarr does its I/O on a thread pool; ``concurrent.futures`` refuses new work once the
+    interpreter's threading shutdown has begun, which happens before ``atexit`` callbacks run. So
+    our close goes through ``threading._register_atexit``, registered after the pool's own hook
+    (those run in reverse order). ``atexit`` stays as the fallback for Pythons without it.
+    """
+    import concurrent.futures.thread  # noqa: F401, PLC0415  (its exit hook must be registered first)
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        try:
+            register(_close_all_at_exit)
+            return
+        except RuntimeError:  # already shutting down
+            pass
+    atexit.register(_close_all_at_exit)
+
+
+_register_exit_hook()
+
+
+class Recorder:
+    """Records tapped tensors of this process into a trace store.
+
+    Use as a context manager (``with tracediff.record(path) as rec:``) or call :meth:`close`.
+    ``append=True`` adds this process's groups to an existing store (how `tracediff record -- CMD`
+    children write); otherwise the store is created, refusing an existing path unless ``overwrite``.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        role: str = "",
+        meta: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+        append: bool = False,
+        writer_name: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        limits: Limits | None = None,
+        on_full: str = "drop",
+        block_timeout: float = 10.0,
+        max_queue_bytes: int = 1 << 30,
+        max_queue_batches: int = 64,
+        chunk_rows: int = DEFAULT_CHUNK_ROWS,
+        compressor: str = DEFAULT_COMPRESSOR,
+        durable: bool = False,
+        framework: str = "",
+        framework_version: str = "",
+        adapter: str | None = None,
+        handle_sigterm: bool = True,
+    ) -> None:
+        if on_full not in ("drop", "block"):
+            raise UsageError(f"on_full must be 'drop' or 'block', got {on_full!r}")
+        if max_queue_bytes <= 0 or max_queue_batches <= 0:
+            raise UsageError("max_queue_bytes and max_queue_batches must be positive")
+        self.path = Path(path)
+        self.role = role
+        self.limits = limits or Limits()
+        self.on_full = on_full
+        self.block_timeout = float(block_timeout)
+        self.max_queue_bytes = int(max_queue_bytes)
+        self.chunk_rows = chunk_rows
+        self.compressor = compressor
+        self.durable = durable
+        self.rank = rank
+        self.world_size = world_size
+        self.meta: dict[str, Any] = dict(meta or {})
+        self.source = default_source(role, framework, framework_version)
+        if adapter:
+            self.source["adapter"] = adapter
+        self.enabled = True
+        self.closed = False
+        self.error: str | None = None
+        self._taps: dict[str, TapState] = {}
+        self._handles: list[Any] = []
+        self._writers: dict[str, TraceWriter] = {}
+        self._queue: queue.Queue[_Batch | None] = queue.Queue(maxsize=max_queue_batches)
+        self._queued_bytes = 0
+        self._cond = threading.Condition()
+        self._tls = threading.local()
+        self._label_generation = 0
+        self._explicit_step: int | None = None
+        self._pool = _PinnedPool()
+        self._logged_once: set[str] = set()
+        self._writer_error: str | None = None
+        self._state_lock = threading.Lock()
+
+        if append:
+            if not (self.path / "zarr.json").is_file():
+                raise UsageError(f"{self.path}: append=True needs an existing trace store")
+        else:
+            if self.path.exists() and not overwrite:
+                raise StoreExistsError(f"{self.path}: already exists; pass overwrite=True (--overwrite) to replace it")
+            create_store(self.path, role=role, meta=self.meta, source=self.source, overwrite=overwrite)
+        pid = os.getpid()
+        self.writer_name = writer_name or (f"rank{rank}-pid{pid}" if rank is not None else f"pid{pid}")
+        self._thread = threading.Thread(target=self._writer_loop, name="tracediff-writer", daemon=True)
+        self._thread.start()
+        with _active_lock:
+            _active.append(weakref.ref(self))
+        self._prev_sigterm: Any = None
+        if handle_sigterm:
+            self._install_sigterm()
+
+    # ------------------------------------------------------------------ public API (host thread)
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def declare(
+        self,
+        name: str,
+        *,
+        segment_size: int | None = None,
+        segment_labels: Iterable[str] | None = None,
+        **attrs: Any,
+    ) -> TapState:
+        """Declare a tap (its segment layout and any attributes to store with it)."""
+        if not isinstance(name, str) or not name or "/" in name or name.startswith((".", "_")):
+            raise UsageError(f"invalid tap name {name!r}: use letters, digits, '_' and '-'")
+        if segment_size is not None and (not isinstance(segment_size, int) or segment_size <= 0):
+            raise UsageError(f"tap {name!r}: segment_size must be a positive integer, got {segment_size!r}")
+        state = self._taps.get(name)
+        if state is None:
+            state = TapState(name=name)
+            self._taps[name] = state
+        if segment_size is not None:
+            state.segment_size = segment_size
+        if segment_labels is not None:
+            state.segment_labels = [str(x) for x in segment_labels]
+        state.attrs.update(attrs)
+        return state
+
+    def tap(
+        self,
+        module: torch.nn.Module,
+        name: str = "fc_in",
+        *,
+        capture: str = "input",
+        arg: int | str = 0,
+        segment_size: int | None = None,
+        segment_labels: Iterable[str] | None = None,
+        labels: LabelProvider | None = None,
+        module_path: str | None = None,
+    ) -> TapState:
+        """Hook ``module``: ``capture='input'`` takes its input (positional ``arg`` index or keyword
+        name), ``'output'`` its output (first tensor of a tuple). ``labels`` is an optional provider
+        ``(module, args, kwargs, tensor) -> dict`` of row labels read from the forward's arguments."""
+        if capture not in ("input", "output"):
+            raise UsageError(f"tap {name!r}: capture must be 'input' or 'output', got {capture!r}")
+        if not isinstance(module, torch.nn.Module):
+            raise UsageError(f"tap {name!r}: expected a torch.nn.Module, got {type(module).__name__}")
+        state = self.declare(
+            name,
+            segment_size=segment_size,
+            segment_labels=segment_labels,
+            module=module_path or type(module).__qualname__,
+            module_class=f"{type(module).__module__}.{type(module).__qualname__}",
+            capture=capture,
+        )
+        if isinstance(module, torch.nn.Linear):
+            state.attrs.setdefault("in_features" if capture == "input" else "out_features",
+                                   module.in_features if capture == "input" else module.out_features)
+
+        if capture == "input":
+
+            def pre_hook(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+                if not self.enabled:
+                    return
+                try:
+                    tensor = _pick_input(args, kwargs, arg)
+                    extra = labels(mod, args, kwargs, tensor) if labels is not None else None
+                    self.capture(name, tensor, labels=extra)
+                except Exception as exc:  # noqa: BLE001  (a hook must never raise into the host)
+                    self.fail(f"tap {name!r} input hook", exc)
+
+            self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        else:
+
+            def post_hook(mod: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+                if not self.enabled:
+                    return
+                try:
+                    tensor = _pick_output(output)
+                    extra = labels(mod, args, kwargs, tensor) if labels is not None else None
+                    self.capture(name, tensor, labels=extra)
+                except Exception as exc:  # noqa: BLE001
+                    self.fail(f"tap {name!r} output hook", exc)
+
+            self._handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
+        return state
+
+    def keep_handle(self, handle: Any) -> None:
+        """Keep a hook handle an adapter registered, so that :meth:`close` removes it."""
+        self._handles.append(handle)
+
+    def labels(self, **fields: Any) -> None:
+        """Labels for the next capture of each tap in this thread (sequence keys, positions, token
+        ids, next token ids, phase, step, valid). Arrays must have one entry per row (any shape,
+        flattened) or be scalars, broadcast to every row. Each tap uses them at most once."""
+        unknown = set(fields) - set(_LABEL_KEYS)
+        if unknown:
+            raise UsageError(f"unknown label field(s) {sorted(unknown)}; fields: {', '.join(_LABEL_KEYS)}")
+        if "phase" in fields and isinstance(fields["phase"], str):
+            phase_code(fields["phase"])  # validate now, where the caller can see the error
+        self._label_generation += 1
+        self._tls.labels = (self._label_generation, dict(fields))
+
+    def step(self, step: int | None = None) -> int:
+        """Set (or advance by one) the step number that sampling limits and the ``step`` label use."""
+        if step is None:
+            self._explicit_step = 0 if self._explicit_step is None else self._explicit_step + 1
+        else:
+            self._explicit_step = int(step)
+        return self._explicit_step
+
+    def capture(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        *,
+        labels: Mapping[str, Any] | None = None,
+        fresh: bool = False,
+    ) -> None:
+        """Record ``tensor`` ([..., width]) as rows of tap ``name``. Never raises into the caller.
+
+        ``fresh=True`` says the tensor is a private copy nobody will modify (skips the clone)."""
+        if not self.enabled:
+            return
+        try:
+            self._capture(name, tensor, labels, fresh)
+        except Exception as exc:  # noqa: BLE001
+            self.fail(f"capture of tap {name!r}", exc)
+
+    def stats(self) -> dict[str, Any]:
+        """Counts per tap as seen from the host thread (rows queued, dropped, skipped)."""
+        return {
+            name: {
+                "calls": t.calls,
+                "rows": t.rows_queued,
+                "bytes": t.bytes_queued,
+                "dropped_rows": t.dropped_rows,
+                "dropped_batches": t.dropped_batches,
+                "skipped_rows": t.skipped_rows,
+                "skipped_batches": t.skipped_batches,
+                "width": t.width,
+                "dtype": t.dtype,
+            }
+            for name, t in self._taps.items()
+        }
+
+    def close(self, timeout: float = 120.0) -> None:
+        """Stop capturing, write what is queued, trim and commit every group. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.enabled = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            log.error("tracediff: writer queue stuck at close; %s may miss its last batches", self.path)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("tracediff: writer thread did not finish within %.0fs; %s keeps its committed rows",
+                      timeout, self.path)
+        self._restore_sigterm()
+
+    # ------------------------------------------------------------------ host-thread internals
+    def _capture(self, name: str, tensor: torch.Tensor, labels: Mapping[str, Any] | None, fresh: bool) -> None:
+        state = self._taps.get(name) or self.declare(name)
+        state.calls += 1
+        if not isinstance(tensor, torch.Tensor):
+            self._warn_tap(state, "type", f"tap {name!r}: got {type(tensor).__name__}, not a tensor; skipped")
+            return
+        if tensor.dim() == 0 or tensor.shape[-1] == 0:
+            self._warn_tap(state, "shape", f"tap {name!r}: tensor of shape {tuple(tensor.shape)} has no rows; skipped")
+            return
+        if tensor.dtype not in _TORCH_TO_STORE:
+            self._warn_tap(state, "dtype", f"tap {name!r}: dtype {tensor.dtype} is not a float type; skipped")
+            return
+        if tensor.is_meta:
+            self._warn_tap(state, "meta", f"tap {name!r}: tensor on the meta device holds no data; skipped")
+            return
+        width = int(tensor.shape[-1])
+        dtype = _TORCH_TO_STORE[tensor.dtype]
+        if state.width is None:
+            state.width, state.dtype = width, dtype
+        elif (width, dtype) != (state.width, state.dtype):
+            self._warn_tap(
+                state,
+                f"layout{width}{dtype}",
+                f"tap {name!r}: got width {width} {dtype} after {state.width} {state.dtype}; rows of the new "
+                f"layout are skipped (record them under another tap name)",
+            )
+            return
+        rows = tensor.numel() // width
+        step = self._explicit_step if self._explicit_step is not None else state.calls - 1
+        label_fields = self._resolve_labels(state, tensor, labels, rows, step)
+        phase = label_fields.get("phase")
+        nbytes = rows * width * tensor.element_size()
+
+        if not self.limits.wants_step(step) or not self._wants_phase(phase):
+            state.skipped_rows += rows
+            state.skipped_batches += 1
+            return
+        take = rows
+        if self.limits.max_rows is not None:
+            take = min(take, self.limits.max_rows - state.rows_queued)
+        if self.limits.max_bytes is not None:
+            take = min(take, (self.limits.max_bytes - state.bytes_queued) // (width * tensor.element_size()))
+        if take <= 0:
+            state.skipped_rows += rows
+            state.skipped_batches += 1
+            return
+        if take < rows:
+            state.skipped_rows += rows - take
+            nbytes = take * width * tensor.element_size()
+            label_fields = {k: (v[:take] if isinstance(v, np.ndarray) else v) for k, v in label_fields.items()}
+
+        if not self._reserve(nbytes):
+            state.dropped_rows += take
+            state.dropped_batches += 1
+            return
+        try:
+            flat = tensor.detach().reshape(rows, width)[:take]
+            host, event, pooled = self._copy_off_path(flat, fresh)
+            self._queue.put_nowait(_Batch(name, host, label_fields, event, nbytes, pooled))
+        except queue.Full:  # another host thread filled the last slot first
+            self._release(nbytes)
+            state.dropped_rows += take
+            state.dropped_batches += 1
+            return
+        except BaseException:
+            self._release(nbytes)
+            raise
+        state.rows_queued += take
+        state.bytes_queued += nbytes
+
+    def _wants_phase(self, phase: Any) -> bool:
+        if self.limits.phases is None:
+            return True
+        if phase is None:
+            return "unknown" in self.limits.phases
+        if isinstance(phase, np.ndarray):
+            return any(PHASES[int(c)] in self.limits.phases for c in np.unique(phase))
+        return PHASES[phase_code(phase)] in self.limits.phases
+
+    def _reserve(self, nbytes: int) -> bool:
+        """Account ``nbytes`` against the queue budget; drop or wait (bounded) when it is spent."""
+        deadline = None
+        with self._cond:
+            while True:
+                fits = self._queued_bytes + nbytes <= self.max_queue_bytes or self._queued_bytes == 0
+                if fits and not self._queue.full():
+                    self._queued_bytes += nbytes
+                    return True
+                if self.on_full == "drop" or not self.enabled:
+                    return False
+                now = time.monotonic()
+                deadline = deadline or now + self.block_timeout
+                if now >= deadline:
+                    self._log_once("block-timeout", "tracediff: writer behind for %.1fs; dropping a batch", self.block_timeout)
+                    return False
+                self._cond.wait(deadline - now)
+
+    def _release(self, nbytes: int) -> None:
+        with self._cond:
+            self._queued_bytes -= nbytes
+            self._cond.notify_all()
+
+    def _copy_off_path(self, flat: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, Any, bool]:
+        """The one copy on the forward path: async into pinned memory for CUDA, a clone on CPU."""
+        if flat.device.type == "cuda":
+            buf = self._pool.get(flat.numel(), flat.dtype).view(flat.shape)
+            buf.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(flat.device))
+            return buf, event, True
+        if flat.device.type != "cpu":
+            return flat.to("cpu"), None, False
+        if fresh and flat.is_contiguous():
+            return flat, None, False
+        return flat.clone(memory_format=torch.contiguous_format), None, False
+
+    def _resolve_labels(
+        self,
+        state: TapState,
+        tensor: torch.Tensor,
+        provided: Mapping[str, Any] | None,
+        rows: int,
+        step: int,
+    ) -> dict[str, Any]:
+        """Labels for this batch: the provider's, else this thread's ``labels()`` (once per tap),
+        else defaults (one sequence per leading index, positions 0..T-1). Arrays are flattened to
+        ``rows`` entries; host copies only (label tensors are small)."""
+        fields: dict[str, Any] = {}
+        pending = getattr(self._tls, "labels", None)
+        if pending is not None and pending[0] != state.label_generation:
+            generation, values = pending
+            if _labels_fit(values, rows):
+                state.label_generation = generation
+                fields.update(values)
+            else:
+                self._warn_tap(
+                    state,
+                    "labels-size",
+                    f"tap {state.name!r}: labels given for {_label_rows(values)} rows but the tensor has {rows}; "
+                    f"using default labels",
+                )
+        if provided:
+            if _labels_fit(provided, rows):
+                fields.update({k: v for k, v in provided.items() if v is not None})
+            else:
+                self._warn_tap(state, "provider-size", f"tap {state.name!r}: label provider gave the wrong row count")
+        out: dict[str, Any] = {}
+        for key, value in fields.items():
+            if key not in _LABEL_KEYS or value is None:
+                continue
+            out[key] = _label_array(key, value, rows)
+        if "seq" not in out or "position" not in out:
+            lead = tensor.shape[0] if tensor.dim() >= 3 else 1
+            per = rows // max(lead, 1)
+            if "seq" not in out:
+                out["seq"] = np.repeat(np.arange(state.next_seq, state.next_seq + lead, dtype=np.int64), per)
+                state.next_seq += lead
+            if "position" not in out:
+                out["position"] = np.tile(np.arange(per, dtype=np.int64), lead)
+        out.setdefault("step", np.int64(step))
+        return out
+
+    def _warn_tap(self, state: TapState, key: str, message: str) -> None:
+        if key not in state.warned:
+            state.warned.add(key)
+            log.warning("tracediff: %s", message)
+
+    def _log_once(self, key: str, fmt: str, *args: Any) -> None:
+        if key not in self._logged_once:
+            self._logged_once.add(key)
+            log.warning(fmt, *args)
+
+    def fail(self, where: str, exc: BaseException) -> None:
+        """Disable recording for good, log once, keep the reason for the store (adapters call it
+        from their own hooks)."""
+        self.enabled = False
+        if self.error is None:
+            self.error = f"{where}: {type(exc).__name__}: {exc}"
+            log.error("tracediff: recording disabled after an error in %s: %s: %s (the host goes on)",
+                      where, type(exc).__name__, exc)
+
+    # ------------------------------------------------------------------ writer thread
+    def _writer_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            try:
+                if self._writer_error is None:
+                    self._write(item)
+                else:
+                    self._count_drop(item)
+            except Exception as exc:  # noqa: BLE001
+                self._writer_error = f"{type(exc).__name__}: {exc}"
+                self.fail("writer", exc)
+                self._count_drop(item)
+            finally:
+                if item.pooled:
+                    self._pool.put(item.values.reshape(-1))
+                self._release(item.nbytes)
+        self._finish()
+
+    def _writer_for(self, item: _Batch) -> TraceWriter:
+        writer = self._writers.get(item.tap)
+        if writer is None:
+            state = self._taps[item.tap]
+            assert state.width is not None and state.dtype is not None
+            writer = self._open_writer(state)
+        return writer
+
+    def _open_writer(self, state: TapState) -> TraceWriter:
+        attrs = dict(state.attrs)
+        attrs.update(
+            {
+                "segment_size": state.segment_size,
+                "segment_labels": state.segment_labels,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "source": self.source,
+                "meta": self.meta,
+                "limits": self.limits.as_dict(),
+                "phases": list(PHASES),
+            }
+        )
+        writer = TraceWriter(
+            self.path,
+            state.name,
+            self.writer_name,
+            width=int(state.width or 0),
+            dtype=str(state.dtype),
+            attrs=attrs,
+            chunk_rows=self.chunk_rows,
+            compressor=self.compressor,
+            durable=self.durable,
+        )
+        self._writers[state.name] = writer
+        return writer
+
+    def _write(self, item: _Batch) -> None:
+        if item.event is not None:
+            item.event.synchronize()
+        values = item.values
+        if values.dtype == torch.bfloat16:
+            array = values.view(torch.int16).numpy().view(np.uint16)
+        else:
+            array = values.numpy()
+        writer = self._writer_for(item)
+        labels = dict(item.labels)
+        seq = labels.get("seq")
+        if seq is not None and np.asarray(seq).dtype.kind in "OUS":
+            labels["seq"] = np.array([writer.seq_id(k) for k in np.asarray(seq).reshape(-1)], dtype=np.int64)
+        rows = array.shape[0]
+        labels = {k: (np.broadcast_to(np.asarray(v), (rows,)) if np.ndim(v) == 0 else v) for k, v in labels.items()}
+        self._sync_counts(writer, item.tap)
+        writer.append(array, labels)
+
+    def _sync_counts(self, writer: TraceWriter, tap: str) -> None:
+        state = self._taps[tap]
+        writer.counts.dropped_rows = state.dropped_rows
+        writer.counts.dropped_batches = state.dropped_batches
+        writer.counts.skipped_rows = state.skipped_rows
+        writer.counts.skipped_batches = state.skipped_batches
+
+    def _count_drop(self, item: _Batch) -> None:
+        state = self._taps.get(item.tap)
+        if state is not None:
+            state.dropped_rows += int(item.values.shape[0])
+            state.dropped_batches += 1
+
+    def _finish(self) -> None:
+        """Final commit of every group, with drop counts; taps that only dropped still get a group."""
+        for name, state in self._taps.items():
+            if name in self._writers or state.width is None:
+                continue
+            if state.dropped_rows or state.skipped_rows:
+                try:
+                    self._open_writer(state)
+                except Exception as exc:  # noqa: BLE001
+                    log.error("tracediff: cannot record the drop counts of tap %r: %s", name, exc)
+        for name, writer in self._writers.items():
+            try:
+                self._sync_counts(writer, name)
+                status = "failed" if self.error else "closed"
+                writer.close(status=status, error=self.error or "")
+            except Exception as exc:  # noqa: BLE001
+                log.error("tracediff: final commit of %s/%s failed: %s (committed rows stay readable)",
+                          self.path, name, exc)
+
+    # ------------------------------------------------------------------ SIGTERM
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            prev = signal.getsignal(signal.SIGTERM)
+            if prev is None:
+                return  # installed from C; leave it alone
+            self._prev_sigterm = prev
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        except (ValueError, OSError):
+            self._prev_sigterm = None
+
+    def _restore_sigterm(self) -> None:
+        if self._prev_sigterm is None or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, self._prev_sigterm)
+        except (ValueError, OSError):
+            pass
+        self._prev_sigterm = None
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        prev = self._prev_sigterm
+        self.close(timeout=30.0)
+        if callable(prev):
+            prev(signum, frame)
+        elif prev == signal.SIG_IGN:
+            return
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+# ---------------------------------------------------------------------- small pure helpers
+def _pick_input(args: tuple, kwargs: dict, arg: int | str) -> Any:
+    if isinstance(arg, int) and arg < len(args):
+        return args[arg]
+    if isinstance(arg, str) and arg in kwargs:
+        return kwargs[arg]
+    if isinstance(arg, int) and not args:
+        # Called with keywords only: take the first tensor keyword (Linear's is `input`).
+        for value in kwargs.values():
+            if isinstance(value, torch.Tensor):
+                return value
+    raise UsageError(f"input {arg!r} not found among {len(args)} positional and {sorted(kwargs)} keyword arguments")
+
+
+def _pick_output(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    if isinstance(output, Mapping):
+        for value in output.values():
+            if isinstance(value, torch.Tensor):
+                return value
+    raise UsageError(f"module output of type {type(output).__name__} holds no tensor to capture")
+
+
+def _label_rows(values: Mapping[str, Any]) -> int | None:
+    for value in values.values():
+        n = _numel(value)
+        if n is not None and n != 1:
+            return n
+    return None
+
+
+def _labels_fit(values: Mapping[str, Any], rows: int) -> bool:
+    for value in values.values():
+        n = _numel(value)
+        if n is not None and n not in (1, rows):
+            return False
+    return True
+
+
+def _numel(value: Any) -> int | None:
+    if value is None or isinstance(value, (str, bytes, int, float, np.generic)):
+        return None
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    return int(np.asarray(value).size)
+
+
+def _label_array(key: str, value: Any, rows: int) -> Any:
+    """One label field as a flat host numpy array of ``rows`` entries (or a numpy scalar)."""
+    if key == "phase":
+        if isinstance(value, (str, int, np.integer)):
+            return np.int8(phase_code(value))
+        arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+        arr = arr.reshape(-1)
+        if arr.dtype.kind in "OUS":
+            return np.array([phase_code(str(x)) for x in arr], dtype=np.int8)
+        return arr.astype(np.int8)
+    if isinstance(value, torch.Tensor):
+        arr = value.detach().to("cpu").numpy().reshape(-1)
+    elif isinstance(value, (str, bytes)):
+        return np.array([value] * rows, dtype=object) if key == "seq" else _bad_label(key, value)
+    elif np.isscalar(value):
+        return np.asarray(value).astype(np.bool_ if key == "valid" else np.int64)
+    else:
+        arr = np.asarray(value).reshape(-1)
+    if arr.size == 1 and rows != 1:
+        arr = np.repeat(arr, rows)
+    if key == "seq" and arr.dtype.kind in "OUS":
+        return arr.astype(object)
+    if key == "valid":
+        return arr.astype(np.bool_)
+    return arr.astype(np.int64)
+
+
+def _bad_label(key: str, value: Any) -> Any:
+    raise UsageError(f"label {key!r} must be numeric, got {value!r}")
+
+
+__all__ = ["LABEL_FIELDS", "Limits", "Recorder", "TapState", "active_recorder"]

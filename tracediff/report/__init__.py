@@ -1,0 +1,1 @@
+"""Renderers of a compare report: they format findings, they never compute."""
