@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,6 +129,8 @@ def record(
     command = tuple(c for c in command if c != "--") if command[:1] == ("--",) else command
     if not command:
         raise UsageError("no command to run after --")
+    if shutil.which(command[0]) is None:  # checked before the store exists: nothing is left behind
+        raise UsageError(f"cannot run {command[0]!r}: no such command (check its name, path and the PATH)")
 
     config = {
         "store": str(output.resolve()),
@@ -154,7 +157,11 @@ def record(
     hooks_dir = _hooks_dir()
     env["PYTHONPATH"] = os.pathsep.join([hooks_dir, *filter(None, [env.get("PYTHONPATH")])])
     env["TRACEDIFF_CONFIG"] = json.dumps(config)
-    returncode = _run_forwarding_signals(list(command), env)
+    try:
+        returncode = _run_forwarding_signals(list(command), env)
+    except UsageError:
+        shutil.rmtree(output, ignore_errors=True)  # the command never started: leave no empty store
+        raise
 
     store = open_store(output)
     try:
@@ -212,6 +219,81 @@ def _record_summary(desc: dict[str, Any], returncode: int) -> str:
                 f"{w['batches']} batches, dropped {w['dropped_rows']}, skipped {w['skipped_rows']}, {w['status']}"
             )
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- compare
+@main.command()
+@click.argument("reference", type=click.Path(path_type=Path))
+@click.argument("candidate", type=click.Path(path_type=Path))
+@click.option("--tap", help="Tap to compare on both sides (default: the common tap, fc_in first).")
+@click.option("--ref-tap", help="Tap of the reference, when the names differ.")
+@click.option("--cand-tap", help="Tap of the candidate, when the names differ.")
+@click.option("--segment-size", type=int, help="Width of one segment (hidden size); default from the stores.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the JSON report here.")
+@click.option("--markdown", "markdown_path", type=click.Path(path_type=Path), help="Write a Markdown report here.")
+@click.option("--html", "html_path", type=click.Path(path_type=Path), help="Write a self-contained HTML report here.")
+@click.option("--fail-on", type=click.Choice(["error", "warning"]), default="error", show_default=True,
+              help="Exit 1 on error findings only, or on warnings too (strict CI).")
+@click.option("--bank", type=click.Path(path_type=Path), help="A bank recorded with --adapter hf: name each segment's layer.")
+@click.option("--sample-rows", type=int, default=2048, show_default=True, help="Rows sampled to plan the comparison.")
+@click.option("--quiet", "-q", is_flag=True, help="Print only the verdict line.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when it is a terminal).")
+def compare(
+    reference: Path,
+    candidate: Path,
+    tap: str | None,
+    ref_tap: str | None,
+    cand_tap: str | None,
+    segment_size: int | None,
+    json_path: Path | None,
+    markdown_path: Path | None,
+    html_path: Path | None,
+    fail_on: str,
+    bank: Path | None,
+    sample_rows: int,
+    quiet: bool,
+    progress: bool | None,
+) -> None:
+    """Compare REFERENCE (what the draft learned, e.g. train.zarr) with CANDIDATE (e.g. server.zarr).
+
+    Exit code: 0 match, 1 mismatch, 2 usage or input error.
+    """
+    from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
+    from tracediff.report import render_text, write_report  # noqa: PLC0415
+
+    if sample_rows <= 0:
+        raise UsageError(f"--sample-rows must be positive, got {sample_rows}")
+    for out in (json_path, markdown_path, html_path):
+        if out is not None and not out.parent.resolve().is_dir():
+            raise UsageError(f"{out}: its folder does not exist")
+    show = sys.stderr.isatty() if progress is None else progress
+    bar: Any = None
+
+    def total(n: int) -> None:
+        nonlocal bar
+        if show and n:
+            bar = click.progressbar(length=n, label="comparing rows", file=sys.stderr)
+            bar.__enter__()
+
+    def step(n: int) -> None:
+        if bar is not None:
+            bar.update(n)
+
+    opts = CompareOptions(tap=tap, reference_tap=ref_tap, candidate_tap=cand_tap, segment_size=segment_size,
+                          sample_rows=sample_rows, progress=step, progress_total=total,
+                          bank=str(bank) if bank else None)
+    try:
+        report = compare_stores(reference, candidate, opts)
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    write_report(report, json_path=json_path, markdown_path=markdown_path, html_path=html_path)
+    if quiet:
+        counts = report.counts()
+        click.echo(f"{report.verdict}: {counts['error']} errors, {counts['warning']} warnings")
+    else:
+        click.echo(render_text(report, color=sys.stdout.isatty()))
+    sys.exit(report.exit_code(fail_on))
 
 
 # ---------------------------------------------------------------------------------- inspect

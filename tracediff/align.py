@@ -1,0 +1,329 @@
+"""Row alignment: which candidate row holds the same token of the same sequence as which reference row.
+
+Works on labels only (the row index), never on values, except :func:`pair_rows` taking the label
+offset that the value-based offset search chose. Sequences are matched by their token content (n-gram
+votes), never by request ids: an engine's request ids have nothing to do with a trainer's sample ids,
+a chat template can prepend tokens, a server can truncate, rows arrive in engine order, and some rows
+(rejected drafts, generated tokens, DRAFT_EXTEND padding) have no counterpart at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tracediff.errors import CompareError
+from tracediff.store import TraceStore, TraceStream
+
+_NGRAM = 4
+_MAX_HASH_REPEAT = 64  # an n-gram seen more often than this in the reference (padding...) casts no vote
+_MAX_ALIGNMENTS = 4  # alternative (reference sequence, delta) hypotheses kept per candidate sequence
+
+
+@dataclass
+class RowIndex:
+    """Labels of every committed row of one tap, across its writer groups (one entry per row)."""
+
+    store: TraceStore
+    tap: str
+    streams: list[TraceStream]
+    stream: np.ndarray  # int32: which stream
+    row: np.ndarray  # int64: row within that stream
+    group: np.ndarray  # int64: sequence group (stream, seq) -> dense id
+    seq: np.ndarray
+    position: np.ndarray
+    token_id: np.ndarray
+    next_token_id: np.ndarray
+    phase: np.ndarray
+    valid: np.ndarray
+    group_keys: list[str]
+
+    @classmethod
+    def load(cls, store: TraceStore, tap: str) -> RowIndex:
+        streams = store.tap_streams(tap)
+        cols: dict[str, list[np.ndarray]] = {k: [] for k in ("seq", "position", "token_id", "next_token_id", "phase", "valid")}
+        stream_ids, rows = [], []
+        for i, s in enumerate(streams):
+            labels = s.labels(tuple(cols))
+            for k in cols:
+                cols[k].append(labels[k])
+            stream_ids.append(np.full(s.rows, i, dtype=np.int32))
+            rows.append(np.arange(s.rows, dtype=np.int64))
+        cat = {k: (np.concatenate(v) if v else np.empty(0, dtype=np.int64)) for k, v in cols.items()}
+        stream = np.concatenate(stream_ids) if stream_ids else np.empty(0, dtype=np.int32)
+        # Sequence ids are per writer process: (stream, seq) is the key of a sequence.
+        combined = stream.astype(np.int64) * (1 << 40) + (cat["seq"].astype(np.int64) & ((1 << 40) - 1))
+        uniq, group = np.unique(combined, return_inverse=True)
+        keys = []
+        for u in uniq:
+            s_idx, seq = int(u >> 40), int(u & ((1 << 40) - 1))
+            if seq >= (1 << 39):
+                seq -= 1 << 40
+            name = streams[s_idx].seq_names.get(seq, str(seq))
+            keys.append(name if len(streams) == 1 else f"{streams[s_idx].writer}:{name}")
+        return cls(
+            store=store,
+            tap=tap,
+            streams=streams,
+            stream=stream,
+            row=np.concatenate(rows) if rows else np.empty(0, dtype=np.int64),
+            group=group.astype(np.int64),
+            seq=cat["seq"],
+            position=cat["position"],
+            token_id=cat["token_id"],
+            next_token_id=cat["next_token_id"],
+            phase=cat["phase"].astype(np.int8),
+            valid=cat["valid"].astype(bool),
+            group_keys=keys,
+        )
+
+    def __len__(self) -> int:
+        return int(self.stream.shape[0])
+
+    @property
+    def has_tokens(self) -> bool:
+        return bool((self.token_id[self.valid] >= 0).any())
+
+
+@dataclass
+class _Group:
+    """One sequence: its rows ordered by position, one row per position (the first valid one)."""
+
+    key: int
+    positions: np.ndarray
+    tokens: np.ndarray
+    rows: np.ndarray  # index into the RowIndex
+    duplicates: int
+
+
+def _groups(index: RowIndex) -> list[_Group]:
+    valid = np.flatnonzero(index.valid)
+    order = valid[np.lexsort((valid, index.position[valid], index.group[valid]))]
+    groups: list[_Group] = []
+    if order.size == 0:
+        return groups
+    g = index.group[order]
+    bounds = np.flatnonzero(np.diff(g)) + 1
+    for chunk in np.split(order, bounds):
+        pos = index.position[chunk]
+        keep = np.ones(chunk.size, dtype=bool)
+        keep[1:] = pos[1:] != pos[:-1]
+        rows = chunk[keep]
+        groups.append(
+            _Group(
+                key=int(index.group[chunk[0]]),
+                positions=index.position[rows],
+                tokens=index.token_id[rows],
+                rows=rows,
+                duplicates=int(chunk.size - rows.size),
+            )
+        )
+    return groups
+
+
+def _ngram_hashes(tokens: np.ndarray, positions: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Hashes of every window of n consecutive positions with known tokens; and each window's start."""
+    if tokens.size < n:
+        return np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.int64)
+    count = tokens.size - n + 1
+    h = np.zeros(count, dtype=np.uint64)
+    ok = np.ones(count, dtype=bool)
+    mult = np.uint64(1_000_003)
+    with np.errstate(over="ignore"):
+        for k in range(n):
+            t = tokens[k : k + count]
+            ok &= t >= 0
+            h = h * mult + (t.astype(np.uint64) + np.uint64(1))
+    ok &= (positions[n - 1 :] - positions[: count]) == n - 1
+    return h[ok], positions[:count][ok]
+
+
+@dataclass
+class SequenceAlignment:
+    """Candidate sequence -> ranked hypotheses (reference group, position delta, votes)."""
+
+    candidate_group: int
+    hypotheses: list[tuple[int, int, int]]  # (reference group key, delta = cand_pos - ref_pos, votes)
+
+    @property
+    def best(self) -> tuple[int, int, int] | None:
+        return self.hypotheses[0] if self.hypotheses else None
+
+
+@dataclass
+class Alignment:
+    """All sequence alignments plus what the rows looked like."""
+
+    reference: RowIndex
+    candidate: RowIndex
+    sequences: list[SequenceAlignment]
+    by_tokens: bool
+    notes: list[str] = field(default_factory=list)
+    candidate_duplicates: int = 0
+    _ref_groups: dict[int, _Group] = field(default_factory=dict, repr=False)
+    _cand_groups: dict[int, _Group] = field(default_factory=dict, repr=False)
+
+    @property
+    def aligned_sequences(self) -> int:
+        return sum(1 for s in self.sequences if s.hypotheses)
+
+    def delta_histogram(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for s in self.sequences:
+            if s.best is not None:
+                out[s.best[1]] = out.get(s.best[1], 0) + 1
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = _NGRAM) -> Alignment:
+    """Match each candidate sequence to reference sequences by token n-gram votes."""
+    ref_groups = {g.key: g for g in _groups(reference)}
+    cand_groups = {g.key: g for g in _groups(candidate)}
+    duplicates = sum(g.duplicates for g in cand_groups.values())
+    if not ref_groups:
+        raise CompareError(f"{reference.store.path}: tap {reference.tap!r} has no valid rows to compare against")
+    if not cand_groups:
+        raise CompareError(f"{candidate.store.path}: tap {candidate.tap!r} has no valid rows to compare")
+    if not (reference.has_tokens and candidate.has_tokens):
+        return _align_by_labels(reference, candidate, ref_groups, cand_groups, duplicates)
+
+    tables: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def table(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Reference n-grams sorted by hash: (hash, owner group, start position)."""
+        if n not in tables:
+            hashes, owners, starts = [], [], []
+            for rg in ref_groups.values():
+                h, p = _ngram_hashes(rg.tokens, rg.positions, n)
+                hashes.append(h)
+                starts.append(p)
+                owners.append(np.full(h.size, rg.key, dtype=np.int64))
+            ref_h = np.concatenate(hashes)
+            order = np.argsort(ref_h, kind="stable")
+            tables[n] = (ref_h[order], np.concatenate(owners)[order], np.concatenate(starts)[order])
+        return tables[n]
+
+    sequences = []
+    for g in cand_groups.values():
+        votes: dict[tuple[int, int], int] = {}
+        n = min(ngram, int(g.tokens.size))
+        h, p = _ngram_hashes(g.tokens, g.positions, n)
+        if h.size:
+            ref_h, ref_owner, ref_start = table(n)
+            lo = np.searchsorted(ref_h, h, side="left")
+            hi = np.searchsorted(ref_h, h, side="right")
+            for i in np.flatnonzero((hi > lo) & (hi - lo <= _MAX_HASH_REPEAT)):
+                for j in range(lo[i], hi[i]):
+                    key = (int(ref_owner[j]), int(p[i] - ref_start[j]))
+                    votes[key] = votes.get(key, 0) + 1
+        ranked = sorted(votes.items(), key=lambda kv: (-kv[1], abs(kv[0][1]), kv[0][0]))
+        hyps = [(k[0], k[1], v) for k, v in ranked[:_MAX_ALIGNMENTS]]
+        if hyps:
+            top = hyps[0][2]
+            hyps = [h for h in hyps if h[2] * 10 >= top or h[2] >= 8]
+        sequences.append(SequenceAlignment(g.key, hyps))
+    return Alignment(reference, candidate, sequences, True, [], duplicates, ref_groups, cand_groups)
+
+
+def _align_by_labels(
+    reference: RowIndex,
+    candidate: RowIndex,
+    ref_groups: dict[int, _Group],
+    cand_groups: dict[int, _Group],
+    duplicates: int,
+) -> Alignment:
+    """Without token ids, fall back to equal sequence keys (or one sequence each) and positions."""
+    side = "reference" if not reference.has_tokens else "candidate"
+    notes = [f"the {side} rows carry no token ids: rows are aligned by sequence key and position, "
+             f"which is only right if both runs used the same sequence keys; record token ids to align by content"]
+    by_key = {reference.group_keys[k].split(":")[-1]: k for k in ref_groups}
+    sequences = []
+    for g in cand_groups.values():
+        key = candidate.group_keys[g.key].split(":")[-1]
+        if key in by_key:
+            sequences.append(SequenceAlignment(g.key, [(by_key[key], 0, int(g.rows.size))]))
+        elif len(ref_groups) == 1 and len(cand_groups) == 1:
+            sequences.append(SequenceAlignment(g.key, [(next(iter(ref_groups)), 0, int(g.rows.size))]))
+        else:
+            sequences.append(SequenceAlignment(g.key, []))
+    return Alignment(reference, candidate, sequences, False, notes, duplicates, ref_groups, cand_groups)
+
+
+@dataclass
+class RowPairs:
+    """Candidate row i <-> reference row j, both as indices into their RowIndex."""
+
+    candidate: np.ndarray
+    reference: np.ndarray
+    offset: int
+    unaligned: int  # valid candidate rows without a counterpart
+    duplicates: int  # candidate rows whose reference row was already paired
+    prefix_rows: dict[int, np.ndarray]  # candidate group -> rows before the aligned region (extra tokens)
+    effective_delta: dict[int, int]  # candidate group -> delta after the offset
+
+    def __len__(self) -> int:
+        return int(self.candidate.size)
+
+
+def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[int] | None = None) -> RowPairs:
+    """Pair rows under the alignment: candidate position p <-> reference position p - delta + offset.
+
+    ``offset`` is the label offset: 0 when rows are labelled with the token whose forward produced
+    them; the offset search tries -2..2. A hypothesis is used for a row only if the row's token agrees
+    with the reference token at p - delta (rows without a token take the best hypothesis).
+    """
+    cand_out, ref_out = [], []
+    unaligned = 0
+    prefix_rows: dict[int, np.ndarray] = {}
+    effective: dict[int, int] = {}
+    wanted = set(candidate_groups) if candidate_groups is not None else None
+    for seq in alignment.sequences:
+        if wanted is not None and seq.candidate_group not in wanted:
+            continue
+        g = alignment._cand_groups[seq.candidate_group]
+        if not seq.hypotheses:
+            unaligned += g.rows.size
+            continue
+        taken = np.zeros(g.rows.size, dtype=bool)
+        for h_i, (ref_key, delta, _votes) in enumerate(seq.hypotheses):
+            rg = alignment._ref_groups[ref_key]
+            free = ~taken
+            # Token consistency under this hypothesis (label positions, before the offset).
+            tok_pos = g.positions - delta
+            idx = np.searchsorted(rg.positions, tok_pos)
+            idx_c = np.clip(idx, 0, max(rg.positions.size - 1, 0))
+            at = (idx < rg.positions.size) & (rg.positions[idx_c] == tok_pos)
+            agree = at & (rg.tokens[idx_c] == g.tokens)
+            unknown = g.tokens < 0
+            ok = free & (agree | (unknown & (h_i == 0)) if alignment.by_tokens else free)
+            # The value pairing: shift by the label offset.
+            val_pos = g.positions - delta + offset
+            vidx = np.searchsorted(rg.positions, val_pos)
+            vidx_c = np.clip(vidx, 0, max(rg.positions.size - 1, 0))
+            vat = (vidx < rg.positions.size) & (rg.positions[vidx_c] == val_pos)
+            use = ok & vat
+            cand_out.append(g.rows[use])
+            ref_out.append(rg.rows[vidx_c[use]])
+            taken |= use
+            if h_i == 0:
+                effective[seq.candidate_group] = delta - offset
+                eff = delta - offset
+                before = g.positions < rg.positions[0] + eff if eff > 0 else np.zeros(g.rows.size, dtype=bool)
+                extra = before & ~use
+                if extra.any():
+                    prefix_rows[seq.candidate_group] = g.rows[extra]
+        unaligned += int((~taken).sum())
+    cand = np.concatenate(cand_out) if cand_out else np.empty(0, dtype=np.int64)
+    ref = np.concatenate(ref_out) if ref_out else np.empty(0, dtype=np.int64)
+    # One candidate row per reference row (TP ranks and retries record the same row twice).
+    order = np.lexsort((cand, ref))
+    cand, ref = cand[order], ref[order]
+    first = np.ones(ref.size, dtype=bool)
+    first[1:] = ref[1:] != ref[:-1]
+    duplicates = int((~first).sum()) + alignment.candidate_duplicates
+    cand, ref = cand[first], ref[first]
+    # Candidate storage order makes the streaming pass read the candidate sequentially.
+    order = np.lexsort((alignment.candidate.row[cand], alignment.candidate.stream[cand]))
+    return RowPairs(cand[order], ref[order], offset, unaligned, duplicates, prefix_rows, effective)

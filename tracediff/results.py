@@ -1,0 +1,193 @@
+"""Results of a compare: plain dataclasses with a stable, versioned JSON form.
+
+Renderers (``tracediff.report``) read these objects and format them; they never compute. The JSON
+schema is documented in ``docs/report-schema.md``; bump ``REPORT_SCHEMA_VERSION`` on any change that
+is not a pure addition.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+REPORT_SCHEMA_VERSION = 1
+
+FINDING_KINDS: tuple[str, ...] = (
+    "shape",
+    "dtype",
+    "segment_order",
+    "segment_missing",
+    "segment_extra",
+    "segment_duplicate",
+    "segment_scale",
+    "segment_value",
+    "token_offset",
+    "position_offset",
+    "sequence_prefix",
+    "sequence_mismatch",
+    "coverage",
+    "nonfinite",
+    "config",
+    "precision",
+)
+SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
+
+
+@dataclass
+class Finding:
+    """One thing a person should know: what kind, how bad, one actionable sentence, the numbers."""
+
+    kind: str
+    severity: str
+    message: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in FINDING_KINDS:
+            raise ValueError(f"unknown finding kind {self.kind!r}")
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"unknown severity {self.severity!r}")
+
+
+@dataclass
+class Side:
+    """One of the two traces as compare saw it."""
+
+    path: str
+    tap: str
+    role: str
+    rows: int
+    valid_rows: int
+    writers: list[str]
+    width: int
+    dtype: str
+    segment_size: int
+    segments: int
+    segment_labels: list[str]
+    sequences: int
+    meta: dict[str, Any]
+    aux_layer_config: dict[str, Any]
+
+
+@dataclass
+class RowRef:
+    """A row named the way a person finds it again: sequence key, position, token."""
+
+    seq: str
+    position: int
+    token_id: int
+
+
+@dataclass
+class SegmentMatch:
+    """Where one candidate segment comes from: the reference segment it matches, or None."""
+
+    candidate: int
+    reference: int | None
+    status: str  # same | moved | related | duplicate | extra
+    cosine: float | None  # mean cosine with that reference segment on the plan sample
+    runner_up: int | None
+    runner_up_cosine: float | None
+    candidate_label: str
+    reference_label: str | None
+    bank_layer: str | None = None  # filled when compare ran with --bank
+
+
+@dataclass
+class SegmentMetrics:
+    """Numbers of one matched (candidate, reference) segment pair over every aligned row."""
+
+    candidate: int
+    reference: int
+    rows: int
+    cos_mean: float
+    cos_p1: float
+    cos_min: float
+    norm_ratio_mean: float
+    norm_ratio_p1: float
+    norm_ratio_p50: float
+    norm_ratio_p99: float
+    rel_l2: float
+    rel_diff_mean: float
+    rel_diff_max: float
+    max_abs_diff: float
+    max_abs_diff_row: RowRef | None
+    nonfinite_candidate: int
+    nonfinite_reference: int
+    worst_rows: list[dict[str, Any]]
+    cos_by_position: list[list[float]]  # [[position bucket start, mean cosine, rows], ...]
+    norm_ratio_hist: dict[str, list[float]]  # {"edges": [...], "counts": [...]} on log2 scale
+
+
+@dataclass
+class Plan:
+    """What compare decided from metadata and a sample, before the streaming pass."""
+
+    tap_reference: str
+    tap_candidate: str
+    segment_size: int
+    segment_size_source: str  # meta | option | inferred
+    sequences_reference: int
+    sequences_candidate: int
+    sequences_aligned: int
+    sequence_deltas: dict[str, int]  # position delta (candidate - reference) -> sequences
+    label_offset: int
+    offset_scores: dict[str, float]  # offset -> similarity score on the sample
+    pairs: int
+    candidate_rows_unaligned: int
+    candidate_rows_duplicate: int
+    candidate_rows_invalid: int
+    reference_rows_uncovered: int
+    sample_rows: int
+    noise_floor: float  # expected 1 - cosine from storage precision alone
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    """Everything compare found; ``to_json`` is the CI contract."""
+
+    reference: Side
+    candidate: Side
+    plan: Plan
+    segment_map: list[SegmentMatch]
+    matrix: list[list[float]]  # [candidate segment][reference segment] mean cosine
+    metrics: list[SegmentMetrics]
+    findings: list[Finding]
+    config_diff: list[dict[str, Any]]
+    tracediff_version: str
+    schema_version: int = REPORT_SCHEMA_VERSION
+
+    @property
+    def verdict(self) -> str:
+        return "mismatch" if any(f.severity == "error" for f in self.findings) else "match"
+
+    def exit_code(self, fail_on: str = "error") -> int:
+        """0 match, 1 mismatch; ``fail_on='warning'`` also fails on warnings (strict CI)."""
+        levels = ("error",) if fail_on == "error" else ("error", "warning")
+        return 1 if any(f.severity in levels for f in self.findings) else 0
+
+    def counts(self) -> dict[str, int]:
+        return {s: sum(1 for f in self.findings if f.severity == s) for s in SEVERITIES}
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["verdict"] = self.verdict
+        out["counts"] = self.counts()
+        return _finite(out)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False, allow_nan=False)
+
+
+def _finite(obj: Any) -> Any:
+    """JSON has no NaN/Infinity: write them as null (documented in the schema)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj

@@ -1,0 +1,244 @@
+"""Segments: split rows into their K hidden-state slots and decide which slot matches which.
+
+Decisions are made by ranking and margin, never by one fixed cosine threshold: adjacent layers of a
+real model have cosine 0.6-0.95 with each other, and hidden states share a large common direction,
+so raw cosines between *unrelated* rows are high too. We therefore decide on centred cosines (each
+segment minus its mean over the sample rows) and compare a pair's distance ``d = 1 - cos`` with
+
+* the storage noise floor (what rounding both dtypes alone would cost), and
+* the runner-up: the next-best reference segment, or the same segment on mismatched rows.
+
+Pure numpy/torch on in-memory samples; no I/O here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# A pair whose distance is below this fraction of its runner-up's is the same tensor up to numerics;
+# below the second fraction, the same source transformed (scaled, normalised, other context).
+NEAR_FRACTION = 0.02
+RELATED_FRACTION = 0.35
+# Rounding noise is a floor, not a tolerance: kernels and accumulation order add more. Distances
+# within this factor of the floor count as exact.
+EXACT_FACTOR = 50.0
+
+MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23, "float64": 52}
+
+
+def to_float32(raw: np.ndarray, dtype: str) -> torch.Tensor:
+    """Stored rows -> float32 torch tensor (bf16 bits widened exactly)."""
+    if dtype == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(raw).view(np.int16)).view(torch.bfloat16).float()
+    return torch.from_numpy(np.ascontiguousarray(raw)).float()
+
+
+def split(rows: torch.Tensor, size: int) -> torch.Tensor:
+    """[n, K*size] -> [n, K, size] (a view)."""
+    n, width = rows.shape
+    return rows.reshape(n, width // size, size)
+
+
+def _finite_rows(*tensors: torch.Tensor) -> torch.Tensor:
+    mask = torch.ones(tensors[0].shape[0], dtype=torch.bool)
+    for t in tensors:
+        mask &= torch.isfinite(t).all(dim=1)
+    return mask
+
+
+def segment_cosine_matrix(cand: torch.Tensor, ref: torch.Tensor, size: int, *, centred: bool = False) -> np.ndarray:
+    """Mean over rows of cos(candidate segment i, reference segment j): a [Kc, Kr] matrix.
+
+    ``cand`` and ``ref`` are paired rows ([n, Wc], [n, Wr], float32). Rows with a non-finite value
+    on either side are left out. ``centred`` subtracts each segment's mean row first.
+    """
+    keep = _finite_rows(cand, ref)
+    c, r = split(cand[keep], size), split(ref[keep], size)
+    if c.shape[0] == 0:
+        return np.full((cand.shape[1] // size, ref.shape[1] // size), np.nan)
+    if centred:
+        c = c - c.mean(dim=0, keepdim=True)
+        r = r - r.mean(dim=0, keepdim=True)
+    c = c / c.norm(dim=2, keepdim=True).clamp_min(1e-30)
+    r = r / r.norm(dim=2, keepdim=True).clamp_min(1e-30)
+    # [n, Kc, H] x [n, H, Kr] -> [n, Kc, Kr], averaged over rows.
+    return torch.bmm(c, r.transpose(1, 2)).mean(dim=0).double().numpy()
+
+
+def mismatched_rows_matrix(cand: torch.Tensor, ref: torch.Tensor, size: int) -> np.ndarray:
+    """The same centred matrix on deliberately mismatched rows: what 'unrelated' looks like here."""
+    n = cand.shape[0]
+    if n < 2:
+        return np.full((cand.shape[1] // size, ref.shape[1] // size), np.nan)
+    return segment_cosine_matrix(cand, torch.roll(ref, shifts=n // 2, dims=0), size, centred=True)
+
+
+def noise_floor(ref: torch.Tensor, size: int, dtype_ref: str, dtype_cand: str, seed: int = 0) -> float:
+    """Expected centred ``1 - cos`` between two copies of the same rows stored in these dtypes.
+
+    Measured, not assumed: the sample rows are perturbed by a relative rounding error of each
+    dtype's half-ulp (uniform), and the distance is measured the way matching measures it.
+    """
+    if ref.shape[0] == 0:
+        return 0.0
+    gen = torch.Generator().manual_seed(seed)
+    rel = 0.0
+    for dt in (dtype_ref, dtype_cand):
+        bits = MANTISSA_BITS.get(dt, 23)
+        rel += 2.0 ** -(bits + 1)
+    keep = _finite_rows(ref)
+    x = ref[keep][:512]
+    if x.shape[0] == 0:
+        return 0.0
+    noise = (torch.rand(x.shape, generator=gen) * 2 - 1) * rel
+    noisy = x * (1 + noise)
+    m = segment_cosine_matrix(noisy, x, size, centred=True)
+    return float(max(0.0, 1.0 - float(np.nanmean(np.diag(m)))))
+
+
+@dataclass
+class SegmentDecision:
+    """How candidate segment ``candidate`` relates to the reference, before naming."""
+
+    candidate: int
+    reference: int | None
+    tier: str  # exact | near | related | none
+    distance: float  # centred 1 - cos to the chosen reference segment
+    runner_up: int | None
+    runner_up_distance: float
+    duplicate_of: int | None = None  # another candidate segment carrying the same reference segment
+
+
+def _tier(d1: float, d2: float, floor: float) -> str:
+    if not math.isfinite(d1):
+        return "none"
+    if d1 <= max(floor * EXACT_FACTOR, 1e-7):
+        return "exact"
+    if not math.isfinite(d2) or d2 <= 0:
+        return "none"
+    if d1 <= NEAR_FRACTION * d2:
+        return "near"
+    if d1 <= RELATED_FRACTION * d2:
+        return "related"
+    return "none"
+
+
+def match_segments(centred: np.ndarray, baseline: np.ndarray, floor: float) -> list[SegmentDecision]:
+    """Assign candidate segments to reference segments from the centred cosine matrix.
+
+    Confident pairs are assigned first (smallest distance relative to the runner-up), each reference
+    segment at most once; a second candidate segment that matches an assigned reference segment as
+    well is a duplicate.
+    """
+    kc, kr = centred.shape
+    dist = 1.0 - centred
+    base = 1.0 - baseline
+    options: list[tuple[float, int, int, str, float, int | None]] = []
+    for i in range(kc):
+        for j in range(kr):
+            others = [dist[i, k] for k in range(kr) if k != j and math.isfinite(dist[i, k])]
+            # The runner-up for (i, j): another reference segment for i, another candidate segment
+            # for j, or j on mismatched rows; whichever is closest.
+            others += [dist[k, j] for k in range(kc) if k != i and math.isfinite(dist[k, j])
+                       and _tier(dist[k, j], np.inf, floor) != "exact"]
+            if math.isfinite(base[i, j]):
+                others.append(base[i, j])
+            d2 = min(others) if others else float("inf")
+            runner = None
+            cands = [(dist[i, k], k) for k in range(kr) if k != j and math.isfinite(dist[i, k])]
+            if cands:
+                runner = min(cands)[1]
+            tier = _tier(float(dist[i, j]), float(d2), floor)
+            if tier != "none":
+                ratio = float(dist[i, j]) / d2 if d2 > 0 and math.isfinite(d2) else 0.0
+                options.append((ratio, i, j, tier, float(d2), runner))
+    options.sort()
+    decisions: dict[int, SegmentDecision] = {}
+    ref_taken: dict[int, int] = {}
+    for ratio, i, j, tier, d2, runner in options:
+        if i in decisions:
+            continue
+        if j in ref_taken:
+            continue
+        decisions[i] = SegmentDecision(i, j, tier, float(dist[i, j]), runner, d2)
+        ref_taken[j] = i
+    # Weak evidence, for what is left: mutual best among the unassigned segments, and much closer
+    # than unrelated rows are. Identity is not proven (another context or a neighbouring layer can
+    # look like this), so such pairs are "related", never "same".
+    while True:
+        free_c = [i for i in range(kc) if i not in decisions]
+        free_r = [j for j in range(kr) if j not in ref_taken]
+        best_pair = None
+        for i in free_c:
+            row = [(dist[i, j], j) for j in free_r if math.isfinite(dist[i, j])]
+            if not row:
+                continue
+            d_ij, j = min(row)
+            col = [(dist[k, j], k) for k in free_c if math.isfinite(dist[k, j])]
+            if min(col)[1] != i or not math.isfinite(base[i, j]) or d_ij > 0.5 * base[i, j]:
+                continue
+            if best_pair is None or d_ij < best_pair[0]:
+                best_pair = (d_ij, i, j)
+        if best_pair is None:
+            break
+        d_ij, i, j = best_pair
+        decisions[i] = SegmentDecision(i, j, "related", float(d_ij), None, float(base[i, j]))
+        ref_taken[j] = i
+    out = []
+    for i in range(kc):
+        if i in decisions:
+            out.append(decisions[i])
+            continue
+        finite = [(dist[i, k], k) for k in range(kr) if math.isfinite(dist[i, k])]
+        best = min(finite)[1] if finite else None
+        d_best = float(dist[i, best]) if best is not None else float("nan")
+        dup = None
+        if best is not None and best in ref_taken:
+            owner = decisions[ref_taken[best]]
+            if _tier(d_best, np.inf, floor) == "exact" or (owner.distance > 0 and d_best <= 2 * owner.distance + floor * EXACT_FACTOR):
+                dup = ref_taken[best]
+        runner_d = min([dist[i, k] for k in range(kr) if k != best and math.isfinite(dist[i, k])] or [float("inf")])
+        out.append(SegmentDecision(i, best if dup is not None else None, "none", d_best,
+                                   best, runner_d, duplicate_of=dup))
+    return out
+
+
+def infer_segment_size(width_ref: int, width_cand: int, ref: torch.Tensor, cand: torch.Tensor) -> tuple[int, str]:
+    """Guess the segment size from the data when no metadata says it.
+
+    Hidden states of one model keep their per-channel magnitude profile across layers (the same
+    channels carry the outliers), so the column-magnitude profile of a concatenation repeats with
+    period H. We take the smallest lag, among sizes that divide both widths, whose autocorrelation
+    is close to the best one. Returns (size, how it was decided).
+    """
+    common = math.gcd(width_ref, width_cand)
+    sizes = [s for s in range(1, common + 1) if common % s == 0 and 8 <= s and width_ref // s <= 16 and width_cand // s <= 16]
+    if not sizes:
+        return common, f"gcd of the widths ({common})"
+    profiles = []
+    for t in (ref, cand):
+        keep = _finite_rows(t)
+        if keep.any():
+            profiles.append(torch.log(t[keep].abs().mean(dim=0).double() + 1e-12).numpy())
+    scores: dict[int, float] = {}
+    for s in sizes:
+        vals = []
+        for p in profiles:
+            if s < p.size:
+                a, b = p[:-s], p[s:]
+                if a.std() > 0 and b.std() > 0:
+                    vals.append(float(np.corrcoef(a, b)[0, 1]))
+        if vals:
+            scores[s] = float(np.mean(vals))
+    if not scores:
+        return common, "single segment (no repeating channel profile found)"
+    best = max(scores.values())
+    if best < 0.2:
+        size = common if width_ref != width_cand else max(width_ref, width_cand)
+        return size, f"no repeating channel profile (best autocorrelation {best:.2f}); assumed {size}"
+    size = min(s for s, v in scores.items() if v >= best - 0.1 * abs(best))
+    return size, f"inferred from the repeating channel-magnitude profile (autocorrelation {scores[size]:.2f} at lag {size})"
