@@ -169,8 +169,17 @@ def match_segments(centred: np.ndarray, baseline: np.ndarray, floor: float) -> l
     # Weak evidence, for what is left: mutual best among the unassigned segments, and much closer
     # than unrelated rows are. Identity is not proven (another context or a neighbouring layer can
     # look like this), so such pairs are "related", never "same".
+    duplicates: dict[int, int] = {}
+    for i in range(kc):
+        if i in decisions:
+            continue
+        finite = [(dist[i, k], k) for k in range(kr) if math.isfinite(dist[i, k])]
+        if finite:
+            d_best, best = min(finite)
+            if best in ref_taken and _tier(float(d_best), np.inf, floor) == "exact":
+                duplicates[i] = best
     while True:
-        free_c = [i for i in range(kc) if i not in decisions]
+        free_c = [i for i in range(kc) if i not in decisions and i not in duplicates]
         free_r = [j for j in range(kr) if j not in ref_taken]
         best_pair = None
         for i in free_c:
@@ -199,7 +208,7 @@ def match_segments(centred: np.ndarray, baseline: np.ndarray, floor: float) -> l
         dup = None
         if best is not None and best in ref_taken:
             owner = decisions[ref_taken[best]]
-            if _tier(d_best, np.inf, floor) == "exact" or (owner.distance > 0 and d_best <= 2 * owner.distance + floor * EXACT_FACTOR):
+            if i in duplicates or (owner.tier in ("exact", "near") and d_best <= 2 * owner.distance + floor * EXACT_FACTOR):
                 dup = ref_taken[best]
         runner_d = min([dist[i, k] for k in range(kr) if k != best and math.isfinite(dist[i, k])] or [float("inf")])
         out.append(SegmentDecision(i, best if dup is not None else None, "none", d_best,
