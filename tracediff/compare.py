@@ -95,7 +95,9 @@ def _collect_meta(store: TraceStore, tap: str) -> dict[str, Any]:
     attrs = _stream_layout(store, tap)[4]
     tap_meta = {k: v for k, v in attrs.items() if k not in ("commit", "source", "meta", "limits", "phases", "rank",
                                                             "world_size", "tap")}
-    return {"store": store.meta, "writer": attrs.get("meta") or {}, "tap": tap_meta}
+    # The in-process recorder writes its meta both at the root and per writer: keep each key once.
+    writer_meta = {k: v for k, v in (attrs.get("meta") or {}).items() if store.meta.get(k) != v}
+    return {"store": store.meta, "writer": writer_meta, "tap": tap_meta}
 
 
 def _aux_config(meta: Any, prefix: str = "") -> dict[str, Any]:

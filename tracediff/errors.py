@@ -53,3 +53,7 @@ class CompareError(TracediffError, ValueError):
 
 class AdapterError(TracediffError, ImportError):
     """A framework adapter cannot be used (unknown name, framework not installed, internals moved)."""
+
+
+class ReportWriteError(TracediffError, OSError):
+    """A report file could not be written (missing or read-only folder, full disk...)."""

@@ -228,8 +228,9 @@ def _segment_findings(report: Report, decisions: list[SegmentDecision], centred:
     matched = [d for d in decisions if d.reference is not None and d.duplicate_of is None]
     moved = [d for d in matched if d.reference != d.candidate]
     rlab, clab = ref.segment_labels, cand.segment_labels
-    evidence_base = {"segment_map": [m.__dict__ for m in report.segment_map], "matrix": report.matrix,
-                     "aux_layer_config": aux}
+    # The segment map, matrix and aux-layer config are in the report itself; evidence keeps what is
+    # specific to each finding (the segment_order finding repeats the config: it is the fix).
+    evidence_base: dict[str, Any] = {}
     if moved:
         shifts = {d.reference - d.candidate for d in matched}
         pairs_text = ", ".join(
@@ -248,7 +249,7 @@ def _segment_findings(report: Report, decisions: list[SegmentDecision], centred:
             "segment_order", "error",
             f"Segments are wired differently: {pairs_text}; {how}. Fix the aux layer ids (or their order) on the "
             f"server to match training (reference {_fmt_aux(aux['reference'])}, candidate {_fmt_aux(aux['candidate'])}).",
-            {**evidence_base, **kind_detail,
+            {"aux_layer_config": aux, **kind_detail,
              "pairs": [{"candidate": d.candidate, "reference": d.reference} for d in matched]},
         ))
     taken = {d.reference for d in matched}
@@ -292,7 +293,8 @@ def _segment_findings(report: Report, decisions: list[SegmentDecision], centred:
 def _fmt_aux(cfg: dict[str, Any]) -> str:
     if not cfg:
         return "not recorded"
-    return "; ".join(f"{k}={v}" for k, v in list(cfg.items())[:3])
+    key, value = next(iter(cfg.items()))
+    return f"{key}={value}"
 
 
 def _value_findings(report: Report, d: SegmentDecision, m: SegmentMetrics) -> list[Finding]:

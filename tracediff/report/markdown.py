@@ -1,0 +1,202 @@
+"""Markdown rendering of a compare report, to paste into a pull request or an issue.
+
+Same content as the terminal report, as GitHub-flavoured Markdown tables; the long parts (plan,
+config diff, worst rows) fold into ``<details>`` so the summary fits one screen. Formats only:
+every number comes from the :class:`tracediff.results.Report`. User text (paths, labels, messages)
+is escaped so it can neither break a table nor inject HTML.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from typing import Any
+
+from tracediff.report.text import (
+    EVIDENCE_CHARS,
+    METRICS_ERROR_HEADERS,
+    METRICS_SCALE_HEADERS,
+    SEVERITY_TITLES,
+    WORST_ROWS_SHOWN,
+    candidate_labels,
+    clip,
+    config_diff_items,
+    fmt_cos,
+    fmt_mapping,
+    fmt_row,
+    fmt_value,
+    matched_cells,
+    metrics_cells_error,
+    metrics_cells_scale,
+    pair_name,
+    plan_items,
+    plural_counts,
+    reference_labels,
+    segment_map_sentences,
+    side_items,
+)
+from tracediff.results import SEVERITIES, Report
+
+# CommonMark lets any ASCII punctuation be backslash-escaped; these are the ones that can start
+# emphasis, links, code, HTML or a table cell.
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>|~&#!])")
+_NEWLINES = re.compile(r"[\r\n]+")
+
+
+def _md(text: Any) -> str:
+    """User text as literal Markdown on one line."""
+    return _MD_SPECIAL.sub(r"\\\1", _NEWLINES.sub(" ", str(text)))
+
+
+def _code(text: Any) -> str:
+    """User text as an inline code span (pipes still escaped: GFM splits cells before code spans)."""
+    body = _NEWLINES.sub(" ", str(text)).replace("|", "\\|")
+    longest = max((len(run) for run in re.findall(r"`+", body)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if body.startswith("`") or body.endswith("`") or not body.strip() else ""
+    return f"{fence}{pad}{body}{pad}{fence}"
+
+
+def _table(headers: list[str], rows: list[list[str]], right: bool = True) -> list[str]:
+    align = ["---"] + [("---:" if right else "---") for _ in headers[1:]]
+    out = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def render_markdown(report: Report) -> str:
+    """The whole report as GitHub-flavoured Markdown."""
+    lines: list[str] = []
+    lines += _summary(report)
+    lines += _findings(report)
+    lines += _segment_map(report)
+    lines += _metrics(report)
+    lines += _plan(report)
+    lines += _config_diff(report)
+    lines += [
+        "",
+        f"<sub>tracediff {html.escape(report.tracediff_version)}, report schema {report.schema_version}</sub>",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _summary(report: Report) -> list[str]:
+    verdict = report.verdict.upper()
+    lines = [
+        f"## tracediff compare: **{verdict}**",
+        "",
+        f"{plural_counts(report.counts())}; exit code {report.exit_code()}.",
+        "",
+    ]
+    errors = [f for f in report.findings if f.severity == "error"]
+    if report.verdict == "match":
+        lines += ["The candidate feeds the draft's fc the same rows as the reference, within the noise floor.", ""]
+    for f in errors:
+        lines.append(f"- **error** `{f.kind}`: {_md(f.message)}")
+    if errors:
+        lines.append("")
+    ref_items = dict(side_items(report.reference))
+    cand_items = dict(side_items(report.candidate))
+    # The aux-layer config right under the paths: a wrong one is the usual cause of a segment mismatch.
+    order = ["path", "aux layers"] + [name for name in ref_items if name not in ("path", "aux layers")]
+    rows = []
+    for name in order:
+        ref, cand = ref_items[name], cand_items[name]
+        if name in ("path", "aux layers", "segments", "tap"):
+            rows.append([name, _code(ref), _code(cand)])
+        else:
+            rows.append([name, _md(ref), _md(cand)])
+    lines += _table(["", "reference", "candidate"], rows, right=False)
+    return lines
+
+
+def _findings(report: Report) -> list[str]:
+    lines = ["", "### Findings", ""]
+    if not report.findings:
+        return lines + ["None."]
+    for severity in SEVERITIES:
+        group = [f for f in report.findings if f.severity == severity]
+        if not group:
+            continue
+        lines += [f"#### {SEVERITY_TITLES[severity]} ({len(group)})", ""]
+        for f in group:
+            lines.append(f"- **{severity}** `{f.kind}`: {_md(f.message)}")
+            for key, value in f.evidence.items():
+                lines.append(f"  - {_md(key)}: {_code(clip(fmt_value(value), EVIDENCE_CHARS))}")
+        lines.append("")
+    return lines
+
+
+def _segment_map(report: Report) -> list[str]:
+    lines = ["### Segment map", "", "Candidate segment -> reference segment, mean cosine on the plan sample.", ""]
+    sentences = segment_map_sentences(report)
+    if not sentences:
+        lines += ["No segment map: compare stopped before matching segments.", ""]
+    for status, sentence in sentences:
+        mark = "" if status == "same" else f"**{status}**: "
+        lines.append(f"- {mark}{_md(sentence)}")
+    if not report.matrix:
+        return lines
+    chosen = matched_cells(report)
+    cand = candidate_labels(report)
+    ref = reference_labels(report)
+    headers = ["cand \\ ref"] + [f"ref {j} {_code(label)}" for j, label in enumerate(ref)]
+    rows = []
+    for i, row in enumerate(report.matrix):
+        cells = []
+        for j in range(len(ref)):
+            text = fmt_cos(row[j]) if j < len(row) else "-"
+            cells.append(f"**{text}**" if (i, j) in chosen else text)
+        rows.append([f"cand {i} {_code(cand[i] if i < len(cand) else i)}", *cells])
+    lines += ["", "Cosine matrix (bold: matched):", ""]
+    lines += _table(headers, rows)
+    return lines
+
+
+def _metrics(report: Report) -> list[str]:
+    lines = ["", "### Segment metrics", ""]
+    if not report.metrics:
+        return lines + ["No matched segment pairs: nothing to measure."]
+    lines += _table(METRICS_SCALE_HEADERS, [metrics_cells_scale(m) for m in report.metrics])
+    lines.append("")
+    headers = [*METRICS_ERROR_HEADERS, "max abs diff at"]
+    rows = [[*metrics_cells_error(m), _md(fmt_row(m.max_abs_diff_row))] for m in report.metrics]
+    lines += _table(headers, rows)
+    worst = [m for m in report.metrics if m.worst_rows]
+    if worst:
+        lines += ["", "<details><summary>Worst rows</summary>", ""]
+        for m in worst:
+            lines.append(f"- {pair_name(m)}:")
+            for row in m.worst_rows[:WORST_ROWS_SHOWN]:
+                lines.append(f"  - {_md(fmt_mapping(row))}")
+            if len(m.worst_rows) > WORST_ROWS_SHOWN:
+                lines.append(f"  - ... {len(m.worst_rows) - WORST_ROWS_SHOWN} more in the JSON report")
+        lines += ["", "</details>"]
+    return lines
+
+
+def _plan(report: Report) -> list[str]:
+    p = report.plan
+    summary = (
+        f"Plan: {p.pairs} aligned rows, {p.sequences_aligned}/{p.sequences_reference} sequences, "
+        f"label offset {p.label_offset}"
+    )
+    lines = ["", "### Plan", "", f"<details><summary>{html.escape(summary)}</summary>", ""]
+    lines += _table(["", "value"], [[name, _md(value)] for name, value in plan_items(report)], right=False)
+    if p.notes:
+        lines += ["", "Notes:", ""]
+        lines += [f"- {_md(note)}" for note in p.notes]
+    lines += ["", "</details>"]
+    return lines
+
+
+def _config_diff(report: Report) -> list[str]:
+    lines = ["", "### Config diff", ""]
+    items = config_diff_items(report)
+    if not items:
+        return lines + ["No differences in the recorded meta."]
+    lines += [f"<details open><summary>{len(items)} difference(s)</summary>", ""]
+    rows = [[_code(path), _md(change), _code(ref), _code(cand)] for path, change, ref, cand in items]
+    lines += _table(["path", "change", "reference", "candidate"], rows, right=False)
+    lines += ["", "</details>"]
+    return lines

@@ -1,0 +1,543 @@
+"""Terminal rendering of a compare report: fits 100 columns, readable without colour.
+
+Formats a :class:`tracediff.results.Report`; never computes a metric or a decision. The few
+helpers that name things the same way in every format (numbers, segment-map sentences, the
+aux-layer config) live here and are reused by the Markdown and HTML renderers, so that all three
+say exactly the same thing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+from tracediff.results import SEVERITIES, Finding, Report, SegmentMatch, SegmentMetrics, Side
+
+WIDTH = 100
+WORST_ROWS_SHOWN = 5
+# Evidence values longer than this are cut in the text and Markdown reports (about two lines).
+EVIDENCE_CHARS = 180
+
+SEVERITY_TITLES = {"error": "Errors", "warning": "Warnings", "info": "Info"}
+_SEVERITY_TAGS = {"error": "ERROR", "warning": "WARN", "info": "INFO"}
+
+# Statuses whose reference segment really is present in the candidate (``related`` is a best
+# guess only: the reference segment it points at is still reported as having no exact counterpart).
+_PRESENT_STATUSES = ("same", "moved", "duplicate")
+
+_ANSI = {
+    "bold": "\x1b[1m",
+    "dim": "\x1b[2m",
+    "red": "\x1b[31m",
+    "green": "\x1b[32m",
+    "yellow": "\x1b[33m",
+    "blue": "\x1b[34m",
+    "reset": "\x1b[0m",
+}
+_SEVERITY_COLORS = {"error": "red", "warning": "yellow", "info": "blue"}
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+# ------------------------------------------------------------------- shared by every renderer
+def fmt_num(x: Any, digits: int = 4) -> str:
+    """A number as a person reads it: ``-`` for missing, ``nan``/``inf`` spelt out, 4 significant digits."""
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return str(x).lower()
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        if x == 0:
+            return "0"
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def fmt_cos(x: float | None, decimals: int = 6) -> str:
+    """A cosine with enough decimals to tell 0.999 (an adjacent layer) from 0.999999 (the same one)."""
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return fmt_num(x)
+    return f"{x:.{decimals}f}"
+
+
+def fmt_value(value: Any) -> str:
+    """Any evidence or config value on one line: a row as :func:`fmt_row` writes it, other
+    structures as compact JSON with floats to 6 significant digits, strings as they are."""
+    if isinstance(value, str):
+        return value
+    if _is_row(value):
+        return fmt_row(value)
+    return _compact_json(value)
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was left out (the JSON has it all)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 40].rstrip()} ... ({len(text)} chars; see the JSON report)"
+
+
+def _is_row(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == {"seq", "position", "token_id"}
+
+
+def _compact_json(value: Any) -> str:
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, float):
+        return fmt_num(value, 6)
+    if isinstance(value, (int, str)):
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))}: {_compact_json(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_compact_json(v) for v in value) + "]"
+    if hasattr(value, "__dataclass_fields__"):
+        return _compact_json({k: getattr(value, k) for k in value.__dataclass_fields__})
+    return json.dumps(str(value))
+
+
+def fmt_row(row: Any) -> str:
+    """A RowRef (or its dict form) as ``seq 'r7' position 42 token 1234``."""
+    if row is None:
+        return "-"
+    get = row.get if isinstance(row, dict) else lambda k, d=None: getattr(row, k, d)
+    return f"seq {get('seq')!r} position {get('position')} token {get('token_id')}"
+
+
+def fmt_mapping(mapping: dict[str, Any] | None, empty: str = "-") -> str:
+    """``k=v, k=v`` with values as :func:`fmt_value` writes them."""
+    if not mapping:
+        return empty
+    return ", ".join(f"{k}={fmt_value(v)}" for k, v in mapping.items())
+
+
+def aux_config_text(side: Side) -> str:
+    """The aux-layer-id config a side was recorded with, or a note that it is unknown."""
+    return fmt_mapping(side.aux_layer_config, empty="not recorded")
+
+
+def segment_name(index: int | None, label: str | None, role: str) -> str:
+    """``candidate segment 0 (hs3)``; the label is left out when it adds nothing."""
+    if index is None:
+        return f"no {role} segment"
+    name = f"{role} segment {index}"
+    if label and label != str(index):
+        name += f" ({label})"
+    return name
+
+
+def reference_labels(report: Report) -> list[str]:
+    count = reference_segment_count(report)
+    labels = list(report.reference.segment_labels)
+    return [labels[j] if j < len(labels) else str(j) for j in range(count)]
+
+
+def candidate_labels(report: Report) -> list[str]:
+    count = max(len(report.matrix), report.candidate.segments, len(report.segment_map))
+    labels = list(report.candidate.segment_labels)
+    return [labels[i] if i < len(labels) else str(i) for i in range(count)]
+
+
+def reference_segment_count(report: Report) -> int:
+    width = max((len(row) for row in report.matrix), default=0)
+    return max(report.reference.segments, width)
+
+
+def matched_cells(report: Report) -> set[tuple[int, int]]:
+    """(candidate, reference) cells of the matrix that the segment map chose."""
+    return {(m.candidate, m.reference) for m in report.segment_map if m.reference is not None}
+
+
+def segment_map_sentences(report: Report) -> list[tuple[str, str]]:
+    """The segment map as (status, sentence) pairs: one per candidate segment, then one per
+    reference segment that no candidate segment carries."""
+    ref_labels = reference_labels(report)
+    out: list[tuple[str, str]] = []
+    for m in report.segment_map:
+        out.append((m.status, _match_sentence(m)))
+    carried = {m.reference for m in report.segment_map if m.status in _PRESENT_STATUSES}
+    related = {m.reference: m for m in report.segment_map if m.status == "related"}
+    if report.segment_map:
+        for j, label in enumerate(ref_labels):
+            if j in carried:
+                continue
+            ref = segment_name(j, label, "reference")
+            if j in related:
+                c = related[j]
+                cand = segment_name(c.candidate, c.candidate_label, "candidate")
+                out.append(("missing", f"{ref} has no exact counterpart (closest: {cand}, cos {fmt_cos(c.cosine)})"))
+            else:
+                out.append(("missing", f"{ref} is missing from the candidate"))
+    return out
+
+
+def _match_sentence(m: SegmentMatch) -> str:
+    cand = segment_name(m.candidate, m.candidate_label, "candidate")
+    ref = segment_name(m.reference, m.reference_label, "reference")
+    runner = ""
+    if m.runner_up is not None:
+        which = "closest" if m.reference is None else "runner-up"
+        runner = f"; {which}: reference segment {m.runner_up}, cos {fmt_cos(m.runner_up_cosine, 4)}"
+    bank = f"; bank: {m.bank_layer}" if m.bank_layer else ""
+    if m.status == "extra" or m.reference is None:
+        return f"{cand} has no counterpart in the reference (extra{runner}{bank})"
+    what = {
+        "same": "same slot",
+        "moved": "moved",
+        "duplicate": "duplicate: another candidate segment also carries it",
+        "related": "related only, not the same data",
+    }.get(m.status, m.status)
+    sign = "~" if m.status == "related" else "="
+    return f"{cand} {sign} {ref} (cos {fmt_cos(m.cosine)}, {what}{runner}{bank})"
+
+
+def plan_items(report: Report) -> list[tuple[str, str]]:
+    """The plan as (name, value) lines, in the order a person checks them."""
+    p = report.plan
+    deltas = ", ".join(f"{signed_text(k)}: {v} seq" for k, v in p.sequence_deltas.items())
+    scores = "  ".join(f"{signed_text(k)}: {fmt_num(v)}" for k, v in p.offset_scores.items())
+    taps = p.tap_reference
+    if p.tap_candidate != p.tap_reference:
+        taps = f"{p.tap_reference} (reference) -> {p.tap_candidate} (candidate)"
+    return [
+        ("tap", taps),
+        ("segment size", f"{p.segment_size} (from {p.segment_size_source})"),
+        (
+            "sequences",
+            f"{p.sequences_aligned} aligned of {p.sequences_reference} reference / {p.sequences_candidate} candidate",
+        ),
+        ("position deltas", f"{deltas} (candidate - reference)" if deltas else "none recorded"),
+        (
+            "label offset",
+            f"{signed_text(p.label_offset)} (similarity by offset: {scores})"
+            if scores
+            else f"{signed_text(p.label_offset)} (no offset search)",
+        ),
+        ("pairs", f"{p.pairs} aligned rows (plan sample {p.sample_rows} rows)"),
+        (
+            "candidate rows",
+            f"{p.candidate_rows_unaligned} unaligned, {p.candidate_rows_duplicate} duplicate, "
+            f"{p.candidate_rows_invalid} invalid",
+        ),
+        ("reference rows", f"{p.reference_rows_uncovered} not covered by the candidate"),
+        ("noise floor", f"1 - cos = {fmt_num(p.noise_floor)} expected from storage precision alone"),
+    ]
+
+
+def config_diff_items(report: Report) -> list[tuple[str, str, str, str]]:
+    """Config differences as (path, change, reference value, candidate value).
+
+    Entries are read leniently (``path``/``key``, ``change``/``kind``/``type``,
+    ``reference``/``old``, ``candidate``/``new``); keys beyond those are appended to the change.
+    """
+    out = []
+    for entry in report.config_diff:
+        d = dict(entry)
+        path = _pop_first(d, ("path", "key", "field"))
+        change = _pop_first(d, ("change", "kind", "type"))
+        ref = _pop_first(d, ("reference", "old", "ref", "left"))
+        cand = _pop_first(d, ("candidate", "new", "cand", "right"))
+        rest = fmt_mapping(d, empty="")
+        change_text = fmt_value(change) if change is not _MISSING else ""
+        if rest:
+            change_text = f"{change_text} ({rest})" if change_text else rest
+        out.append(
+            (
+                fmt_value(path) if path is not _MISSING else "-",
+                change_text or "changed",
+                fmt_value(ref) if ref is not _MISSING else "-",
+                fmt_value(cand) if cand is not _MISSING else "-",
+            )
+        )
+    return out
+
+
+def metrics_cells_scale(m: SegmentMetrics) -> list[str]:
+    return [
+        pair_name(m),
+        str(m.rows),
+        fmt_cos(m.cos_mean),
+        fmt_cos(m.cos_p1),
+        fmt_cos(m.cos_min),
+        fmt_num(m.norm_ratio_mean, 5),
+        fmt_num(m.norm_ratio_p1, 5),
+        fmt_num(m.norm_ratio_p50, 5),
+        fmt_num(m.norm_ratio_p99, 5),
+    ]
+
+
+METRICS_SCALE_HEADERS = [
+    "pair",
+    "rows",
+    "cos mean",
+    "cos p1",
+    "cos min",
+    "norm mean",
+    "norm p1",
+    "norm p50",
+    "norm p99",
+]
+METRICS_ERROR_HEADERS = ["pair", "rel L2", "rel_diff mean", "rel_diff max", "max abs diff", "nonfinite c/r"]
+
+
+def metrics_cells_error(m: SegmentMetrics) -> list[str]:
+    return [
+        pair_name(m),
+        fmt_num(m.rel_l2),
+        fmt_num(m.rel_diff_mean),
+        fmt_num(m.rel_diff_max),
+        fmt_num(m.max_abs_diff),
+        f"{m.nonfinite_candidate}/{m.nonfinite_reference}",
+    ]
+
+
+def plural_counts(counts: dict[str, int]) -> str:
+    """``2 errors, 1 warning, 0 info``."""
+    return ", ".join(f"{counts.get(s, 0)} {s if counts.get(s, 0) == 1 or s == 'info' else s + 's'}" for s in SEVERITIES)
+
+
+def pair_name(m: SegmentMetrics) -> str:
+    return f"c{m.candidate}->r{m.reference}"
+
+
+def side_items(side: Side) -> list[tuple[str, str]]:
+    """One side of the compare as (name, value) lines."""
+    labels = ", ".join(side.segment_labels) if side.segment_labels else "-"
+    return [
+        ("path", side.path),
+        ("role", side.role or "-"),
+        ("tap", side.tap),
+        (
+            "rows",
+            f"{side.rows} ({side.valid_rows} valid) from {len(side.writers)} writer(s): {', '.join(side.writers) or '-'}",
+        ),
+        ("width", f"{side.width} {side.dtype} = {side.segments} x {side.segment_size}"),
+        ("segments", labels),
+        ("sequences", str(side.sequences)),
+        ("aux layers", aux_config_text(side)),
+    ]
+
+
+def clean(text: Any) -> str:
+    """User text on one terminal line: control characters (ANSI escapes, newlines) made visible."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+
+
+def signed_text(value: Any) -> str:
+    """An offset or delta with its sign: ``-1``, ``0``, ``+2``."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return f"+{number}" if number > 0 else str(number)
+
+
+_MISSING = object()
+
+
+def _pop_first(d: dict[str, Any], keys: Sequence[str]) -> Any:
+    for k in keys:
+        if k in d:
+            return d.pop(k)
+    return _MISSING
+
+
+# ------------------------------------------------------------------------- the text renderer
+class _Painter:
+    def __init__(self, color: bool) -> None:
+        self.color = color
+
+    def __call__(self, text: str, *styles: str) -> str:
+        if not self.color or not styles:
+            return text
+        return "".join(_ANSI[s] for s in styles) + text + _ANSI["reset"]
+
+
+def render_text(report: Report, color: bool = False) -> str:
+    """The whole report for a terminal: summary, findings, segment map, metrics, plan, config diff."""
+    paint = _Painter(color)
+    lines: list[str] = []
+    lines += _summary(report, paint)
+    lines += _findings(report, paint)
+    lines += _segment_map(report, paint)
+    lines += _metrics(report, paint)
+    lines += _plan(report, paint)
+    lines += _config_diff(report, paint)
+    lines.append("")
+    lines.append(
+        paint(
+            f"tracediff {clean(report.tracediff_version)}, report schema {report.schema_version}; "
+            f"the full numbers are in the JSON report (--json).",
+            "dim",
+        )
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _wrap(text: str, indent: str = "", hang: str | None = None) -> list[str]:
+    return textwrap.wrap(
+        text,
+        width=WIDTH,
+        initial_indent=indent,
+        subsequent_indent=indent + "    " if hang is None else hang,
+        break_on_hyphens=False,
+    ) or [indent.rstrip()]
+
+
+def _heading(title: str, paint: _Painter) -> list[str]:
+    return ["", paint(title, "bold"), paint("-" * len(title), "dim")]
+
+
+def _summary(report: Report, paint: _Painter) -> list[str]:
+    counts = report.counts()
+    verdict = report.verdict.upper()
+    tally = plural_counts(counts)
+    head = f"tracediff compare: {verdict}"
+    lines = [
+        paint(head, "bold", "green" if report.verdict == "match" else "red")
+        + f"  ({tally}; exit code {report.exit_code()})"
+    ]
+    if report.verdict == "match":
+        lines += _wrap(
+            "The candidate feeds the draft's fc the same rows as the reference, within the noise floor.", "  "
+        )
+    for f in report.findings:
+        if f.severity == "error":
+            lines += _finding_line(f, paint, indent="  ")
+    lines.append("")
+    for label, side in (("reference", report.reference), ("candidate", report.candidate)):
+        first = f"{label:<10} {clean(side.path)}  tap {clean(side.tap)}  {side.segments} x {side.segment_size} {clean(side.dtype)}"
+        lines += _wrap(first, "  ", hang="  " + " " * 11)
+        lines += _wrap(f"aux layers: {clean(aux_config_text(side))}", "  " + " " * 11, hang="  " + " " * 15)
+    return lines
+
+
+def _finding_line(f: Finding, paint: _Painter, indent: str) -> list[str]:
+    tag = f"{_SEVERITY_TAGS[f.severity]} {f.kind}:"
+    wrapped = _wrap(f"{tag} {clean(f.message)}", indent, hang=indent + "    ")
+    # Colour only the tag, after wrapping, so the widths stay right.
+    first = wrapped[0]
+    wrapped[0] = first.replace(tag, paint(tag, "bold", _SEVERITY_COLORS[f.severity]), 1)
+    return wrapped
+
+
+def _findings(report: Report, paint: _Painter) -> list[str]:
+    lines = _heading("Findings", paint)
+    if not report.findings:
+        return lines + ["  none"]
+    for severity in SEVERITIES:
+        group = [f for f in report.findings if f.severity == severity]
+        if not group:
+            continue
+        lines.append(paint(f"  {SEVERITY_TITLES[severity]} ({len(group)})", "bold"))
+        for f in group:
+            lines += _finding_line(f, paint, indent="    ")
+            for key, value in f.evidence.items():
+                text = clip(fmt_value(value), EVIDENCE_CHARS)
+                lines += _wrap(f"{clean(key)}: {clean(text)}", " " * 8, hang=" " * 12)
+    return lines
+
+
+def _segment_map(report: Report, paint: _Painter) -> list[str]:
+    lines = _heading("Segment map (candidate -> reference, mean cosine on the plan sample)", paint)
+    sentences = segment_map_sentences(report)
+    if not sentences:
+        lines.append("  no segment map: compare stopped before matching segments")
+    for status, sentence in sentences:
+        style = () if status == "same" else ("yellow",) if status in ("moved", "related") else ("red",)
+        text = _wrap(clean(sentence), "  ", hang="      ")
+        lines += [paint(t, *style) for t in text]
+    if report.matrix:
+        lines.append("")
+        lines += _matrix(report, paint)
+    return lines
+
+
+def _matrix(report: Report, paint: _Painter) -> list[str]:
+    cand = candidate_labels(report)
+    ref = reference_labels(report)
+    chosen = matched_cells(report)
+    row_head = 20
+    cell = 12
+    per_block = max(1, (WIDTH - row_head) // cell)
+    lines = [
+        "  cosine matrix: rows = candidate segments, columns = reference segments, [x] = matched",
+    ]
+    for start in range(0, len(ref), per_block):
+        cols = range(start, min(len(ref), start + per_block))
+        lines.append(" " * row_head + "".join(f"{'ref ' + str(j):>{cell}}" for j in cols))
+        lines.append(" " * row_head + "".join(f"{_fit(clean(ref[j]), cell - 2):>{cell}}" for j in cols))
+        for i, row in enumerate(report.matrix):
+            name = f"  cand {i} {_fit(clean(cand[i] if i < len(cand) else str(i)), row_head - 10)}"
+            cells = []
+            for j in cols:
+                value = row[j] if j < len(row) else None
+                text = fmt_cos(value)
+                if (i, j) in chosen:
+                    cells.append(paint(f"{'[' + text + ']':>{cell}}", "bold"))
+                else:
+                    cells.append(f"{text:>{cell - 1}} ")
+            lines.append(f"{name:<{row_head}}" + "".join(cells))
+    return lines
+
+
+def _fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(1, width - 2)] + ".."
+
+
+def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(h), *(len(r[k]) for r in rows)) for k, h in enumerate(headers)]
+    fmt = indent + "  ".join(f"{{:{'<' if k == 0 else '>'}{w}}}" for k, w in enumerate(widths))
+    out = [fmt.format(*headers), indent + "  ".join("-" * w for w in widths)]
+    out += [fmt.format(*r) for r in rows]
+    return out
+
+
+def _metrics(report: Report, paint: _Painter) -> list[str]:
+    lines = _heading("Segment metrics (every aligned row)", paint)
+    if not report.metrics:
+        return lines + ["  no matched segment pairs: nothing to measure"]
+    lines += _table(METRICS_SCALE_HEADERS, [metrics_cells_scale(m) for m in report.metrics])
+    lines.append("")
+    lines += _table(METRICS_ERROR_HEADERS, [metrics_cells_error(m) for m in report.metrics])
+    lines.append("")
+    for m in report.metrics:
+        lines += _wrap(f"{pair_name(m)} max abs diff at {clean(fmt_row(m.max_abs_diff_row))}", "  ", hang="      ")
+        for row in m.worst_rows[:WORST_ROWS_SHOWN]:
+            lines += _wrap(f"worst row: {clean(fmt_mapping(row))}", "      ", hang="          ")
+        if len(m.worst_rows) > WORST_ROWS_SHOWN:
+            lines.append(f"      ... {len(m.worst_rows) - WORST_ROWS_SHOWN} more worst rows in the JSON report")
+    return lines
+
+
+def _plan(report: Report, paint: _Painter) -> list[str]:
+    lines = _heading("Plan (what was compared, decided before the streaming pass)", paint)
+    for name, value in plan_items(report):
+        lines += _wrap(f"{name:<16} {clean(value)}", "  ", hang="  " + " " * 17)
+    for note in report.plan.notes:
+        lines += _wrap(f"note: {clean(note)}", "  ", hang="        ")
+    return lines
+
+
+def _config_diff(report: Report, paint: _Painter) -> list[str]:
+    lines = _heading("Config diff (meta of reference vs candidate)", paint)
+    items = config_diff_items(report)
+    if not items:
+        return lines + ["  no differences"]
+    for path, change, ref, cand in items:
+        lines += _wrap(f"{clean(path)}: {clean(change)}", "  ", hang="      ")
+        lines += _wrap(f"reference: {clean(ref)}", "      ", hang="          ")
+        lines += _wrap(f"candidate: {clean(cand)}", "      ", hang="          ")
+    return lines
