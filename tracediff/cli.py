@@ -296,6 +296,33 @@ def compare(
     sys.exit(report.exit_code(fail_on))
 
 
+# ---------------------------------------------------------------------------------- identify
+@main.command()
+@click.argument("store", type=click.Path(path_type=Path))
+@click.option("--bank", required=True, type=click.Path(path_type=Path),
+              help="A trace of every layer of the target model (tracediff record --adapter hf).")
+@click.option("--tap", help="Tap of STORE to identify (default fc_in).")
+@click.option("--bank-tap", help="Tap of the bank (default: its only bank tap).")
+@click.option("--segment-size", type=int, help="Segment width (default: from the store, else the bank's).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the result as JSON here.")
+def identify(store: Path, bank: Path, tap: str | None, bank_tap: str | None, segment_size: int | None,
+             json_path: Path | None) -> None:
+    """Name the layer each segment of STORE comes from ("segment 0 is hidden_states[3]").
+
+    Exit code: 0 when every segment is identified, 1 when one is not, 2 on bad input.
+    """
+    from tracediff.identify import identify_segments, render_identification  # noqa: PLC0415
+    from tracediff.report import write_json  # noqa: PLC0415
+
+    if json_path is not None and not json_path.parent.resolve().is_dir():
+        raise UsageError(f"{json_path}: its folder does not exist")
+    ident = identify_segments(store, bank, tap=tap, bank_tap=bank_tap, segment_size=segment_size)
+    if json_path is not None:
+        write_json(json_path, ident.to_dict())
+    click.echo(render_identification(ident))
+    sys.exit(0 if all(s.verdict in ("match", "scaled") for s in ident.segments) else 1)
+
+
 # ---------------------------------------------------------------------------------- inspect
 @main.command()
 @click.argument("store", type=click.Path(path_type=Path))

@@ -360,7 +360,41 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
         tracediff_version=__version__,
     )
     report.findings = build_findings(report, alignment, pairs, decisions, stream, centred, baseline)
+    if opts.bank:
+        _name_layers(report, ref_store, cand_store, opts)
     return report
+
+
+def _name_layers(report: Report, ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions) -> None:
+    """With a bank: say which layer each segment is, inside the segment map and the findings."""
+    from tracediff.identify import identify_segments  # noqa: PLC0415
+
+    size = report.plan.segment_size
+    ref_id = identify_segments(ref_store.path, opts.bank or "", tap=report.plan.tap_reference, segment_size=size)
+    cand_id = identify_segments(cand_store.path, opts.bank or "", tap=report.plan.tap_candidate, segment_size=size)
+
+    def name(ident: Any, i: int) -> str:
+        seg = ident.segments[i]
+        return seg.best.text if seg.best is not None and seg.verdict in ("match", "scaled") else "no layer of the bank"
+
+    for m in report.segment_map:
+        m.bank_layer = name(cand_id, m.candidate)
+    for f in report.findings:
+        if f.kind == "segment_extra":
+            i = f.evidence["candidate_segment"]
+            f.message = f.message.replace("; use --bank to name its layer.", ".")
+            f.message += f" Candidate segment {i} is {name(cand_id, i)}; the reference never used it."
+            f.evidence["bank_layer"] = name(cand_id, i)
+        elif f.kind == "segment_missing":
+            j = f.evidence["reference_segment"]
+            f.message += f" Reference segment {j} is {name(ref_id, j)}."
+            f.evidence["bank_layer"] = name(ref_id, j)
+    for side, ident in (("reference", ref_id), ("candidate", cand_id)):
+        layers = ", ".join(name(ident, i) for i in range(len(ident.segments)))
+        report.plan.notes.append(f"bank {opts.bank}: {side} segments are {layers}")
+        if ident.suggestions:
+            shown = "; ".join(f"{k} = {v}" for k, v in ident.suggestions.items())
+            report.plan.notes.append(f"{side} in config terms: {shown}")
 
 
 def _segment_match(d: SegmentDecision, raw: np.ndarray, rlabels: list[str], clabels: list[str]) -> SegmentMatch:

@@ -64,6 +64,19 @@ def write_report(
     return [path for path, _ in documents]
 
 
+def write_json(path: str | os.PathLike[str], document: object) -> Path:
+    """Write any JSON-able document atomically (identify's result, for one)."""
+    import json  # noqa: PLC0415
+
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise ReportWriteError(f"cannot write {target}: folder {target.parent} does not exist; create it first")
+    from tracediff.results import _finite  # noqa: PLC0415
+
+    _write_atomic(target, json.dumps(_finite(document), indent=2, allow_nan=False, default=str) + "\n")
+    return target
+
+
 def _render_json(report: Report) -> str:
     return report.to_json() + "\n"
 
@@ -90,4 +103,4 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-__all__ = ["ReportWriteError", "render_html", "render_markdown", "render_text", "write_report"]
+__all__ = ["ReportWriteError", "render_html", "render_markdown", "render_text", "write_json", "write_report"]

@@ -1,0 +1,257 @@
+"""Identify: name the source layer of each segment of a trace against a bank of every layer.
+
+The bank is a trace recorded with ``--adapter hf`` (tap ``bank``: the embedding, every decoder
+layer's output, the final layer before and after the final norm, for the same token sequences).
+Rows are aligned by token content like compare does; each segment is then ranked against every bank
+column by centred cosine (direction) and relative L2 (size), and the winner must beat the runner-up
+by the same rank-and-margin rule compare uses, or the answer is "no layer matches".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tracediff.align import RowIndex, align_sequences
+from tracediff.compare import CompareOptions, _offset_search, _read_rows, _sample
+from tracediff.errors import CompareError
+from tracediff.segments import EXACT_FACTOR, _tier, noise_floor, segment_cosine_matrix, split
+from tracediff.store import TraceStore, open_store
+
+
+@dataclass
+class LayerName:
+    """A bank column in every numbering a user meets."""
+
+    bank_segment: int
+    label: str
+    text: str
+    kind: str  # embedding | layer | pre_norm | post_norm | unknown
+    hf_index: int | None  # HF output_hidden_states index (= vLLM / SGLang capture index)
+    sglang_id: int | None  # SGLang Llama/Qwen-style config id (-1 = embedding, j = output of layer j)
+    vllm_id: int | None  # vLLM eagle_aux_hidden_state_layer_ids entry (its capture index)
+
+
+@dataclass
+class SegmentIdentity:
+    segment: int
+    label: str
+    verdict: str  # match | scaled | closest | none
+    best: LayerName | None
+    cosine: float | None  # raw cosine with the best bank column
+    centred_cosine: float | None
+    rel_l2: float | None
+    norm_ratio: float | None
+    runner_up: LayerName | None
+    runner_up_cosine: float | None
+    margin: float | None  # runner-up distance / best distance (higher = clearer)
+    message: str = ""
+
+
+@dataclass
+class Identification:
+    store: str
+    tap: str
+    bank: str
+    bank_tap: str
+    segment_size: int
+    pairs: int
+    label_offset: int
+    segments: list[SegmentIdentity]
+    suggestions: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _bank_names(bank_attrs: dict[str, Any], count: int) -> list[LayerName]:
+    info = bank_attrs.get("segment_info")
+    labels = bank_attrs.get("segment_labels") or [f"bank{j}" for j in range(count)]
+    names = []
+    for j in range(count):
+        entry = info[j] if isinstance(info, list) and j < len(info) and isinstance(info[j], dict) else {}
+        kind = str(entry.get("kind", "unknown"))
+        hf = entry.get("hf_index") if isinstance(entry.get("hf_index"), int) else None
+        layer = entry.get("layer") if isinstance(entry.get("layer"), int) else None
+        sglang = -1 if kind == "embedding" else (layer if kind in ("layer", "pre_norm") else None)
+        vllm = hf if kind in ("embedding", "layer", "pre_norm") else None
+        names.append(LayerName(j, str(labels[j]) if j < len(labels) else f"bank{j}",
+                               str(entry.get("text", labels[j] if j < len(labels) else f"bank column {j}")),
+                               kind, hf, sglang, vllm))
+    return names
+
+
+def _pick_bank_tap(bank: TraceStore, tap: str | None) -> str:
+    if tap:
+        bank.tap_streams(tap)
+        return tap
+    banks = [t for t in bank.taps if t.startswith("bank")]
+    if len(banks) != 1:
+        raise CompareError(
+            f"{bank.path}: expected one bank tap (recorded with --adapter hf), found {banks or 'none'}; "
+            f"choose with --bank-tap"
+        )
+    return banks[0]
+
+
+def identify_segments(
+    store_path: str | Path,
+    bank_path: str | Path,
+    *,
+    tap: str | None = None,
+    bank_tap: str | None = None,
+    segment_size: int | None = None,
+    sample_rows: int = 2048,
+    seed: int = 0,
+) -> Identification:
+    store, bank = open_store(store_path), open_store(bank_path)
+    try:
+        return _identify(store, bank, tap, bank_tap, segment_size, sample_rows, seed)
+    finally:
+        store.close()
+        bank.close()
+
+
+def _identify(store: TraceStore, bank: TraceStore, tap: str | None, bank_tap: str | None,
+              segment_size: int | None, sample_rows: int, seed: int) -> Identification:
+    btap = _pick_bank_tap(bank, bank_tap)
+    if tap is None:
+        candidates = [t for t in store.taps if not t.startswith("bank") and store.rows(t)]
+        tap = "fc_in" if "fc_in" in candidates else (candidates[0] if len(candidates) == 1 else None)
+        if tap is None:
+            raise CompareError(f"{store.path}: choose the tap to identify with --tap (taps: {', '.join(store.taps)})")
+    streams = store.tap_streams(tap)
+    bstreams = bank.tap_streams(btap)
+    first, bfirst = streams[0], bstreams[0]
+    bsize = bfirst.segment_size
+    if bsize is None:
+        raise CompareError(f"{bank.path}/{btap}: the bank has no segment_size attribute (not recorded with --adapter hf?)")
+    size = segment_size or first.segment_size or bsize
+    if size != bsize:
+        raise CompareError(
+            f"{store.path}/{tap}: segment size {size} differs from the bank's hidden size {bsize} "
+            f"({bank.path}): the bank is from another model"
+        )
+    if first.width % size:
+        raise CompareError(f"{store.path}/{tap}: width {first.width} is not a multiple of the bank's hidden size {size}")
+    ref_index = RowIndex.load(bank, btap)
+    cand_index = RowIndex.load(store, tap)
+    alignment = align_sequences(ref_index, cand_index)
+    opts = CompareOptions(sample_rows=sample_rows, seed=seed)
+    offset, _scores, pairs = _offset_search(alignment, size, opts)
+    if len(pairs) == 0:
+        raise CompareError(
+            f"{bank.path}: the bank holds none of the token sequences of {store.path}; record the bank on the same "
+            f"inputs (tracediff record --adapter hf ... on the same token ids)"
+        )
+    pick = _sample(pairs, sample_rows, seed + 1)
+    c = _read_rows(cand_index, pairs.candidate[pick])
+    b = _read_rows(ref_index, pairs.reference[pick])
+    raw = segment_cosine_matrix(c, b, size)
+    centred = segment_cosine_matrix(c, b, size, centred=True)
+    floor = noise_floor(b, size, bfirst.dtype, first.dtype, seed=seed)
+    names = _bank_names(bfirst.attrs, bfirst.width // size)
+    cs, bs = split(c, size), split(b, size)
+    keep = torch.isfinite(cs).all(dim=(1, 2)) & torch.isfinite(bs).all(dim=(1, 2))
+    cs, bs = cs[keep], bs[keep]
+    labels = first.segment_labels or [f"seg{i}" for i in range(first.width // size)]
+    segments = []
+    for i in range(first.width // size):
+        dist = 1.0 - centred[i]
+        order = [int(j) for j in np.argsort(np.where(np.isfinite(dist), dist, np.inf))]
+        j1 = order[0]
+        j2 = order[1] if len(order) > 1 else None
+        d1 = float(dist[j1])
+        d2 = float(dist[j2]) if j2 is not None else float("inf")
+        tier = _tier(d1, d2, floor)
+        ci, bj = cs[:, i], bs[:, j1]
+        rel_l2 = float(((ci - bj).norm() / bj.norm().clamp_min(1e-30)).item()) if ci.numel() else float("nan")
+        ratio = float((ci.norm(dim=1) / bj.norm(dim=1).clamp_min(1e-30)).median().item()) if ci.numel() else float("nan")
+        scaled = math.isfinite(ratio) and abs(math.log(max(ratio, 1e-30))) > max(0.01, 10 * math.sqrt(2 * floor))
+        best, runner = names[j1], (names[j2] if j2 is not None else None)
+        label = labels[i] if i < len(labels) else f"seg{i}"
+        if tier in ("exact", "near") and not scaled:
+            verdict = "match"
+            message = f"segment {i} ({label}) is {best.text} (cosine {raw[i, j1]:.6f}, relative L2 {rel_l2:.2e})"
+        elif tier in ("exact", "near"):
+            verdict = "scaled"
+            message = (f"segment {i} ({label}) points the same way as {best.text} but is {ratio:.4g}x its size "
+                       f"(cosine {raw[i, j1]:.6f})")
+        elif tier == "related":
+            verdict = "closest"
+            message = (f"segment {i} ({label}): no layer matches within the noise floor; closest is {best.text} "
+                       f"(cosine {raw[i, j1]:.4f}, runner-up {runner.text if runner else '-'} "
+                       f"{raw[i, j2]:.4f})" if j2 is not None else f"segment {i}: closest is {best.text}")
+        else:
+            verdict = "none"
+            message = (f"segment {i} ({label}): no layer matches (best {best.text} at cosine {raw[i, j1]:.4f}, "
+                       f"not clearly above {runner.text if runner else '-'})")
+        segments.append(SegmentIdentity(
+            segment=i, label=label, verdict=verdict,
+            best=best if verdict != "none" else None,
+            cosine=float(raw[i, j1]), centred_cosine=float(centred[i, j1]), rel_l2=rel_l2, norm_ratio=ratio,
+            runner_up=runner, runner_up_cosine=float(raw[i, j2]) if j2 is not None else None,
+            margin=(d2 / d1) if d1 > 0 else float("inf"), message=message,
+        ))
+    ident = Identification(store=str(store.path), tap=tap, bank=str(bank.path), bank_tap=btap, segment_size=size,
+                           pairs=len(pairs), label_offset=offset, segments=segments)
+    ident.suggestions, ident.notes = _suggest(segments)
+    if offset:
+        ident.notes.append(f"rows matched the bank best at label offset {offset}: the store's token labels are shifted")
+    return ident
+
+
+def _suggest(segments: list[SegmentIdentity]) -> tuple[dict[str, Any], list[str]]:
+    """The aux-layer ids a user would type to reproduce these segments, per framework convention."""
+    notes: list[str] = []
+    found = [s.best for s in segments if s.verdict in ("match", "scaled") and s.best is not None]
+    if len(found) != len(segments):
+        return {}, ["not every segment was identified: no config reproduces this trace from the bank's layers"]
+    out: dict[str, Any] = {"hf_hidden_states_indices": [n.hf_index for n in found]}
+    if all(n.sglang_id is not None for n in found):
+        ids = [n.sglang_id for n in found]
+        out["sglang_eagle_config.eagle_aux_hidden_state_layer_ids"] = ids
+        if ids != sorted(ids):
+            notes.append("SGLang concatenates aux hidden states in ascending layer order whatever the config says: "
+                         "this order cannot be reproduced on SGLang")
+        if any(n.kind == "pre_norm" for n in found):
+            notes.append("SGLang captures a layer's output as the input of the next layer: the final layer's "
+                         "output (pre-norm) is not capturable there except for gpt-oss")
+    if all(n.vllm_id is not None for n in found):
+        out["vllm_eagle_aux_hidden_state_layer_ids"] = [n.vllm_id for n in found]
+    if any(n.kind == "post_norm" for n in found):
+        notes.append("a segment is the final norm's output (HF hidden_states[-1]); servers feed pre-norm states")
+    return out, notes
+
+
+def render_identification(ident: Identification) -> str:
+    lines = [f"identify {ident.store} ({ident.tap}) against bank {ident.bank} ({ident.bank_tap}): "
+             f"{ident.pairs} aligned rows, segment size {ident.segment_size}"]
+    for s in ident.segments:
+        lines.append(f"  {s.message}")
+        if s.best is not None and s.verdict in ("match", "scaled"):
+            ids = []
+            if s.best.sglang_id is not None:
+                ids.append(f"SGLang id {s.best.sglang_id}")
+            if s.best.vllm_id is not None:
+                ids.append(f"vLLM/HF capture index {s.best.vllm_id}")
+            if ids:
+                lines.append(f"      {', '.join(ids)}; runner-up {s.runner_up.text if s.runner_up else '-'} "
+                             f"(cosine {s.runner_up_cosine:.4f})")
+    if ident.suggestions:
+        lines.append("to reproduce this trace:")
+        for key, value in ident.suggestions.items():
+            lines.append(f"  {key} = {value}")
+    for note in ident.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+__all__ = ["EXACT_FACTOR", "Identification", "LayerName", "SegmentIdentity", "identify_segments",
+           "render_identification"]
