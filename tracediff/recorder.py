@@ -496,7 +496,11 @@ class Recorder:
         if take < rows:
             state.skipped_rows += rows - take
             nbytes = take * width * tensor.element_size()
-            label_fields = {k: (v[:take] if isinstance(v, np.ndarray) else v) for k, v in label_fields.items()}
+            # Scalar labels (0-d arrays: a step or seq given once for the batch) apply to every row.
+            label_fields = {
+                k: (v[:take] if isinstance(v, (np.ndarray, torch.Tensor)) and v.ndim else v)
+                for k, v in label_fields.items()
+            }
 
         if not self._reserve(nbytes):
             state.dropped_rows += take
@@ -694,7 +698,7 @@ class Recorder:
         else:
             array = values.numpy()
         writer = self._writer_for(item)
-        labels = dict(item.labels)
+        labels = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in item.labels.items()}
         seq = labels.get("seq")
         if seq is not None and np.asarray(seq).dtype.kind in "OUS":
             labels["seq"] = np.array([writer.seq_id(k) for k in np.asarray(seq).reshape(-1)], dtype=np.int64)
@@ -732,8 +736,7 @@ class Recorder:
                 status = "failed" if self.error else "closed"
                 writer.close(status=status, error=self.error or "")
             except Exception as exc:  # noqa: BLE001
-                log.error("tracediff: final commit of %s/%s failed: %s (committed rows stay readable)",
-                          self.path, name, exc)
+                log.error("tracediff: closing %s/%s: %s (committed rows stay readable)", self.path, name, exc)
 
     # ------------------------------------------------------------------ SIGTERM
     def _install_sigterm(self) -> None:
@@ -830,6 +833,15 @@ def _label_array(key: str, value: Any, rows: int) -> Any:
         if arr.dtype.kind in "OUS":
             return np.array([phase_code(str(x)) for x in arr], dtype=np.int8)
         return arr.astype(np.int8)
+    if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+        # No sync on the forward path: copy asynchronously; the batch's CUDA event (recorded after
+        # this copy was queued) is waited for by the writer before it reads the labels.
+        flat = value.detach().reshape(-1)
+        if flat.numel() == 1 and rows != 1:
+            flat = flat.expand(rows)
+        host = torch.empty(flat.shape, dtype=torch.bool if key == "valid" else torch.int64, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        return host
     if isinstance(value, torch.Tensor):
         arr = value.detach().to("cpu").numpy().reshape(-1)
     elif isinstance(value, (str, bytes)):
