@@ -72,6 +72,8 @@ def main() -> None:
 @click.option("--compressor", type=click.Choice(["none", "lz4", "zstd"]), default="none", show_default=True)
 @click.option("--chunk-rows", type=int, default=256, show_default=True)
 @click.option("--durable", is_flag=True, help="fsync each batch before committing it.")
+@click.option("--all-ranks", is_flag=True,
+              help="Record every tensor-parallel rank (sglang: default is attention-TP rank 0 only).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def record(
     output: Path,
@@ -92,6 +94,7 @@ def record(
     compressor: str,
     chunk_rows: int,
     durable: bool,
+    all_ranks: bool,
     command: tuple[str, ...],
 ) -> None:
     """Run COMMAND with recording injected into each of its Python processes.
@@ -146,6 +149,7 @@ def record(
         "compressor": compressor,
         "chunk_rows": chunk_rows,
         "durable": durable,
+        "all_ranks": all_ranks,
     }
     source = default_source(role)
     source["argv"] = list(command)
@@ -171,9 +175,24 @@ def record(
     finally:
         store.close()
     click.echo(_record_summary(desc, returncode), err=True)
-    for warning in warnings_for(desc, expected_taps=names):
+    for warning in warnings_for(desc, expected_taps=names) + _adapter_warnings(adapters, command, desc):
         click.echo(f"tracediff: warning: {warning}", err=True)
     sys.exit(returncode)
+
+
+def _adapter_warnings(adapters: tuple[str, ...], command: tuple[str, ...], desc: dict[str, Any]) -> list[str]:
+    """What each adapter knows about a run that recorded less than it should (capture points that
+    never fired and the flag to add); an adapter without ``record_warnings`` has nothing to say."""
+    from tracediff.adapters import load_adapter  # noqa: PLC0415
+
+    out: list[str] = []
+    for name in adapters:
+        try:
+            fn = getattr(load_adapter(name), "record_warnings", None)
+            out.extend(fn(list(command), desc) if fn is not None else [])
+        except Exception as exc:  # noqa: BLE001  (a summary must not turn a finished run into an error)
+            out.append(f"adapter {name!r} could not check the run: {type(exc).__name__}: {exc}")
+    return out
 
 
 def _hooks_dir() -> str:
@@ -321,6 +340,76 @@ def identify(store: Path, bank: Path, tap: str | None, bank_tap: str | None, seg
         write_json(json_path, ident.to_dict())
     click.echo(render_identification(ident))
     sys.exit(0 if all(s.verdict in ("match", "scaled") for s in ident.segments) else 1)
+
+
+# ---------------------------------------------------------------------------------- demo
+@main.command()
+@click.option("--out", type=click.Path(path_type=Path), default=Path("tracediff-demo"), show_default=True,
+              help="Folder for the HTML, Markdown and JSON reports (created).")
+@click.option("--samples", type=click.Path(path_type=Path),
+              help="Folder of the sample stores (default: samples/ of the source checkout).")
+def demo(out: Path, samples: Path | None) -> None:
+    """Compare the shipped broken and fixed trace pairs, identify the broken server's layers, write reports.
+
+    Offline, CPU only. Exit code: 0 when the demo showed what it should (the broken pair is meant to
+    mismatch), 1 when a result came out otherwise, 2 when the samples are missing.
+    """
+    from tracediff.demo import run_demo  # noqa: PLC0415
+
+    result = run_demo(out, samples, echo=click.echo, color=sys.stdout.isatty())
+    sys.exit(result.exit_code)
+
+
+# ---------------------------------------------------------------------------------- send
+@main.command()
+@click.argument("trace", type=click.Path(path_type=Path))
+@click.option("--url", required=True, help="Base URL of the running SGLang server, e.g. http://127.0.0.1:30000.")
+@click.option("--tap", help="Tap whose token labels give the sequences (default fc_in, else the trace's only tap).")
+@click.option("--concurrency", type=int, default=4, show_default=True, help="Requests in flight at most.")
+@click.option("--max-new-tokens", type=int, default=1, show_default=True,
+              help="Tokens generated per request (1: only the sequence itself is forwarded, as in training).")
+@click.option("--limit", type=int, help="Send only the first N sequences.")
+@click.option("--retries", type=int, default=3, show_default=True, help="Retries of a request the server did not take.")
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for one response.")
+@click.option("--rid-prefix", default="", help="Prefix of the request ids (default: the sequence keys as they are).")
+@click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when it is a terminal).")
+def send(trace: Path, url: str, tap: str | None, concurrency: int, max_new_tokens: int, limit: int | None,
+         retries: int, timeout: float, rid_prefix: str, progress: bool | None) -> None:
+    """Replay TRACE's token sequences to a running SGLang server (/generate with input_ids, rid = the
+    sequence key, greedy), so that a server recorded with `tracediff record --adapter sglang` sees
+    exactly the training tokens.
+
+    Exit code: 0 all sent, 1 some requests failed, 2 bad input or the server unreachable.
+    """
+    from tracediff.send import SendOptions, check_server, check_vocabulary, send_sequences, sequences_from_trace  # noqa: PLC0415
+
+    if limit is not None and limit <= 0:
+        raise UsageError(f"--limit must be positive, got {limit}")
+    if not re.match(r"^https?://", url):
+        raise UsageError(f"--url {url!r}: give a base URL such as http://127.0.0.1:30000")
+    if concurrency < 1 or max_new_tokens < 1 or retries < 0 or timeout <= 0:
+        raise UsageError("--concurrency and --max-new-tokens must be >= 1, --retries >= 0, --timeout > 0")
+    opts = SendOptions(url=url, concurrency=concurrency, max_new_tokens=max_new_tokens, timeout=timeout,
+                       retries=retries, rid_prefix=rid_prefix)
+    sequences = sequences_from_trace(trace, tap=tap, limit=limit)
+    info = check_server(url)
+    check_vocabulary(sequences, info, url)
+    show = sys.stderr.isatty() if progress is None else progress
+    bar: Any = click.progressbar(length=len(sequences), label="sending", file=sys.stderr) if show else None
+    if bar is not None:
+        bar.__enter__()
+    try:
+        result = send_sequences(sequences, opts, progress=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    click.echo(f"sent {result.succeeded} of {result.sequences} sequences ({result.tokens} tokens) to {result.url} "
+               f"in {result.seconds:.1f}s" + (f", {result.retried} retries" if result.retried else ""))
+    for key, error in list(result.failures.items())[:10]:
+        click.echo(f"tracediff: failed: sequence {key}: {error}", err=True)
+    if len(result.failures) > 10:
+        click.echo(f"tracediff: ... and {len(result.failures) - 10} more failed sequences", err=True)
+    sys.exit(1 if result.failures else 0)
 
 
 # ---------------------------------------------------------------------------------- inspect

@@ -77,7 +77,7 @@ VALUE_DTYPES: dict[str, np.dtype] = {
 }
 COMPRESSORS = ("none", "lz4", "zstd")
 DEFAULT_CHUNK_ROWS = 256
-DEFAULT_LABEL_CHUNK_ROWS = 16384
+DEFAULT_LABEL_CHUNK_ROWS = 4096
 DEFAULT_COMPRESSOR = "none"
 
 
@@ -150,6 +150,12 @@ def _compressors(name: str, itemsize: int):
     raise UsageError(f"unknown compressor {name!r}; choose one of {', '.join(COMPRESSORS)}")
 
 
+def _zstd():
+    from zarr.codecs import ZstdCodec  # noqa: PLC0415
+
+    return ZstdCodec(level=1)
+
+
 def _thread_local_blosc_mutex() -> None:
     """numcodecs' blosc creates a *multiprocessing* Lock on first use. Inside a process started by
     multiprocessing (SGLang's schedulers), that semaphore's finaliser fails at exit and prints a
@@ -185,11 +191,15 @@ def create_store(
     if path.exists():
         if not overwrite:
             raise StoreExistsError(f"{path}: already exists; pass --overwrite (overwrite=True) to replace it")
-        if path.is_dir() and any(path.iterdir()) and not _looks_like_trace_store(path):
+        # A plain file is never a store folder (packed .zip stores are refused above): keep it too.
+        if not path.is_dir() or (any(path.iterdir()) and not _looks_like_trace_store(path)):
             raise StoreExistsError(
                 f"{path}: exists and is not a tracediff store; refusing to delete it, choose another path"
             )
         _remove_tree(path)
+    blocker = next((p for p in path.parents if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise StoreWriteError(f"{path}: cannot create the store: {blocker} is a file, not a folder")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         zarr = _zarr()
@@ -334,7 +344,9 @@ class TraceWriter:
                     shape=(0,),
                     chunks=(DEFAULT_LABEL_CHUNK_ROWS,),
                     dtype=LABEL_DTYPES[name],
-                    compressors=None,  # labels are ~1% of the bytes: not worth a codec
+                    # Labels compress ~10x (positions count up, ids repeat) and are small: zstd
+                    # (not blosc, whose multiprocessing lock misbehaves in spawned children).
+                    compressors=[_zstd()],
                     fill_value=LABEL_FILL[name],
                     config={"write_empty_chunks": True},
                 )
@@ -401,6 +413,21 @@ class TraceWriter:
             raise UsageError(f"tap {self.tap!r}: batch dtype {values.dtype} is not the store dtype of {self.dtype}")
         if rows == 0:
             return
+        # Labels are checked before any I/O: a rejected batch must leave neither chunks nor the
+        # in-memory tail behind (the tail is rewritten into the next batch's first chunk).
+        columns: dict[str, np.ndarray] = {}
+        for name in LABEL_FIELDS:
+            column = labels.get(name)
+            if column is None:
+                columns[name] = np.full(rows, LABEL_FILL[name], dtype=LABEL_DTYPES[name])
+                continue
+            try:
+                column = np.asarray(column).astype(LABEL_DTYPES[name], copy=False).reshape(-1)
+            except (TypeError, ValueError) as exc:
+                raise UsageError(f"tap {self.tap!r}: label {name!r} is not {LABEL_DTYPES[name]}: {exc}") from exc
+            if column.shape[0] != rows:
+                raise UsageError(f"tap {self.tap!r}: label {name!r} has {column.shape[0]} entries for {rows} rows")
+            columns[name] = column
         start = self.counts.rows
         stop = start + rows
         try:
@@ -417,16 +444,7 @@ class TraceWriter:
             tail_rows = stop % self.chunk_rows
             self._tail = block[len(block) - tail_rows :].copy() if tail_rows else None
             self._tail_rows = tail_rows
-            for name in LABEL_FIELDS:
-                column = labels.get(name)
-                if column is None:
-                    column = np.full(rows, LABEL_FILL[name], dtype=LABEL_DTYPES[name])
-                else:
-                    column = np.asarray(column).astype(LABEL_DTYPES[name], copy=False).reshape(-1)
-                    if column.shape[0] != rows:
-                        raise UsageError(
-                            f"tap {self.tap!r}: label {name!r} has {column.shape[0]} entries for {rows} rows"
-                        )
+            for name, column in columns.items():
                 self._labels[name][start:stop] = column
             self.counts.rows = stop
             self.counts.batches += 1
@@ -600,15 +618,31 @@ class TraceStream:
                 f"{self.store.path}/{self.tap}/{self.writer}/values: cannot be read ({type(exc).__name__}: {exc})"
             ) from exc
 
-    def read_chunk(self, index: int) -> np.ndarray:
+    def read_chunk(
+        self,
+        index: int,
+        rows: np.ndarray | None = None,
+        *,
+        out: np.ndarray | None = None,
+        dest: np.ndarray | None = None,
+        files: ChunkFiles | None = None,
+    ) -> np.ndarray:
         """Raw values of chunk ``index`` (rows index*chunk_rows ..), committed rows only.
 
         Uncompressed chunks of a store folder are read straight from their file (zarr v3 keeps edge
         chunks full size), which is about twice as fast as zarr's read path; anything else (codecs,
         zip) goes through zarr.
+
+        With ``rows`` (row offsets within the chunk, each below the chunk's committed rows), only
+        those rows are read, into ``out[dest]`` (``dest`` defaults to 0, 1, ...; ``out`` to a new
+        array) and ``out`` is returned. From an uncompressed chunk file the rows are read in place
+        (one ``preadv`` per run of consecutive rows, no whole-chunk buffer); ``files`` keeps the
+        chunk files open between calls (one :class:`ChunkFiles` per reading thread).
         """
         start = index * self.chunk_rows
         stop = min(start + self.chunk_rows, self.rows)
+        if rows is not None:
+            return self._read_chunk_rows(index, max(0, stop - start), rows, out, dest, files)
         if start >= stop:
             return np.empty((0, self.width), dtype=VALUE_DTYPES[self.dtype])
         if self._raw_chunks:
@@ -627,6 +661,92 @@ class TraceStream:
                 )
             return data.reshape(self.chunk_rows, self.width)[: stop - start].astype(VALUE_DTYPES[self.dtype], copy=False)
         return self.read(start, stop)
+
+    def _read_chunk_rows(
+        self,
+        index: int,
+        committed: int,
+        rows: np.ndarray,
+        out: np.ndarray | None,
+        dest: np.ndarray | None,
+        files: ChunkFiles | None,
+    ) -> np.ndarray:
+        dtype = VALUE_DTYPES[self.dtype]
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if out is None:
+            out = np.empty((rows.size, self.width), dtype=dtype)
+        if dest is None:
+            dest = np.arange(rows.size, dtype=np.int64)
+        else:
+            dest = np.asarray(dest, dtype=np.int64).reshape(-1)
+        if out.ndim != 2 or out.shape[1] != self.width or out.dtype != dtype or not out.flags.c_contiguous:
+            raise UsageError(f"read_chunk: out must be a C-contiguous [rows, {self.width}] {dtype} array")
+        if dest.size != rows.size:
+            raise UsageError(f"read_chunk: {rows.size} rows but {dest.size} destinations")
+        if rows.size == 0:
+            return out
+        if int(rows.min()) < 0 or int(rows.max()) >= committed:
+            raise UsageError(f"read_chunk: row offsets must lie in 0..{committed - 1} for chunk {index}")
+        if not self._raw_chunks:
+            out[dest] = self.read_chunk(index)[rows]
+            return out
+        path = f"{self._values_dir}/c/{index}/0"
+        row_bytes = self.width * dtype.itemsize
+        own = files is None
+        files = ChunkFiles(limit=1) if files is None else files
+        try:
+            fd = files.open(path, self.chunk_rows * row_bytes)
+            if fd is None:  # never written: the fill value
+                out[dest] = 0
+                return out
+            if rows.size > 1 and bool((rows[1:] < rows[:-1]).any()):
+                order = np.argsort(rows, kind="stable")
+                rows, dest = rows[order], dest[order]
+            # Runs of consecutive rows in the file; a run whose destinations are consecutive too is
+            # read into one buffer, any other into one buffer per row (a single preadv either way).
+            row_break = np.flatnonzero(np.diff(rows) != 1) + 1
+            starts = np.concatenate(([0], row_break)).tolist()
+            ends = np.concatenate((row_break, [rows.size])).tolist()
+            scattered = np.concatenate(([0], np.cumsum(np.diff(dest) != 1)))
+            flat = memoryview(out).cast("B")
+            rows_l, dest_l = rows.tolist(), dest.tolist()
+            for a, b in zip(starts, ends):
+                if scattered[b - 1] == scattered[a]:
+                    d0 = dest_l[a] * row_bytes
+                    pieces = [(rows_l[a], [flat[d0 : d0 + (b - a) * row_bytes]], (b - a) * row_bytes)]
+                else:
+                    pieces = [
+                        (rows_l[k], [flat[d * row_bytes : (d + 1) * row_bytes] for d in dest_l[k : k + _IOV_MAX]],
+                         min(_IOV_MAX, b - k) * row_bytes)
+                        for k in range(a, b, _IOV_MAX)
+                    ]
+                for row, buffers, size in pieces:
+                    try:
+                        got = os.preadv(fd, buffers, row * row_bytes)
+                    except OSError as exc:
+                        raise CorruptStoreError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+                    if got != size:
+                        raise CorruptStoreError(f"{path}: short read at row {row} (file truncated while reading?)")
+            if self._raw_dtype.byteorder not in ("=", "|", "<" if sys.byteorder == "little" else ">"):
+                out[dest] = out[dest].byteswap()
+        finally:
+            if own:
+                files.close()
+        return out
+
+    @property
+    def reads_rows_directly(self) -> bool:
+        """True when :meth:`read_chunk` reads single rows straight from the chunk files (uncompressed
+        folder stores): no chunk is decoded whole, so callers need no chunk cache."""
+        return self._raw_chunks
+
+    @property
+    def _values_dir(self) -> str:
+        cached = self.__dict__.get("_values_dir_cache")
+        if cached is None:
+            cached = os.fspath(self.store.path / self.tap / self.writer / "values")
+            self.__dict__["_values_dir_cache"] = cached
+        return cached
 
     @property
     def _raw_chunks(self) -> bool:
@@ -669,6 +789,61 @@ class TraceStream:
     @property
     def nbytes(self) -> int:
         return self.rows * self.width * VALUE_DTYPES[self.dtype].itemsize
+
+
+_IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
+
+
+class ChunkFiles:
+    """Open uncompressed chunk files for :meth:`TraceStream.read_chunk`, the least recently used
+    closed beyond ``limit``. Not thread-safe: one per reading thread; close it (or use ``with``)."""
+
+    def __init__(self, limit: int = 64) -> None:
+        from collections import OrderedDict  # noqa: PLC0415
+
+        self.limit = max(1, int(limit))
+        self._fds: OrderedDict[str, int] = OrderedDict()
+
+    def open(self, path: str, size: int) -> int | None:
+        """File descriptor of ``path`` (None if it does not exist); refuses a file under ``size`` bytes."""
+        fd = self._fds.get(path)
+        if fd is not None:
+            self._fds.move_to_end(path)
+            return fd
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise CorruptStoreError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+        try:
+            actual = os.fstat(fd).st_size
+        except OSError as exc:
+            os.close(fd)
+            raise CorruptStoreError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+        if actual < size:
+            os.close(fd)
+            raise CorruptStoreError(f"{path}: chunk holds {actual} bytes, expected {size} (truncated file?)")
+        self._fds[path] = fd
+        while len(self._fds) > self.limit:
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.popitem()[1])
+
+    def __enter__(self) -> ChunkFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (interpreter shutdown)
+            pass
 
 
 class TraceStore:

@@ -7,6 +7,7 @@ host's forward: it reads arguments and hands small label tensors over, nothing m
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -22,11 +23,11 @@ def attach_spec(recorder: Recorder, spec: TapSpec, instance: torch.nn.Module) ->
     target = spec.resolve(instance)
     if not isinstance(target, torch.nn.Module):
         return False
-    seen = target.__dict__.setdefault("_tracediff_taps", set())
-    key = (id(recorder), spec.name, spec.capture)
-    if key in seen:
+    per_recorder = target.__dict__.setdefault("_tracediff_taps", weakref.WeakKeyDictionary())
+    seen = per_recorder.setdefault(recorder, set())
+    if (spec.name, spec.capture) in seen:
         return True
-    seen.add(key)
+    seen.add((spec.name, spec.capture))
     recorder.tap(target, spec.name, capture=spec.capture, arg=spec.arg, module_path=spec.module_path)
     return True
 
@@ -66,9 +67,10 @@ def labels_from_forward(args: tuple, kwargs: dict) -> dict[str, Any] | None:
 
 def attach_label_source(recorder: Recorder, module: torch.nn.Module) -> bool:
     """Make ``module``'s forward arguments label the rows captured after it in this thread."""
-    if module.__dict__.get("_tracediff_label_source"):
+    sources = module.__dict__.setdefault("_tracediff_label_sources", weakref.WeakSet())
+    if recorder in sources:
         return True
-    module.__dict__["_tracediff_label_source"] = True
+    sources.add(recorder)
 
     def pre_hook(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not recorder.enabled:

@@ -12,6 +12,7 @@ buffer is handed to the recorder as a fresh tensor (no second copy).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -60,14 +61,16 @@ def attach(recorder: Recorder, module: torch.nn.Module, *, name: str | None = No
     base = _base_model(module)
     if base is None:
         return False
-    if base.__dict__.get("_tracediff_bank"):
+    # Keyed by recorder: a later recorder on the same model must attach its own hooks.
+    banks = base.__dict__.setdefault("_tracediff_banks", weakref.WeakKeyDictionary())
+    if recorder in banks:
         return True
     config = getattr(module, "config", None) or getattr(base, "config", None)
     num_layers = len(base.layers)
     if name is None:
         taken = {t for t in recorder.stats()}
         name = "bank" if "bank" not in taken else f"bank_{len([t for t in taken if t.startswith('bank')]) + 1}"
-    base.__dict__["_tracediff_bank"] = name
+    banks[recorder] = name
     hidden = getattr(config, "hidden_size", None)
     labels, info = bank_segments(num_layers)
     recorder.declare(

@@ -386,6 +386,11 @@ def render_text(report: Report, color: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_summary(report: Report, color: bool = False) -> str:
+    """The top of :func:`render_text` alone: the verdict, every error finding, both sides' aux layers."""
+    return "\n".join(_summary(report, _Painter(color))).rstrip("\n") + "\n"
+
+
 def _wrap(text: str, indent: str = "", hang: str | None = None) -> list[str]:
     return textwrap.wrap(
         text,
