@@ -80,7 +80,12 @@ def warnings_for(desc: dict[str, Any], expected_taps: list[str] | None = None) -
                 out.append(f"{where}: the process did not close its writer (killed?); its {w['rows']} committed rows are readable")
             elif w["status"] == "failed":
                 out.append(f"{where}: recording stopped after an error: {w['error']}")
-            if w["dropped_rows"]:
+            if w["dropped_rows"] and w["status"] == "failed":
+                out.append(
+                    f"{where}: {w['dropped_rows']} rows in {w['dropped_batches']} batches were dropped (not written "
+                    f"after the error above, or the writer fell behind)"
+                )
+            elif w["dropped_rows"]:
                 out.append(
                     f"{where}: {w['dropped_rows']} rows in {w['dropped_batches']} batches were dropped because the "
                     f"writer fell behind (raise --queue-bytes, use --on-full block, or record fewer steps)"
