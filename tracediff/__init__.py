@@ -22,10 +22,28 @@ __version__ = "0.1.0"
 
 
 def record(*args: Any, **kwargs: Any) -> Any:
-    """Start a :class:`tracediff.recorder.Recorder` (see its docstring); use as a context manager."""
+    """Start a :class:`tracediff.recorder.Recorder` (see its docstring); use as a context manager.
+
+    ``adapter="speculators"`` (or any adapter name, comma-separated for several) also attaches that
+    framework adapter to the models of this process: those alive now and those built while recording
+    (see :func:`tracediff.adapters.attach_in_process`). An unknown adapter or one whose framework is
+    not installed raises before the store is created.
+    """
     from tracediff.recorder import Recorder  # noqa: PLC0415
 
-    return Recorder(*args, **kwargs)
+    adapter = kwargs.get("adapter")
+    if adapter:
+        from tracediff.adapters import adapter_names, attach_in_process  # noqa: PLC0415
+
+        adapter_names(adapter)
+    rec = Recorder(*args, **kwargs)
+    if adapter:
+        try:
+            attach_in_process(rec, adapter)
+        except BaseException:
+            rec.close()
+            raise
+    return rec
 
 
 def open_store(path: Any) -> Any:

@@ -102,7 +102,7 @@ def record(
     Example: tracediff record --tap Eagle3DraftModel.fc:input -o train.zarr -- python train.py
     """
     from tracediff.adapters import adapter_info, check_installed  # noqa: PLC0415
-    from tracediff.recorder import Limits  # noqa: PLC0415
+    from tracediff.limits import Limits  # noqa: PLC0415
     from tracediff.store import create_store, default_source, open_store  # noqa: PLC0415
     from tracediff.tapspec import TapSpec  # noqa: PLC0415
 
@@ -342,6 +342,61 @@ def identify(store: Path, bank: Path, tap: str | None, bank_tap: str | None, seg
     sys.exit(0 if all(s.verdict in ("match", "scaled") for s in ident.segments) else 1)
 
 
+# ---------------------------------------------------------------------------------- import
+@main.group(name="import", cls=_Group)
+def import_group() -> None:
+    """Turn a trainer's offline hidden-state files into a reference trace (taps fc_in and bank)."""
+
+
+_IMPORT_OPTIONS = [
+    click.argument("src", type=click.Path(path_type=Path)),
+    click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="Store to create."),
+    click.option("--overwrite", is_flag=True, help="Replace an existing store."),
+    click.option("--layer-ids", help="The draft's aux layer ids, comma-separated (they name the segments)."),
+    click.option("--max-files", type=int, help="Import only the first N files."),
+]
+
+
+def _import_options(func: Any) -> Any:
+    for decorator in reversed(_IMPORT_OPTIONS):
+        func = decorator(func)
+    return func
+
+
+@import_group.command(name="speculators")
+@_import_options
+def import_speculators_cmd(src: Path, output: Path, overwrite: bool, layer_ids: str | None,
+                           max_files: int | None) -> None:
+    """Import speculators' hs_<i>.safetensors files from SRC (or SRC/hidden_states).
+
+    --layer-ids: eagle_aux_hidden_state_layer_ids of the draft config (vLLM ids).
+    """
+    from tracediff.importers import import_speculators, parse_layer_ids  # noqa: PLC0415
+
+    if max_files is not None and max_files <= 0:
+        raise UsageError(f"--max-files must be positive, got {max_files}")
+    result = import_speculators(src, output, layer_ids=parse_layer_ids(layer_ids), overwrite=overwrite,
+                                max_files=max_files)
+    click.echo(f"tracediff: {result.summary()}", err=True)
+
+
+@import_group.command(name="specforge")
+@_import_options
+def import_specforge_cmd(src: Path, output: Path, overwrite: bool, layer_ids: str | None,
+                         max_files: int | None) -> None:
+    """Import SpecForge's offline data_<i>.ckpt[.gz] files under SRC (read with torch.load(weights_only=True)).
+
+    --layer-ids: eagle_config.eagle_aux_hidden_state_layer_ids of the draft config (SGLang ids).
+    """
+    from tracediff.importers import import_specforge, parse_layer_ids  # noqa: PLC0415
+
+    if max_files is not None and max_files <= 0:
+        raise UsageError(f"--max-files must be positive, got {max_files}")
+    result = import_specforge(src, output, layer_ids=parse_layer_ids(layer_ids), overwrite=overwrite,
+                              max_files=max_files)
+    click.echo(f"tracediff: {result.summary()}", err=True)
+
+
 # ---------------------------------------------------------------------------------- demo
 @main.command()
 @click.option("--out", type=click.Path(path_type=Path), default=Path("tracediff-demo"), show_default=True,
@@ -392,7 +447,7 @@ def send(trace: Path, url: str, tap: str | None, concurrency: int, max_new_token
     opts = SendOptions(url=url, concurrency=concurrency, max_new_tokens=max_new_tokens, timeout=timeout,
                        retries=retries, rid_prefix=rid_prefix)
     sequences = sequences_from_trace(trace, tap=tap, limit=limit)
-    info = check_server(url)
+    info = check_server(url, retries=retries)
     check_vocabulary(sequences, info, url)
     show = sys.stderr.isatty() if progress is None else progress
     bar: Any = click.progressbar(length=len(sequences), label="sending", file=sys.stderr) if show else None

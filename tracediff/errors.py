@@ -57,3 +57,12 @@ class AdapterError(TracediffError, ImportError):
 
 class ReportWriteError(TracediffError, OSError):
     """A report file could not be written (missing or read-only folder, full disk...)."""
+
+
+class SendError(TracediffError, ConnectionError):
+    """A server to replay a trace to cannot be reached, stopped answering, or refuses the trace."""
+
+
+class ImportFormatError(TracediffError, ValueError):
+    """A trainer's offline files cannot be imported: missing, refused (not plain tensors), or not in
+    the layout that framework writes (keys, shapes, files of two different models)."""

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tracediff.errors import AdapterError, UsageError
+
+log = logging.getLogger("tracediff")
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,12 @@ ADAPTERS: dict[str, AdapterInfo] = {
     "hf": AdapterInfo("hf", "tracediff.adapters.hf", "transformers",
                       "a bank of every hidden state of a transformers decoder model (embedding, each layer, "
                       "final layer before and after the norm)"),
+    "sglang": AdapterInfo("sglang", "tracediff.adapters.sglang", "sglang",
+                          "SGLang server: the EAGLE-3 draft's fc input and the target's packed aux hidden states"),
+    "speculators": AdapterInfo("speculators", "tracediff.adapters.speculators", "speculators",
+                               "speculators trainer: Eagle3DraftModel.fc input with labels from its forward"),
+    "specforge": AdapterInfo("specforge", "tracediff.adapters.specforge", "specforge",
+                             "SpecForge trainer: LlamaForCausalLMEagle3 / OnlineEagle3Model fc input"),
 }
 
 
@@ -56,6 +65,100 @@ def load_adapter(name: str) -> Any:
         return importlib.import_module(info.module)
     except ImportError as exc:
         raise AdapterError(f"adapter {name!r} cannot be loaded: {exc}") from exc
+
+
+def adapter_names(spec: str | Sequence[str]) -> list[str]:
+    """``"speculators"``, ``"hf,generic"`` or a list -> checked adapter names (unknown or not installed: error)."""
+    names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n and n.strip()]
+    for name in names:
+        check_installed(name)
+    return names
+
+
+def attach_in_process(recorder: Any, spec: str | Sequence[str]) -> list[str]:
+    """Attach the named adapters in this process, for ``tracediff.record(..., adapter=NAME)``.
+
+    Attaches to every live instance of a watched class now, and to instances built while the
+    recorder is open, of classes already imported (so import the framework first). The wrapped
+    ``__init__`` methods are restored when the recorder closes. Returns what was attached.
+    """
+    import gc  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    attached: list[str] = []
+    for name in adapter_names(spec):
+        adapter = load_adapter(name)
+        watched = set(adapter.WATCH)
+        if not watched:
+            continue
+
+        def attach_one(module: Any, adapter: Any = adapter, name: str = name) -> None:
+            try:
+                if adapter.attach(recorder, module):
+                    attached.append(f"{name} <- {type(module).__qualname__}")
+            except Exception as exc:  # noqa: BLE001  (the host goes on; recording stops)
+                recorder.fail(f"adapter {name!r} on {type(module).__qualname__}", exc)
+
+        # type(), not isinstance(): isinstance reads __class__, which some lazy objects warn about.
+        live = [obj for obj in gc.get_objects()
+                if issubclass(type(obj), torch.nn.Module) and _watched(type(obj), watched)]
+        # Outermost first: the adapter meets the whole model before its parts (a trainer wrapper
+        # before its draft, LlamaForCausalLM before its LlamaModel).
+        inner = {id(child) for module in live for child in module.modules() if child is not module}
+        live.sort(key=lambda module: id(module) in inner)
+        for module in live:
+            attach_one(module)
+        stack, seen, classes = [torch.nn.Module], set(), []
+        while stack:
+            klass = stack.pop()
+            if klass in seen:
+                continue  # reached again through another base
+            seen.add(klass)
+            stack.extend(klass.__subclasses__())
+            if _watched(klass, watched):
+                classes.append(klass)
+        for klass in classes:
+            recorder.keep_handle(_InitWrapper(klass, recorder, attach_one))
+        if not live and not classes:
+            log.warning("tracediff: adapter %r found no %s: import its framework (and build the model) before "
+                        "tracediff.record(...)", name, " / ".join(sorted(watched)))
+    return attached
+
+
+def _watched(klass: type, names: set[str]) -> bool:
+    return any(k.__name__ in names or f"{k.__module__}.{k.__qualname__}" in names for k in klass.__mro__)
+
+
+class _InitWrapper:
+    """Wraps ``klass.__init__`` so that finished instances get attached; ``remove()`` undoes it (the
+    recorder calls it at close, like a hook handle)."""
+
+    def __init__(self, klass: Any, recorder: Any, attach_one: Callable[[Any], None]) -> None:
+        self.klass = klass
+        self.original = klass.__dict__.get("__init__")
+        own = self.original
+
+        def init(instance: Any, *args: Any, **kwargs: Any) -> None:
+            if own is not None:
+                own(instance, *args, **kwargs)
+            else:
+                super(klass, instance).__init__(*args, **kwargs)
+            # Only the most derived class's wrapper acts: by then the instance is fully built.
+            if type(instance) is klass and not recorder.closed:
+                attach_one(instance)
+
+        init.__name__ = init.__qualname__ = "__init__"
+        self.wrapper = init
+        klass.__init__ = init  # type: ignore[misc]
+
+    def remove(self) -> None:
+        if self.klass.__dict__.get("__init__") is not self.wrapper:
+            return  # someone wrapped it again after us: leave theirs in place
+        if self.original is None:
+            delattr(self.klass, "__init__")
+        else:
+            self.klass.__init__ = self.original  # type: ignore[misc]
 
 
 AttachFn = Callable[[Any, Any], bool]
