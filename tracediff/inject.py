@@ -280,6 +280,12 @@ def _setup_logging() -> None:
     log.setLevel(getattr(logging, level, logging.WARNING))
 
 
+def current_config() -> dict[str, Any]:
+    """This process's activation config (``{}`` when inactive): adapters read their options here."""
+    ctx = _context
+    return dict(ctx.config) if ctx is not None else {}
+
+
 def context_summary() -> dict[str, Any]:
     """What this process attached (for tests and logs)."""
     ctx = _context

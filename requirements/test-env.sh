@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Sets up .venv with everything the test suite needs: torch (the CPU build on these machines),
+# tracediff with its test extras, and the frameworks the adapter tests run for real on CPU
+# (speculators, SpecForge, SGLang; installed without their CUDA dependency trees, see each script).
+# Idempotent: a second run installs nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e '.[test]'
+PIP=.venv/bin/pip bash requirements/frameworks-trainers.sh
+PIP=.venv/bin/pip bash requirements/frameworks-sglang.sh
