@@ -53,7 +53,7 @@ def main() -> None:
 # ---------------------------------------------------------------------------------- record
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="Store to create.")
-@click.option("--adapter", "adapters", multiple=True, help="Framework adapter (hf, generic); repeatable.")
+@click.option("--adapter", "adapters", multiple=True, help="Framework adapter: sglang, speculators, specforge, hf (a bank of every layer), generic; repeatable.")
 @click.option("--tap", "taps", multiple=True, help="Tap spec [NAME=]CLASS[.ATTR.PATH][:input|:output]; repeatable.")
 @click.option("--labels-from", "labels_from", multiple=True,
               help="Class whose forward's input_ids/position_ids label the rows captured after it.")
