@@ -207,24 +207,43 @@ def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = _NGRA
 
     sequences = []
     for g in cand_groups.values():
-        votes: dict[tuple[int, int], int] = {}
+        hyps: list[tuple[int, int, int]] = []
         n = min(ngram, int(g.tokens.size))
         h, p = _ngram_hashes(g.tokens, g.positions, n)
         if h.size:
             ref_h, ref_owner, ref_start = table(n)
             lo = np.searchsorted(ref_h, h, side="left")
             hi = np.searchsorted(ref_h, h, side="right")
-            for i in np.flatnonzero((hi > lo) & (hi - lo <= _MAX_HASH_REPEAT)):
-                for j in range(lo[i], hi[i]):
-                    key = (int(ref_owner[j]), int(p[i] - ref_start[j]))
-                    votes[key] = votes.get(key, 0) + 1
-        ranked = sorted(votes.items(), key=lambda kv: (-kv[1], abs(kv[0][1]), kv[0][0]))
-        hyps = [(k[0], k[1], v) for k, v in ranked[:_MAX_ALIGNMENTS]]
+            hyps = _ranked_votes(lo, hi, p, ref_owner, ref_start)[:_MAX_ALIGNMENTS]
         if hyps:
             top = hyps[0][2]
             hyps = [h for h in hyps if h[2] * 10 >= top or h[2] >= 8]
         sequences.append(SequenceAlignment(g.key, hyps))
     return Alignment(reference, candidate, sequences, True, [], duplicates, ref_groups, cand_groups)
+
+
+def _ranked_votes(
+    lo: np.ndarray, hi: np.ndarray, starts: np.ndarray, ref_owner: np.ndarray, ref_start: np.ndarray
+) -> list[tuple[int, int, int]]:
+    """Every (reference group, delta) voted for by a candidate n-gram (window i matches reference
+    n-grams lo[i]..hi[i]), ranked by votes, then |delta|, then group, then first vote."""
+    hit = np.flatnonzero((hi > lo) & (hi - lo <= _MAX_HASH_REPEAT))
+    if hit.size == 0:
+        return []
+    count = (hi - lo)[hit]
+    window = np.repeat(hit, count)
+    # The reference n-grams of each window, in order: lo[i], lo[i] + 1, ..., hi[i] - 1.
+    j = np.repeat(lo[hit] - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
+    owner = ref_owner[j].astype(np.int64)
+    delta = (starts[window] - ref_start[j]).astype(np.int64)
+    if int(owner.max()) < (1 << 30) and int(owner.min()) >= 0 and int(np.abs(delta).max()) < (1 << 31):
+        # One int64 key per (owner, delta), ordered like the pair: a 1-d unique is much cheaper.
+        uniq_key, first, votes = np.unique((owner << 32) + (delta + (1 << 31)), return_index=True, return_counts=True)
+        uniq = np.stack([uniq_key >> 32, (uniq_key & 0xFFFFFFFF) - (1 << 31)], axis=1)
+    else:
+        uniq, first, votes = np.unique(np.stack([owner, delta], axis=1), axis=0, return_index=True, return_counts=True)
+    order = np.lexsort((first, uniq[:, 0], np.abs(uniq[:, 1]), -votes))
+    return [(int(uniq[k, 0]), int(uniq[k, 1]), int(votes[k])) for k in order]
 
 
 def _align_by_labels(
@@ -267,6 +286,19 @@ class RowPairs:
         return int(self.candidate.size)
 
 
+def _find_positions(positions: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Index into sorted, distinct ``positions`` of each wanted position (clipped), and whether it
+    is there. Positions without gaps (the common case) need no search."""
+    n = positions.size
+    if n and int(positions[-1]) - int(positions[0]) == n - 1:
+        idx = wanted - positions[0]
+        found = (idx >= 0) & (idx < n)
+        return np.minimum(np.maximum(idx, 0), n - 1), found
+    idx = np.searchsorted(positions, wanted)
+    idx_c = np.minimum(idx, max(n - 1, 0))
+    return idx_c, (idx < n) & (positions[idx_c] == wanted)
+
+
 def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[int] | None = None) -> RowPairs:
     """Pair rows under the alignment: candidate position p <-> reference position p - delta + offset.
 
@@ -291,18 +323,12 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             rg = alignment._ref_groups[ref_key]
             free = ~taken
             # Token consistency under this hypothesis (label positions, before the offset).
-            tok_pos = g.positions - delta
-            idx = np.searchsorted(rg.positions, tok_pos)
-            idx_c = np.clip(idx, 0, max(rg.positions.size - 1, 0))
-            at = (idx < rg.positions.size) & (rg.positions[idx_c] == tok_pos)
+            idx_c, at = _find_positions(rg.positions, g.positions - delta)
             agree = at & (rg.tokens[idx_c] == g.tokens)
             unknown = g.tokens < 0
             ok = free & (agree | (unknown & (h_i == 0)) if alignment.by_tokens else free)
             # The value pairing: shift by the label offset.
-            val_pos = g.positions - delta + offset
-            vidx = np.searchsorted(rg.positions, val_pos)
-            vidx_c = np.clip(vidx, 0, max(rg.positions.size - 1, 0))
-            vat = (vidx < rg.positions.size) & (rg.positions[vidx_c] == val_pos)
+            vidx_c, vat = _find_positions(rg.positions, g.positions - delta + offset)
             use = ok & vat
             cand_out.append(g.rows[use])
             ref_out.append(rg.rows[vidx_c[use]])

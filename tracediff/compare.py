@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 
 from tracediff import __version__
 from tracediff.align import Alignment, RowIndex, RowPairs, align_sequences, pair_rows
-from tracediff.diagnose import StreamResult, _ChunkReader, stream_metrics
+from tracediff.diagnose import StreamResult, _aligned_empty, _ChunkReader, stream_metrics
 from tracediff.errors import CompareError
 from tracediff.results import Plan, Report, SegmentMatch, Side
 from tracediff.segments import (
@@ -38,6 +39,11 @@ VOLATILE_KEYS = re.compile(
     r"(^|_)(pid|host|hostname|started|updated|time|timestamp|argv|python|recorded_by|record|limits|injected)$"
 )
 AUX_KEYS = re.compile(r"layer_ids|layers_to_capture|aux_hidden_state|eagle_aux|aux_layer|segment_labels", re.I)
+
+
+# Tap names that hold the same fc input (reference name, candidate name), tried in order when the
+# stores share no tap: a server in capture-only mode records the target's packed aux states only.
+FC_INPUT_EQUIVALENTS = (("fc_in", "aux_hidden"), ("aux_hidden", "fc_in"), ("fc_in", "fc_in_raw"), ("fc_in_raw", "fc_in"))
 
 
 @dataclass
@@ -69,6 +75,13 @@ def _pick_taps(ref: TraceStore, cand: TraceStore, opts: CompareOptions) -> tuple
         return opts.tap, opts.tap
     common = [t for t in ref.taps if t in cand.taps and ref.rows(t) and cand.rows(t)]
     if not common:
+        # The same fc input under the names different capture points give it: a trainer's fc_in
+        # against a server's packed aux states (capture-only mode, no draft loaded).
+        for rt, ct in FC_INPUT_EQUIVALENTS:
+            if rt in ref.taps and ct in cand.taps and ref.rows(rt) and cand.rows(ct):
+                opts.extra_notes.append(f"no common tap: compared reference {rt} with candidate {ct} "
+                                        f"(both are the fc input); choose others with --ref-tap/--cand-tap")
+                return rt, ct
         raise CompareError(
             f"no common tap with rows: {ref.path} has {', '.join(ref.taps) or 'none'}, "
             f"{cand.path} has {', '.join(cand.taps) or 'none'}; choose with --tap, or --ref-tap/--cand-tap"
@@ -176,17 +189,17 @@ def _sample(pairs: RowPairs, k: int, seed: int) -> np.ndarray:
 def _read_rows(index: RowIndex, rows: np.ndarray) -> torch.Tensor:
     width = index.streams[0].width
     dtype = index.streams[0].dtype
-    order = np.lexsort((index.row[rows], index.stream[rows]))
-    buf = np.empty((rows.size, width), dtype=VALUE_DTYPES[dtype])
-    reader = _ChunkReader(index, max_chunks=16)
-    sorted_vals = reader.gather(rows[order], buf).copy()
-    out = np.empty_like(sorted_vals)
-    out[order] = sorted_vals
-    return to_float32(out, dtype)
+    buf = _aligned_empty((rows.size, width), VALUE_DTYPES[dtype])
+    reader = _ChunkReader(index, max_chunks=16)  # reads each chunk once whatever the order of rows
+    try:
+        reader.gather(rows, buf)
+    finally:
+        reader.close()
+    return to_float32(buf, dtype)
 
 
 def _offset_search(
-    alignment: Alignment, size: int, opts: CompareOptions
+    alignment: Alignment, size: int, opts: CompareOptions, base: RowPairs | None = None
 ) -> tuple[int, dict[str, float], RowPairs]:
     """Try label offsets -2..2: the one under which paired rows are most alike wins.
 
@@ -194,7 +207,7 @@ def _offset_search(
     An offset other than 0 is taken only if its distance is under half that of offset 0.
     """
     results: dict[int, tuple[float, RowPairs]] = {}
-    base = pair_rows(alignment, 0)
+    base = pair_rows(alignment, 0) if base is None else base
     cand_idx = alignment.candidate
     ref_idx = alignment.reference
     for off in OFFSETS:
@@ -239,8 +252,12 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
     rtap, ctap = _pick_taps(ref_store, cand_store, opts)
     rw, rdt, rsize, rlabels, _ = _stream_layout(ref_store, rtap)
     cw, cdt, csize, clabels, _ = _stream_layout(cand_store, ctap)
-    ref_index = RowIndex.load(ref_store, rtap)
-    cand_index = RowIndex.load(cand_store, ctap)
+    # The two row indexes load concurrently: reading labels is mostly zarr's per-chunk overhead.
+    with ThreadPoolExecutor(2, thread_name_prefix="tracediff-labels") as ex:
+        ref_future = ex.submit(RowIndex.load, ref_store, rtap)
+        cand_future = ex.submit(RowIndex.load, cand_store, ctap)
+        ref_index = ref_future.result()  # the reference's error first, as when loaded one by one
+        cand_index = cand_future.result()
     notes = list(opts.extra_notes)
 
     # -- sequences
@@ -278,7 +295,7 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
         raise CompareError(f"segment size {size} does not divide the row widths (reference {rw}, candidate {cw})")
 
     # -- label offset, then the pairs every later stage uses
-    offset, offset_scores, pairs = _offset_search(alignment, size, opts)
+    offset, offset_scores, pairs = _offset_search(alignment, size, opts, base_pairs)
 
     # -- segment matching on a sample
     pick = _sample(pairs, opts.sample_rows, opts.seed + 1)

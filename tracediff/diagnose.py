@@ -1,16 +1,22 @@
 """The streaming pass over aligned rows, and the findings drawn from the plan and its numbers.
 
-Memory: one block of rows per side (about ``block_bytes``), a small cache of reference chunks, and
-per-row float32 arrays the size of the row index. Throughput is bound by reading and decoding the
-chunks; the per-block kernels are torch reductions over views of one buffer.
+Memory: per worker thread one block of raw rows for both sides (about ``block_bytes``) and float32
+buffers of a sub-block (about 2 MiB), a small cache of decoded chunks for compressed stores only,
+and per-row float32 arrays the size of the row index. Throughput is bound by copying the rows out of
+the page cache and by the float32 kernels: rows of uncompressed chunk files are read straight into a
+reused 64-byte aligned buffer, blocks run on ``workers`` threads (torch single-threaded inside each:
+no OpenMP barrier per kernel, no collapse when other processes hold the cores), and every kernel
+writes into a buffer allocated once.
 """
 
 from __future__ import annotations
 
 import math
+import queue
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,19 +24,28 @@ import torch
 from tracediff.align import RowIndex, RowPairs
 from tracediff.results import RowRef, SegmentMetrics
 from tracediff.segments import to_float32
-from tracediff.store import VALUE_DTYPES
+from tracediff.store import VALUE_DTYPES, ChunkFiles
 
 Progress = Callable[[int], None]
 
+_TINY = 1e-30  # norms are clamped to this before dividing (as the per-element formulas always did)
+
 
 class _ChunkReader:
-    """Gathers arbitrary rows of a RowIndex through a small LRU cache of decoded chunks."""
+    """Gathers arbitrary rows of a RowIndex: rows of uncompressed chunk files are read straight into
+    the output (only the rows asked for); other chunks are decoded whole, through a small LRU cache.
+    Not thread-safe: one per thread."""
 
     def __init__(self, index: RowIndex, max_chunks: int = 64) -> None:
         self.index = index
         self.cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self.max_chunks = max_chunks
         self.bytes_read = 0
+        self.files = ChunkFiles(limit=max(8, max_chunks))
+
+    def close(self) -> None:
+        self.files.close()
+        self.cache.clear()
 
     def _chunk(self, stream: int, chunk: int) -> np.ndarray:
         key = (stream, chunk)
@@ -47,13 +62,23 @@ class _ChunkReader:
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Raw values of RowIndex entries ``rows`` into ``out[:len(rows)]``."""
+        rows = np.asarray(rows)
+        n = rows.size
+        if n == 0:
+            return out[:0]
         stream = self.index.stream[rows]
         within = self.index.row[rows]
-        n = rows.size
-        for s in np.unique(stream):
-            sel = np.flatnonzero(stream == s)
-            cr = self.index.streams[int(s)].chunk_rows
-            chunks = within[sel] // cr
+        single = len(self.index.streams) == 1
+        for s in [0] if single else np.unique(stream).tolist():
+            sel = np.arange(n) if single else np.flatnonzero(stream == s)
+            st = self.index.streams[s]
+            cr = st.chunk_rows
+            w = within if single else within[sel]
+            if st.reads_rows_directly:
+                st.read_rows(w, out=out, dest=sel, files=self.files)
+                self.bytes_read += int(sel.size) * out.itemsize * out.shape[1]
+                continue
+            chunks = w // cr
             for c in np.unique(chunks):
                 part = sel[chunks == c]
                 data = self._chunk(int(s), int(c))
@@ -83,6 +108,211 @@ class StreamResult:
     bytes_read: int
 
 
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An empty array whose start is 64-byte aligned: copies from the page cache into a buffer that is
+    not (numpy's large allocations start 16 bytes into a page) run several times slower."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + 64, dtype=np.uint8)
+    skip = -raw.ctypes.data % 64
+    return raw[skip : skip + nbytes].view(dtype).reshape(shape)
+
+
+def _source(raw: np.ndarray, dtype: str) -> torch.Tensor:
+    """A torch view of stored rows (bf16 bits as bfloat16), without copying."""
+    if dtype == "bfloat16":
+        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(raw)
+
+
+@dataclass
+class _Buffers:
+    """What one worker thread reuses from block to block: readers (open files), every buffer, and
+    the views of a sub-block the kernels read and write (made once: slicing costs as much as a
+    small kernel)."""
+
+    cand: _ChunkReader
+    ref: _ChunkReader
+    craw: np.ndarray  # [block, wc] stored dtype, 64-byte aligned
+    rraw: np.ndarray
+    cf: torch.Tensor  # [sub, wc] float32
+    rf: torch.Tensor
+    d: torch.Tensor  # [sub, size] float32
+    xc: torch.Tensor  # [block, kc] segment norms
+    xr: torch.Tensor  # [block, kr]
+    dn: torch.Tensor  # [pairs, block] norm of the difference
+    mx: torch.Tensor  # [pairs, block] max of the difference
+    mn: torch.Tensor  # [pairs, block] min of the difference
+    views: dict[tuple[int, int], tuple] = field(default_factory=dict)
+
+
+@dataclass
+class _BlockResult:
+    bad_c: np.ndarray  # [kc] rows with a non-finite candidate segment
+    bad_r: np.ndarray
+    first_c: dict[int, int]
+    first_r: dict[int, int]
+    pair_bad_c: np.ndarray  # [pairs]
+    pair_bad_r: np.ndarray
+    sq_err: np.ndarray  # [pairs] float64
+    sq_ref: np.ndarray
+
+
+class _Pass:
+    """The per-block work of :func:`stream_metrics` (run by one or several threads)."""
+
+    def __init__(self, pairs: RowPairs, reference: RowIndex, candidate: RowIndex, accs: list[_Accumulator],
+                 segment_size: int, block: int, sub: int) -> None:
+        self.pairs, self.reference, self.candidate, self.accs = pairs, reference, candidate, accs
+        self.size, self.block, self.sub = segment_size, block, sub
+        self.wc, self.wr = candidate.streams[0].width, reference.streams[0].width
+        self.kc, self.kr = self.wc // segment_size, self.wr // segment_size
+        self.cdt, self.rdt = candidate.streams[0].dtype, reference.streams[0].dtype
+        self.seg_c = np.array([a.cand_seg for a in accs], dtype=np.int64)
+        self.seg_r = np.array([a.ref_seg for a in accs], dtype=np.int64)
+
+    def buffers(self) -> _Buffers:
+        p = len(self.accs)
+        return _Buffers(
+            cand=_ChunkReader(self.candidate, max_chunks=8),
+            ref=_ChunkReader(self.reference, max_chunks=64),
+            craw=_aligned_empty((self.block, self.wc), VALUE_DTYPES[self.cdt]),
+            rraw=_aligned_empty((self.block, self.wr), VALUE_DTYPES[self.rdt]),
+            cf=torch.empty(self.sub, self.wc),
+            rf=torch.empty(self.sub, self.wr),
+            d=torch.empty(self.sub, self.size),
+            xc=torch.empty(self.block, self.kc),
+            xr=torch.empty(self.block, self.kr),
+            dn=torch.empty(p, self.block),
+            mx=torch.empty(p, self.block),
+            mn=torch.empty(p, self.block),
+        )
+
+    def _views(self, w: _Buffers, s0: int, s1: int) -> tuple:
+        """Everything the kernels of rows s0..s1 of the block touch, as views."""
+        key = (s0, s1)
+        views = w.views.get(key)
+        if views is not None:
+            return views
+        b, size = s1 - s0, self.size
+        sides = []
+        for raw, buf, dtype, k in ((w.craw, w.cf, self.cdt, self.kc), (w.rraw, w.rf, self.rdt, self.kr)):
+            src = _source(raw[s0:s1], dtype)
+            if dtype == "float32":  # used in place
+                widen, rows = None, src
+            else:
+                widen, rows = (buf[:b], src), buf[:b]
+            sides.append((widen, rows.view(b, k, size)))
+        (cwiden, c3), (rwiden, r3) = sides
+        kernels = [
+            (c3[:, acc.cand_seg], r3[:, acc.ref_seg], w.dn[p, s0:s1], w.mx[p, s0:s1], w.mn[p, s0:s1])
+            for p, acc in enumerate(self.accs)
+        ]
+        views = (cwiden, rwiden, c3, r3, w.xc[s0:s1], w.xr[s0:s1], w.d[:b], kernels)
+        if len(w.views) < 4 * (self.block // self.sub + 2):
+            w.views[key] = views
+        return views
+
+    def run(self, pool: queue.SimpleQueue, start: int, stop: int) -> _BlockResult:
+        bufs = pool.get()
+        try:
+            return self.block_metrics(bufs, start, stop)
+        finally:
+            pool.put(bufs)
+
+    def block_metrics(self, w: _Buffers, start: int, stop: int) -> _BlockResult:
+        m, size, kc, kr = stop - start, self.size, self.kc, self.kr
+        craw = w.cand.gather(self.pairs.candidate[start:stop], w.craw)
+        rraw = w.ref.gather(self.pairs.reference[start:stop], w.rraw)
+        # Reductions of a sub-block at a time (its float32 rows stay in cache), into reused buffers:
+        # the norm of every segment, and per matched pair the norm, max and min of the difference.
+        norm, sub_, amax, amin = torch.linalg.vector_norm, torch.sub, torch.amax, torch.amin
+        for s0 in range(0, m, self.sub):
+            cwiden, rwiden, c3, r3, xc, xr, d, kernels = self._views(w, s0, min(m, s0 + self.sub))
+            if cwiden is not None:
+                cwiden[0].copy_(cwiden[1])
+            if rwiden is not None:
+                rwiden[0].copy_(rwiden[1])
+            norm(c3, 2, dim=2, out=xc)
+            norm(r3, 2, dim=2, out=xr)
+            for a, b, dn, mx, mn in kernels:
+                sub_(a, b, out=d)
+                norm(d, 2, dim=1, out=dn)
+                amax(d, dim=1, out=mx)
+                amin(d, dim=1, out=mn)
+        xc, xr = w.xc[:m].numpy(), w.xr[:m].numpy()
+        # A segment with a non-finite value has a non-finite norm; a non-finite norm may also be an
+        # overflow of finite values: only those rows are checked value by value.
+        fin_c = self._finite(xc, craw, self.cdt, kc)
+        fin_r = self._finite(xr, rraw, self.rdt, kr)
+        bad_c = (~fin_c).sum(axis=0)
+        bad_r = (~fin_r).sum(axis=0)
+        # Per pair (columns), per row: closed forms of the norms. 1 - cos = (|d|^2 - (|a|-|b|)^2) /
+        # (2|a||b|) stays exact near cos = 1. Rows of any other size (tiny, huge or overflowing
+        # norms) take the per-element formulas on their values.
+        ok = fin_c[:, self.seg_c] & fin_r[:, self.seg_r]  # [m, pairs]
+        x = xc[:, self.seg_c].astype(np.float64)
+        y = xr[:, self.seg_r].astype(np.float64)
+        dd = w.dn[:, :m].numpy().T.astype(np.float64) ** 2
+        fast = ok & (x > 1e-15) & (x < 1e18) & (y > 1e-15) & (y < 1e18) & np.isfinite(dd)
+        with np.errstate(all="ignore"):
+            nb = y * y
+            cos = np.where(fast, 1.0 - np.clip((dd - (x - y) ** 2) / (2.0 * x * y), 0.0, 2.0), np.nan)
+            ratio = np.where(fast, x / y, np.nan)
+            rel = np.where(fast, dd / (x * x + nb), np.nan)
+        max_abs = np.where(fast, np.abs(np.maximum(w.mx[:, :m].numpy(), -w.mn[:, :m].numpy())).T, np.nan)  # +0.0, never -0.0
+        sq_err = np.where(fast, dd, 0.0).sum(axis=0)
+        sq_ref = np.where(fast, nb, 0.0).sum(axis=0)
+        odd_rows, odd_pairs = np.nonzero(ok & ~fast)
+        for p in np.unique(odd_pairs).tolist():
+            rows = odd_rows[odd_pairs == p]
+            e_cos, e_ratio, e_rel, e_max, e_sq, e_nb = _exact_rows(
+                to_float32(craw[rows], self.cdt).view(-1, kc, size)[:, self.seg_c[p]],
+                to_float32(rraw[rows], self.rdt).view(-1, kr, size)[:, self.seg_r[p]],
+            )
+            cos[rows, p], ratio[rows, p], rel[rows, p], max_abs[rows, p] = e_cos, e_ratio, e_rel, e_max
+            sq_err[p] += e_sq
+            sq_ref[p] += e_nb
+        sl = slice(start, stop)
+        for p, acc in enumerate(self.accs):
+            acc.cos[sl] = cos[:, p]
+            acc.ratio[sl] = ratio[:, p]
+            acc.rel_diff[sl] = rel[:, p]
+            acc.max_abs[sl] = max_abs[:, p]
+        return _BlockResult(
+            bad_c, bad_r,
+            {int(s): start + int(np.argmax(~fin_c[:, s])) for s in np.flatnonzero(bad_c)},
+            {int(s): start + int(np.argmax(~fin_r[:, s])) for s in np.flatnonzero(bad_r)},
+            (~fin_c[:, self.seg_c]).sum(axis=0), (~fin_r[:, self.seg_r]).sum(axis=0), sq_err, sq_ref,
+        )
+
+    @staticmethod
+    def _finite(norms: np.ndarray, raw: np.ndarray, dtype: str, k: int) -> np.ndarray:
+        fin = np.isfinite(norms)
+        if not fin.all():
+            rows = np.flatnonzero(~fin.all(axis=1))
+            fin[rows] = torch.isfinite(to_float32(raw[rows], dtype).view(rows.size, k, -1)).all(dim=2).numpy()
+        return fin
+
+
+def _exact_rows(a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, float]:
+    """Metrics of finite rows by the per-element formulas, for rows whose norms are not ordinary:
+    cosine, norm ratio, rel_diff, max abs diff per row; summed squared error and reference norm."""
+    na = (a * a).sum(dim=1)
+    nb = (b * b).sum(dim=1)
+    d = a - b
+    sq = (d * d).sum(dim=1)
+    max_abs = d.abs().amax(dim=1)
+    # 1 - cos as half the squared distance of the unit vectors: exact near cos = 1 in fp32.
+    ua = a / na.sqrt().clamp_min(_TINY)[:, None]
+    ub = b / nb.sqrt().clamp_min(_TINY)[:, None]
+    one_minus_cos = 0.5 * ((ua - ub) ** 2).sum(dim=1)
+    cos = (1.0 - one_minus_cos).numpy()
+    ratio = (na.sqrt() / nb.sqrt().clamp_min(_TINY)).numpy()
+    rel = (sq / (na + nb).clamp_min(_TINY)).numpy()
+    return cos, ratio, rel, max_abs.numpy(), float(sq.double().sum()), float(nb.double().sum())
+
+
 def stream_metrics(
     pairs: RowPairs,
     reference: RowIndex,
@@ -92,19 +322,24 @@ def stream_metrics(
     *,
     block_bytes: int = 16 << 20,
     progress: Progress | None = None,
+    workers: int | None = None,
 ) -> StreamResult:
-    """One pass over every aligned row pair: per matched segment pair, every metric of the report."""
+    """One pass over every aligned row pair: per matched segment pair, every metric of the report.
+
+    ``workers`` threads (default: torch's thread count) each take whole blocks; for compressed
+    stores, one (they share a cache of decoded chunks). Results do not depend on the thread count.
+    """
     n = len(pairs)
     size = segment_size
     wc = candidate.streams[0].width
     wr = reference.streams[0].width
     kc, kr = wc // size, wr // size
     cdt, rdt = candidate.streams[0].dtype, reference.streams[0].dtype
-    block = max(64, min(8192, block_bytes // max(1, (wc + wr) * 4)))
-    cand_buf = np.empty((block, wc), dtype=VALUE_DTYPES[cdt])
-    ref_buf = np.empty((block, wr), dtype=VALUE_DTYPES[rdt])
-    cand_reader = _ChunkReader(candidate, max_chunks=8)
-    ref_reader = _ChunkReader(reference, max_chunks=64)
+    raw_row = wc * VALUE_DTYPES[cdt].itemsize + wr * VALUE_DTYPES[rdt].itemsize
+    block = max(64, min(8192, block_bytes // max(1, raw_row)))
+    # Sub-blocks of about 2 MiB of float32 rows: small enough to stay in cache between kernels,
+    # large enough that the per-kernel dispatch cost stays small.
+    sub = max(16, min(block, (2 << 20) // max(1, (wc + wr) * 4)))
     accs = [
         _Accumulator(i, j, *(np.full(n, np.nan, dtype=np.float32) for _ in range(4)))
         for i, j in matches
@@ -113,56 +348,62 @@ def stream_metrics(
     nf_r = np.zeros(kr, dtype=np.int64)
     first_c: dict[int, int] = {}
     first_r: dict[int, int] = {}
-    for start in range(0, n, block):
-        stop = min(n, start + block)
-        c = to_float32(cand_reader.gather(pairs.candidate[start:stop], cand_buf), cdt).reshape(stop - start, kc, size)
-        r = to_float32(ref_reader.gather(pairs.reference[start:stop], ref_buf), rdt).reshape(stop - start, kr, size)
-        fin_c = torch.isfinite(c).all(dim=2)  # [b, kc]
-        fin_r = torch.isfinite(r).all(dim=2)
-        bad_c = (~fin_c).sum(dim=0).numpy()
-        bad_r = (~fin_r).sum(dim=0).numpy()
-        nf_c += bad_c
-        nf_r += bad_r
-        for seg in np.flatnonzero(bad_c):
-            first_c.setdefault(int(seg), start + int(torch.nonzero(~fin_c[:, seg])[0, 0]))
-        for seg in np.flatnonzero(bad_r):
-            first_r.setdefault(int(seg), start + int(torch.nonzero(~fin_r[:, seg])[0, 0]))
-        for acc in accs:
-            a = c[:, acc.cand_seg]
-            b = r[:, acc.ref_seg]
-            ok = fin_c[:, acc.cand_seg] & fin_r[:, acc.ref_seg]
-            acc.nonfinite_c += int((~fin_c[:, acc.cand_seg]).sum())
-            acc.nonfinite_r += int((~fin_r[:, acc.ref_seg]).sum())
-            a = torch.where(ok[:, None], a, 0.0)
-            b = torch.where(ok[:, None], b, 0.0)
-            na = (a * a).sum(dim=1)
-            nb = (b * b).sum(dim=1)
-            d = a - b
-            sq = (d * d).sum(dim=1)
-            max_abs = d.abs().amax(dim=1)
-            # 1 - cos as half the squared distance of the unit vectors: exact near cos = 1 in fp32.
-            ua = a / na.sqrt().clamp_min(1e-30)[:, None]
-            ub = b / nb.sqrt().clamp_min(1e-30)[:, None]
-            one_minus_cos = 0.5 * ((ua - ub) ** 2).sum(dim=1)
-            cos = (1.0 - one_minus_cos).numpy()
-            ratio = (na.sqrt() / nb.sqrt().clamp_min(1e-30)).numpy()
-            rel = (sq / (na + nb).clamp_min(1e-30)).numpy()
-            okn = ok.numpy()
-            sl = slice(start, stop)
-            acc.cos[sl] = np.where(okn, cos, np.nan)
-            acc.ratio[sl] = np.where(okn, ratio, np.nan)
-            acc.rel_diff[sl] = np.where(okn, rel, np.nan)
-            acc.max_abs[sl] = np.where(okn, max_abs.numpy(), np.nan)
-            acc.sq_err += float(sq[ok].double().sum())
-            acc.sq_ref += float(nb[ok].double().sum())
+    spans = [(start, min(n, start + block)) for start in range(0, n, block)]
+    direct = all(s.reads_rows_directly for s in (*candidate.streams, *reference.streams))
+    if workers is None:
+        workers = torch.get_num_threads() if direct else 1
+    workers = max(1, min(int(workers), len(spans)))
+    job = _Pass(pairs, reference, candidate, accs, size, block, sub)
+    pool: queue.SimpleQueue = queue.SimpleQueue()
+    made = [job.buffers() for _ in range(workers)]
+    for bufs in made:
+        pool.put(bufs)
+
+    def merge(res: _BlockResult, rows: int) -> None:
+        nonlocal nf_c, nf_r
+        nf_c += res.bad_c
+        nf_r += res.bad_r
+        for s, k in res.first_c.items():
+            first_c.setdefault(s, k)
+        for s, k in res.first_r.items():
+            first_r.setdefault(s, k)
+        for p, acc in enumerate(accs):
+            acc.nonfinite_c += int(res.pair_bad_c[p])
+            acc.nonfinite_r += int(res.pair_bad_r[p])
+            acc.sq_err += float(res.sq_err[p])
+            acc.sq_ref += float(res.sq_ref[p])
         if progress is not None:
-            progress(stop - start)
+            progress(rows)
+
+    threads = torch.get_num_threads()
+    try:
+        if workers == 1:
+            for start, stop in spans:
+                merge(job.run(pool, start, stop), stop - start)
+        else:
+            # Each worker runs torch single-threaded: the blocks are the parallelism.
+            torch.set_num_threads(1)
+            with ThreadPoolExecutor(workers, thread_name_prefix="tracediff-stream") as ex:
+                futures = [ex.submit(job.run, pool, start, stop) for start, stop in spans]
+                try:
+                    for (start, stop), fut in zip(spans, futures, strict=True):
+                        merge(fut.result(), stop - start)
+                except BaseException:
+                    for fut in futures:
+                        fut.cancel()
+                    raise
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        for bufs in made:
+            bufs.cand.close()
+            bufs.ref.close()
     metrics = [_finish(acc, pairs, reference, candidate) for acc in accs]
     return StreamResult(
         metrics,
         {int(s): (int(nf_c[s]), first_c.get(int(s))) for s in range(kc) if nf_c[s]},
         {int(s): (int(nf_r[s]), first_r.get(int(s))) for s in range(kr) if nf_r[s]},
-        cand_reader.bytes_read + ref_reader.bytes_read,
+        sum(b.cand.bytes_read + b.ref.bytes_read for b in made),
     )
 
 

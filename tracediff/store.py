@@ -21,6 +21,7 @@ This module never imports torch: the recorder converts tensors to numpy before c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -671,68 +672,104 @@ class TraceStream:
         dest: np.ndarray | None,
         files: ChunkFiles | None,
     ) -> np.ndarray:
-        dtype = VALUE_DTYPES[self.dtype]
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        if out is None:
-            out = np.empty((rows.size, self.width), dtype=dtype)
-        if dest is None:
-            dest = np.arange(rows.size, dtype=np.int64)
-        else:
-            dest = np.asarray(dest, dtype=np.int64).reshape(-1)
-        if out.ndim != 2 or out.shape[1] != self.width or out.dtype != dtype or not out.flags.c_contiguous:
-            raise UsageError(f"read_chunk: out must be a C-contiguous [rows, {self.width}] {dtype} array")
-        if dest.size != rows.size:
-            raise UsageError(f"read_chunk: {rows.size} rows but {dest.size} destinations")
-        if rows.size == 0:
-            return out
-        if int(rows.min()) < 0 or int(rows.max()) >= committed:
+        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= committed):
             raise UsageError(f"read_chunk: row offsets must lie in 0..{committed - 1} for chunk {index}")
         if not self._raw_chunks:
-            out[dest] = self.read_chunk(index)[rows]
+            out, dest = self._rows_out(rows, out, dest)
+            if rows.size:
+                out[dest] = self.read_chunk(index)[rows]
             return out
-        path = f"{self._values_dir}/c/{index}/0"
-        row_bytes = self.width * dtype.itemsize
+        return self.read_rows(rows + index * self.chunk_rows, out=out, dest=dest, files=files)
+
+    def _rows_out(self, rows: np.ndarray, out: np.ndarray | None, dest: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        dtype = VALUE_DTYPES[self.dtype]
+        if out is None:
+            out = np.empty((rows.size, self.width), dtype=dtype)
+        dest = np.arange(rows.size, dtype=np.int64) if dest is None else np.asarray(dest, dtype=np.int64).reshape(-1)
+        if out.ndim != 2 or out.shape[1] != self.width or out.dtype != dtype or not out.flags.c_contiguous:
+            raise UsageError(f"read_rows: out must be a C-contiguous [rows, {self.width}] {dtype} array")
+        if dest.size != rows.size:
+            raise UsageError(f"read_rows: {rows.size} rows but {dest.size} destinations")
+        if dest.size and (int(dest.min()) < 0 or int(dest.max()) >= out.shape[0]):
+            raise UsageError(f"read_rows: destinations must lie in 0..{out.shape[0] - 1}")
+        return out, dest
+
+    def read_rows(
+        self,
+        rows: np.ndarray,
+        *,
+        out: np.ndarray | None = None,
+        dest: np.ndarray | None = None,
+        files: ChunkFiles | None = None,
+    ) -> np.ndarray:
+        """Raw values of committed rows ``rows`` (any order, any chunks) into ``out[dest]``.
+
+        The helper behind :meth:`read_chunk`'s ``rows`` mode, for uncompressed folder stores (see
+        :attr:`reads_rows_directly`); other stores go through :meth:`take`. Rows are read straight
+        from the chunk files: one ``preadv`` per run of consecutive rows of a chunk, into one buffer
+        when their destinations are consecutive too, else one buffer per row. Copies from the page
+        cache run several times faster into a 64-byte aligned ``out``.
+        """
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        out, dest = self._rows_out(rows, out, dest)
+        n = rows.size
+        if n == 0:
+            return out
+        if int(rows.min()) < 0 or int(rows.max()) >= self.rows:
+            raise UsageError(f"read_rows: rows must lie in 0..{self.rows - 1}")
+        if not self._raw_chunks:
+            order = np.argsort(rows, kind="stable")
+            out[dest[order]] = self.take(rows[order])
+            return out
+        if n > 1 and bool((rows[1:] < rows[:-1]).any()):
+            order = np.argsort(rows, kind="stable")
+            rows, dest = rows[order], dest[order]
+        cr = self.chunk_rows
+        row_bytes = self.width * VALUE_DTYPES[self.dtype].itemsize
+        chunk_bytes = cr * row_bytes
+        chunk = rows // cr
+        # Runs: consecutive rows of one chunk. ``scattered`` counts destination breaks, so a run
+        # whose destinations are consecutive has the same count at both ends.
+        breaks = (np.flatnonzero((np.diff(rows) != 1) | (np.diff(chunk) != 0)) + 1).tolist()
+        scattered = np.concatenate(([0], np.cumsum(np.diff(dest) != 1))).tolist()
+        rows_l, dest_l, chunk_l = rows.tolist(), dest.tolist(), chunk.tolist()
+        flat = out.data.cast("B")
+        prefix = self._values_dir
         own = files is None
-        files = ChunkFiles(limit=1) if files is None else files
+        files = ChunkFiles(limit=4) if files is None else files
         try:
-            fd = files.open(path, self.chunk_rows * row_bytes)
-            if fd is None:  # never written: the fill value
-                out[dest] = 0
-                return out
-            if rows.size > 1 and bool((rows[1:] < rows[:-1]).any()):
-                order = np.argsort(rows, kind="stable")
-                rows, dest = rows[order], dest[order]
-            # Runs of consecutive rows in the file; a run whose destinations are consecutive too is
-            # read into one buffer, any other into one buffer per row (a single preadv either way).
-            row_break = np.flatnonzero(np.diff(rows) != 1) + 1
-            starts = np.concatenate(([0], row_break)).tolist()
-            ends = np.concatenate((row_break, [rows.size])).tolist()
-            scattered = np.concatenate(([0], np.cumsum(np.diff(dest) != 1)))
-            flat = memoryview(out).cast("B")
-            rows_l, dest_l = rows.tolist(), dest.tolist()
-            for a, b in zip(starts, ends):
+            for a, b in zip([0, *breaks], [*breaks, n], strict=True):
+                c = chunk_l[a]
+                path = f"{prefix}/c/{c}/0"
+                fd = files.open(path, chunk_bytes)
+                if fd is None:  # never written: the fill value
+                    out[dest[a:b]] = 0
+                    continue
+                offset = (rows_l[a] - c * cr) * row_bytes
                 if scattered[b - 1] == scattered[a]:
                     d0 = dest_l[a] * row_bytes
-                    pieces = [(rows_l[a], [flat[d0 : d0 + (b - a) * row_bytes]], (b - a) * row_bytes)]
-                else:
-                    pieces = [
-                        (rows_l[k], [flat[d * row_bytes : (d + 1) * row_bytes] for d in dest_l[k : k + _IOV_MAX]],
-                         min(_IOV_MAX, b - k) * row_bytes)
-                        for k in range(a, b, _IOV_MAX)
-                    ]
-                for row, buffers, size in pieces:
-                    try:
-                        got = os.preadv(fd, buffers, row * row_bytes)
-                    except OSError as exc:
-                        raise CorruptStoreError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
-                    if got != size:
-                        raise CorruptStoreError(f"{path}: short read at row {row} (file truncated while reading?)")
-            if self._raw_dtype.byteorder not in ("=", "|", "<" if sys.byteorder == "little" else ">"):
-                out[dest] = out[dest].byteswap()
+                    self._pread(fd, path, [flat[d0 : d0 + (b - a) * row_bytes]], offset, (b - a) * row_bytes)
+                    continue
+                for k in range(a, b, _IOV_MAX):
+                    k1 = min(b, k + _IOV_MAX)
+                    buffers = [flat[d * row_bytes : (d + 1) * row_bytes] for d in dest_l[k:k1]]
+                    self._pread(fd, path, buffers, offset + (k - a) * row_bytes, (k1 - k) * row_bytes)
         finally:
             if own:
                 files.close()
+        if self._raw_dtype.byteorder not in ("=", "|", "<" if sys.byteorder == "little" else ">"):
+            out[dest] = out[dest].byteswap()
         return out
+
+    @staticmethod
+    def _pread(fd: int, path: str, buffers: list[memoryview], offset: int, size: int) -> None:
+        try:
+            got = os.preadv(fd, buffers, offset)
+        except OSError as exc:
+            raise CorruptStoreError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+        if got != size:
+            raise CorruptStoreError(f"{path}: short read at byte {offset} (file truncated while reading?)")
 
     @property
     def reads_rows_directly(self) -> bool:
@@ -840,10 +877,8 @@ class ChunkFiles:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # at interpreter shutdown os may be gone already
             self.close()
-        except Exception:  # noqa: BLE001  (interpreter shutdown)
-            pass
 
 
 class TraceStore:
