@@ -84,30 +84,37 @@ class _Batch:
     labels: dict[str, Any]
     event: Any  # torch.cuda.Event or None
     nbytes: int
-    pooled: bool
+    pool_buf: torch.Tensor | None  # the pooled buffer ``values`` is a view of, to give back
 
 
-class _PinnedPool:
-    """Reuses pinned host buffers for device-to-host copies (pinning memory is slow)."""
+class _HostPool:
+    """Reuses host buffers: pinned ones for device-to-host copies (pinning memory is slow) and plain
+    ones for CPU captures (a fresh 48 MiB tensor costs page faults on every step; on a VM that returns
+    freed memory to its host they run at 0.1-0.3 GB/s). Buffers are bucketed by size (powers of two,
+    so servers whose steps differ in rows reuse them too) and the pool keeps at most ``max_bytes``."""
 
-    def __init__(self, max_buffers: int = 8) -> None:
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    def __init__(self, max_bytes: int = 1 << 30) -> None:
+        self._free: dict[tuple[int, torch.dtype, bool], list[torch.Tensor]] = {}
+        self._bytes = 0
         self._lock = threading.Lock()
-        self._max = max_buffers
+        self._max = max_bytes
 
-    def get(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def get(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        """A 1-D buffer of at least ``numel`` elements; give this same tensor back to :meth:`put`."""
+        key = (max(1 << 12, 1 << (numel - 1).bit_length()), dtype, pinned)
         with self._lock:
-            bucket = self._free.get((numel, dtype))
+            bucket = self._free.get(key)
             if bucket:
-                return bucket.pop()
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
+                buf = bucket.pop()
+                self._bytes -= buf.nbytes
+                return buf
+        return torch.empty(key[0], dtype=dtype, pin_memory=pinned)
 
-    def put(self, buf: torch.Tensor) -> None:
-        key = (buf.numel(), buf.dtype)
+    def put(self, buf: torch.Tensor, pinned: bool) -> None:
         with self._lock:
-            bucket = self._free.setdefault(key, [])
-            if len(bucket) < self._max:
-                bucket.append(buf)
+            if self._bytes + buf.nbytes <= self._max:
+                self._free.setdefault((buf.numel(), buf.dtype, pinned), []).append(buf)
+                self._bytes += buf.nbytes
 
 
 _active: list[weakref.ReferenceType[Recorder]] = []
@@ -218,7 +225,7 @@ class Recorder:
         self._tls = threading.local()
         self._label_generation = 0
         self._explicit_step: int | None = None
-        self._pool = _PinnedPool()
+        self._pool = _HostPool()
         self._logged_once: set[str] = set()
         self._writer_error: str | None = None
         self._state_lock = threading.Lock()
@@ -470,8 +477,8 @@ class Recorder:
             return
         try:
             flat = tensor.detach().reshape(rows, width)[:take]
-            host, event, pooled = self._copy_off_path(flat, fresh)
-            self._queue.put_nowait(_Batch(name, host, label_fields, event, nbytes, pooled))
+            host, event, pool_buf = self._copy_off_path(flat, fresh)
+            self._queue.put_nowait(_Batch(name, host, label_fields, event, nbytes, pool_buf))
         except queue.Full:  # another host thread filled the last slot first
             self._release(nbytes)
             state.dropped_rows += take
@@ -515,19 +522,24 @@ class Recorder:
             self._queued_bytes -= nbytes
             self._cond.notify_all()
 
-    def _copy_off_path(self, flat: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, Any, bool]:
-        """The one copy on the forward path: async into pinned memory for CUDA, a clone on CPU."""
+    def _copy_off_path(self, flat: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+        """The one copy on the forward path: async into a pooled pinned buffer for CUDA, into a pooled
+        plain buffer on CPU. Returns (host tensor, event or None, pooled buffer to give back or None)."""
         if flat.device.type == "cuda":
-            buf = self._pool.get(flat.numel(), flat.dtype).view(flat.shape)
+            base = self._pool.get(flat.numel(), flat.dtype, pinned=True)
+            buf = base[: flat.numel()].view(flat.shape)
             buf.copy_(flat, non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(flat.device))
-            return buf, event, True
+            return buf, event, base
         if flat.device.type != "cpu":
-            return flat.to("cpu"), None, False
+            return flat.to("cpu"), None, None
         if fresh and flat.is_contiguous():
-            return flat, None, False
-        return flat.clone(memory_format=torch.contiguous_format), None, False
+            return flat, None, None
+        base = self._pool.get(flat.numel(), flat.dtype, pinned=False)
+        buf = base[: flat.numel()].view(flat.shape)
+        buf.copy_(flat)
+        return buf, None, base
 
     def _resolve_labels(
         self,
@@ -610,8 +622,8 @@ class Recorder:
                 self.fail("writer", exc)
                 self._count_drop(item)
             finally:
-                if item.pooled:
-                    self._pool.put(item.values.reshape(-1))
+                if item.pool_buf is not None:
+                    self._pool.put(item.pool_buf, pinned=item.event is not None)
                 self._release(item.nbytes)
         self._finish()
 

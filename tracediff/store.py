@@ -316,6 +316,7 @@ class TraceWriter:
         self._capacity = 0
         self._tail_rows = 0  # rows at the end that do not fill a whole values chunk yet
         self._tail: np.ndarray | None = None
+        self._resized = False  # array metadata rewritten since the last durable commit
         zarr = _zarr()
         try:
             root = zarr.open_group(str(self.store_path), mode="r+")
@@ -376,10 +377,30 @@ class TraceWriter:
         )
         return attrs
 
-    def _commit(self) -> None:
-        if self.durable:
-            _fsync_tree(self.store_path / self.tap / self.writer)
+    def _commit(self, first_row: int | None = None) -> None:
+        """Write the commit record, the row count readers trust. A durable writer first makes rows
+        ``first_row``.. durable: it fsyncs the chunk files they live in, the folders whose entries
+        changed (new chunk folders, the renames of zarr's atomic writes) and resized array metadata,
+        never the whole group (that costs ~0.2 ms a file at every commit: quadratic in the store).
+        The values chunks then leave the page cache: the next batch reuses their pages instead of
+        fresh ones (several times faster on a VM), and the host's own cache is not evicted."""
+        base = self.store_path / self.tap / self.writer
+        if self.durable and first_row is not None and first_row < self.counts.rows:
+            stop, cr, lr = self.counts.rows, self.chunk_rows, DEFAULT_LABEL_CHUNK_ROWS
+            chunks = [base / "values" / "c" / str(i) / "0" for i in range(first_row // cr, -(-stop // cr))]
+            labels = [base / n / "c" / str(i) for n in LABEL_FIELDS for i in range(first_row // lr, -(-stop // lr))]
+            folders = {p.parent for p in chunks + labels} | {base / "values" / "c"}
+            if self._resized:
+                meta = [base / n / "zarr.json" for n in ("values", *LABEL_FIELDS)]
+                folders |= {p.parent for p in meta} | {p.parent / "c" for p in meta}
+                _fsync_paths(meta)
+                self._resized = False
+            _fsync_paths(chunks, drop=True)
+            _fsync_paths(labels)
+            _fsync_paths(sorted(folders))
         self._group.attrs.put(self._attrs())
+        if self.durable:
+            _fsync_paths([base / "zarr.json", base])
 
     def seq_id(self, key: Any) -> int:
         """Integer id for a sequence key (ints pass through, strings get stable small ids)."""
@@ -400,6 +421,7 @@ class TraceWriter:
         for arr in self._labels.values():
             arr.resize((label_capacity,))
         self._capacity = capacity
+        self._resized = True
 
     def append(self, values: np.ndarray, labels: Mapping[str, np.ndarray]) -> None:
         """Write one batch of rows and commit it. ``values`` is [rows, width] in the store dtype."""
@@ -450,7 +472,7 @@ class TraceWriter:
             self.counts.rows = stop
             self.counts.batches += 1
             self.counts.bytes += int(values.nbytes)
-            self._commit()
+            self._commit(block_start)
         except OSError as exc:
             self.status = "failed"
             self.error = f"{type(exc).__name__}: {exc}"
@@ -498,14 +520,20 @@ class TraceWriter:
             self._capacity = rows
 
 
-def _fsync_tree(path: Path) -> None:
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+def _fsync_paths(paths: Sequence[Path], *, drop: bool = False) -> None:
+    """fsync files or folders (missing ones are skipped: chunks zarr did not write, folders not made
+    yet); ``drop``: then tell the kernel their (now clean) pages will not be read again."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fsync(fd)
+            if drop and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _check_name(name: str, what: str) -> None:
