@@ -295,3 +295,17 @@ def test_compare_reads_a_packed_zip_store(traces, tmp_path):
     zipped = pack_store(traces["seed"], tmp_path / "seed.zarr.zip")
     report = compare_stores(traces["ref"], zipped)
     assert seg_map(report) == [(0, 1, "moved"), (1, 2, "moved"), (2, None, "extra")]
+
+
+def test_fc_input_under_another_tap_name_is_paired_when_no_tap_is_common(tmp_path):
+    """A server in capture-only mode records the target's packed aux states (aux_hidden) only."""
+    rows = torch.randn(40, 96)
+    for name, tap in (("train", "fc_in"), ("server", "aux_hidden")):
+        with tracediff.record(tmp_path / f"{name}.zarr") as rec:
+            rec.declare(tap, segment_size=32)
+            rec.labels(seq=0, position=np.arange(40), token_id=np.arange(40) + 5)
+            rec.capture(tap, rows)
+    report = compare_stores(tmp_path / "train.zarr", tmp_path / "server.zarr")
+    assert (report.plan.tap_reference, report.plan.tap_candidate) == ("fc_in", "aux_hidden")
+    assert report.verdict == "match"
+    assert any("no common tap" in note for note in report.plan.notes)
