@@ -12,7 +12,7 @@ import numpy as np
 from tracediff.align import Alignment, RowPairs
 from tracediff.diagnose import StreamResult, row_ref
 from tracediff.results import Finding, Report, SegmentMetrics
-from tracediff.segments import EXACT_FACTOR, SegmentDecision
+from tracediff.segments import EXACT_FACTOR, SegmentDecision, scale_tolerance
 
 
 def _seg(label: str | None, index: int | None) -> str:
@@ -302,8 +302,7 @@ def _value_findings(report: Report, d: SegmentDecision, m: SegmentMetrics) -> li
     label = f"candidate segment {_seg(cand.segment_labels[d.candidate], d.candidate)}"
     rlabel = f"reference segment {_seg(ref.segment_labels[d.reference], d.reference)}"
     floor = plan.noise_floor
-    # How far from 1 a norm ratio may drift from rounding alone; real kernels add more, hence the 1%.
-    ratio_tol = max(0.01, 10 * math.sqrt(2 * max(floor, 0.0)))
+    ratio_tol = scale_tolerance(floor)
     p50, p1, p99 = m.norm_ratio_p50, m.norm_ratio_p1, m.norm_ratio_p99
     scaled = math.isfinite(p50) and abs(math.log(max(p50, 1e-30))) > ratio_tol
     evidence = {"candidate_segment": d.candidate, "reference_segment": d.reference, "cos_mean": m.cos_mean,

@@ -20,7 +20,7 @@ import torch
 from tracediff.align import RowIndex, align_sequences
 from tracediff.compare import CompareOptions, _offset_search, _read_rows, _sample
 from tracediff.errors import CompareError
-from tracediff.segments import EXACT_FACTOR, _tier, noise_floor, segment_cosine_matrix, split
+from tracediff.segments import _tier, noise_floor, scale_tolerance, segment_cosine_matrix, split
 from tracediff.store import TraceStore, open_store
 
 
@@ -173,7 +173,7 @@ def _identify(store: TraceStore, bank: TraceStore, tap: str | None, bank_tap: st
         ci, bj = cs[:, i], bs[:, j1]
         rel_l2 = float(((ci - bj).norm() / bj.norm().clamp_min(1e-30)).item()) if ci.numel() else float("nan")
         ratio = float((ci.norm(dim=1) / bj.norm(dim=1).clamp_min(1e-30)).median().item()) if ci.numel() else float("nan")
-        scaled = math.isfinite(ratio) and abs(math.log(max(ratio, 1e-30))) > max(0.01, 10 * math.sqrt(2 * floor))
+        scaled = math.isfinite(ratio) and abs(math.log(max(ratio, 1e-30))) > scale_tolerance(floor)
         best, runner = names[j1], (names[j2] if j2 is not None else None)
         label = labels[i] if i < len(labels) else f"seg{i}"
         if tier in ("exact", "near") and not scaled:
@@ -253,5 +253,5 @@ def render_identification(ident: Identification) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["EXACT_FACTOR", "Identification", "LayerName", "SegmentIdentity", "identify_segments",
+__all__ = ["Identification", "LayerName", "SegmentIdentity", "identify_segments",
            "render_identification"]

@@ -113,6 +113,14 @@ class SegmentDecision:
     duplicate_of: int | None = None  # another candidate segment carrying the same reference segment
 
 
+def scale_tolerance(floor: float) -> float:
+    """How far |log(norm ratio)| may drift from 0 before two matched segments count as scaled.
+
+    Rounding alone moves a norm by about sqrt(2 * floor); real kernels add more, hence at least 1%.
+    """
+    return max(0.01, 10 * math.sqrt(2 * max(floor, 0.0)))
+
+
 def _tier(d1: float, d2: float, floor: float) -> str:
     if not math.isfinite(d1):
         return "none"
