@@ -137,6 +137,31 @@ def invoke_tracediff(*args: str) -> CliResult:
     return CliResult(result.exit_code, result.stdout, result.stderr)
 
 
+# ------------------------------------------------------------------------------ reliability counts
+# Reliability tests (crash harness, concurrent writers, full disk, hostile inputs) report what they
+# measured: counts of kills by phase, rows written, peak memory. They go into the terminal summary
+# of every run (CI logs included) and, when TRACEDIFF_RELIABILITY_OUT names a file, into that JSON
+# file, from which docs/reliability.md quotes its numbers.
+_RELIABILITY: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="session")
+def reliability_report() -> dict[str, Any]:
+    """``reliability_report["crash"] = {...}``: a JSON-able record of what a test measured."""
+    return _RELIABILITY
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ARG001
+    if not _RELIABILITY:
+        return
+    terminalreporter.section("tracediff reliability counts")
+    for name, record in sorted(_RELIABILITY.items()):
+        terminalreporter.write_line(f"{name}: {json.dumps(record, sort_keys=True)}")
+    out = os.environ.get("TRACEDIFF_RELIABILITY_OUT")
+    if out:
+        Path(out).write_text(json.dumps(_RELIABILITY, indent=2, sort_keys=True) + "\n")
+
+
 # -------------------------------------------------------------------------------------- processes
 @pytest.fixture(scope="session")
 def forkserver() -> Iterator[multiprocessing.context.BaseContext]:
