@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -204,23 +203,27 @@ def test_a_label_provider_that_raises_stops_recording_but_never_the_host(tmp_pat
 # --------------------------------------------------------------------- failures and a full queue
 def test_writer_failure_marks_the_store_failed_and_leaves_host_outputs_identical(tmp_path: Path, tiny, seqs) -> None:
     _, reference = host_run(tiny, seqs)
-    store = tmp_path / "s.zarr"
+    store, aside = tmp_path / "s.zarr", tmp_path / "chunks-aside"
     with tracediff.record(store) as rec:
 
         def on_batch(labels: dict[str, Any]) -> None:
             if labels["step"] == 2:
                 # Two batches are on disk; then the disk goes bad under the writer: the folder its
-                # chunks go into is replaced by a file, so every later chunk write fails with a real
-                # NotADirectoryError (a read-only folder would not stop root, who runs these tests).
+                # chunks go into is moved away and replaced by a file, so every later chunk write
+                # fails with a real NotADirectoryError (a read-only folder would not stop root, who
+                # runs these tests). The fault is repaired after the run (the folder comes back).
                 wait_until(lambda: committed_batches(store, "fc_in", rec.writer_name) == 2, what="two commits")
                 chunks = store / "fc_in" / rec.writer_name / "values" / "c"
-                shutil.rmtree(chunks)
+                chunks.rename(aside)
                 chunks.write_text("not a folder")
             rec.labels(**labels)
 
         batches, outputs = host_run(tiny, seqs, recorder=rec, on_batch=on_batch)
         assert len(batches) == len(seqs)  # the host went on to the end
     assert_same_host_results(outputs, reference)
+    broken = store / "fc_in" / rec.writer_name / "values" / "c"
+    broken.unlink()
+    aside.rename(broken)
 
     sizes = [b.num_rows for b in batches]
     commit = writer_json(store, "fc_in", rec.writer_name)

@@ -14,12 +14,32 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tracediff.errors import CompareError
+from tracediff.errors import CompareError, UsageError
 from tracediff.store import TraceStore, TraceStream
 
 _NGRAM = 4
 _MAX_HASH_REPEAT = 64  # an n-gram seen more often than this in the reference (padding...) casts no vote
 _MAX_ALIGNMENTS = 4  # alternative (reference sequence, delta) hypotheses kept per candidate sequence
+_INDEX_FIELDS = ("seq", "position", "token_id", "next_token_id", "phase", "valid")
+_INDEX_DTYPES = {"seq": np.int64, "position": np.int64, "token_id": np.int64, "next_token_id": np.int64,
+                 "phase": np.int8, "valid": np.bool_}
+
+
+def _sequence_groups(stream: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Dense id of each row's (stream, seq) pair, and the pairs in id order. One int64 key per pair
+    when the ids are small (always, for real traces); exact for any int64 ids otherwise."""
+    if seq.size == 0:
+        return np.empty(0, dtype=np.int64), []
+    if int(seq.min()) >= -(1 << 39) and int(seq.max()) < (1 << 39):
+        combined = stream.astype(np.int64) * (1 << 40) + (seq & ((1 << 40) - 1))
+        uniq, group = np.unique(combined, return_inverse=True)
+        pairs = []
+        for u in uniq.tolist():
+            s_idx, value = u >> 40, u & ((1 << 40) - 1)
+            pairs.append((s_idx, value - (1 << 40) if value >= (1 << 39) else value))
+        return group.astype(np.int64).reshape(-1), pairs
+    uniq, group = np.unique(np.stack([stream.astype(np.int64), seq], axis=1), axis=0, return_inverse=True)
+    return group.astype(np.int64).reshape(-1), [(int(a), int(b)) for a, b in uniq.tolist()]
 
 
 @dataclass
@@ -43,39 +63,55 @@ class RowIndex:
     @classmethod
     def load(cls, store: TraceStore, tap: str) -> RowIndex:
         streams = store.tap_streams(tap)
-        cols: dict[str, list[np.ndarray]] = {k: [] for k in ("seq", "position", "token_id", "next_token_id", "phase", "valid")}
+        return cls.from_labels(store, tap, streams, [s.labels(_INDEX_FIELDS) for s in streams])
+
+    @classmethod
+    def from_labels(
+        cls, store: TraceStore, tap: str, streams: Sequence[TraceStream], labels: Sequence[dict[str, np.ndarray]]
+    ) -> RowIndex:
+        """The index of label columns already read: ``labels[i]`` holds stream i's columns
+        (:data:`_INDEX_FIELDS`), one entry per row. Any int64 values are accepted."""
+        if len(labels) != len(streams):
+            raise UsageError(f"RowIndex: {len(labels)} label sets for {len(streams)} streams")
+        cols: dict[str, list[np.ndarray]] = {k: [] for k in _INDEX_FIELDS}
         stream_ids, rows = [], []
-        for i, s in enumerate(streams):
-            labels = s.labels(tuple(cols))
-            for k in cols:
-                cols[k].append(labels[k])
-            stream_ids.append(np.full(s.rows, i, dtype=np.int32))
-            rows.append(np.arange(s.rows, dtype=np.int64))
-        cat = {k: (np.concatenate(v) if v else np.empty(0, dtype=np.int64)) for k, v in cols.items()}
+        for i, (s, columns) in enumerate(zip(streams, labels, strict=True)):
+            missing = [k for k in _INDEX_FIELDS if k not in columns]
+            if missing:
+                raise UsageError(f"{store.path}/{tap}/{s.writer}: label columns {missing} are missing")
+            arrays = {k: np.asarray(columns[k]).reshape(-1) for k in _INDEX_FIELDS}
+            lengths = {k: a.shape[0] for k, a in arrays.items()}
+            if len(set(lengths.values())) != 1:
+                raise UsageError(f"{store.path}/{tap}/{s.writer}: label columns differ in length {lengths}")
+            n = lengths["seq"]
+            for k in _INDEX_FIELDS:
+                cols[k].append(arrays[k])
+            stream_ids.append(np.full(n, i, dtype=np.int32))
+            rows.append(np.arange(n, dtype=np.int64))
+        cat: dict[str, np.ndarray] = {
+            k: np.concatenate(v).astype(_INDEX_DTYPES[k], copy=False) if v else np.empty(0, dtype=_INDEX_DTYPES[k])
+            for k, v in cols.items()
+        }
         stream = np.concatenate(stream_ids) if stream_ids else np.empty(0, dtype=np.int32)
         # Sequence ids are per writer process: (stream, seq) is the key of a sequence.
-        combined = stream.astype(np.int64) * (1 << 40) + (cat["seq"].astype(np.int64) & ((1 << 40) - 1))
-        uniq, group = np.unique(combined, return_inverse=True)
+        group, pairs = _sequence_groups(stream, cat["seq"])
         keys = []
-        for u in uniq:
-            s_idx, seq = int(u >> 40), int(u & ((1 << 40) - 1))
-            if seq >= (1 << 39):
-                seq -= 1 << 40
+        for s_idx, seq in pairs:
             name = streams[s_idx].seq_names.get(seq, str(seq))
             keys.append(name if len(streams) == 1 else f"{streams[s_idx].writer}:{name}")
         return cls(
             store=store,
             tap=tap,
-            streams=streams,
+            streams=list(streams),
             stream=stream,
             row=np.concatenate(rows) if rows else np.empty(0, dtype=np.int64),
-            group=group.astype(np.int64),
+            group=group,
             seq=cat["seq"],
             position=cat["position"],
             token_id=cat["token_id"],
             next_token_id=cat["next_token_id"],
-            phase=cat["phase"].astype(np.int8),
-            valid=cat["valid"].astype(bool),
+            phase=cat["phase"],
+            valid=cat["valid"],
             group_keys=keys,
         )
 
@@ -236,7 +272,10 @@ def _ranked_votes(
     j = np.repeat(lo[hit] - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
     owner = ref_owner[j].astype(np.int64)
     delta = (starts[window] - ref_start[j]).astype(np.int64)
-    if int(owner.max()) < (1 << 30) and int(owner.min()) >= 0 and int(np.abs(delta).max()) < (1 << 31):
+    # Bounds as Python ints (np.abs of the most negative int64 is still negative).
+    packable = int(owner.min()) >= 0 and int(owner.max()) < (1 << 30)
+    packable = packable and int(delta.min()) >= -(1 << 31) and int(delta.max()) < (1 << 31)
+    if packable:
         # One int64 key per (owner, delta), ordered like the pair: a 1-d unique is much cheaper.
         uniq_key, first, votes = np.unique((owner << 32) + (delta + (1 << 31)), return_index=True, return_counts=True)
         uniq = np.stack([uniq_key >> 32, (uniq_key & 0xFFFFFFFF) - (1 << 31)], axis=1)
@@ -336,7 +375,8 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             if h_i == 0:
                 effective[seq.candidate_group] = delta - offset
                 eff = delta - offset
-                before = g.positions < rg.positions[0] + eff if eff > 0 else np.zeros(g.rows.size, dtype=bool)
+                # Python ints: positions near the int64 limits must not wrap around.
+                before = g.positions < int(rg.positions[0]) + eff if eff > 0 else np.zeros(g.rows.size, dtype=bool)
                 extra = before & ~use
                 if extra.any():
                     prefix_rows[seq.candidate_group] = g.rows[extra]

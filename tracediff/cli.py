@@ -40,7 +40,10 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except TracediffError as exc:
-            click.echo(f"tracediff: error: {exc}", err=True)
+            # One line whatever the message embeds (a library's multi-line text, a file name with a
+            # newline): scripts and CI logs read the first line only.
+            text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+            click.echo(f"tracediff: error: {text}", err=True)
             ctx.exit(2)
 
 

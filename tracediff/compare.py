@@ -83,11 +83,16 @@ def _pick_taps(ref: TraceStore, cand: TraceStore, opts: CompareOptions) -> tuple
                                         f"(both are the fc input); choose others with --ref-tap/--cand-tap")
                 return rt, ct
         raise CompareError(
-            f"no common tap with rows: {ref.path} has {', '.join(ref.taps) or 'none'}, "
-            f"{cand.path} has {', '.join(cand.taps) or 'none'}; choose with --tap, or --ref-tap/--cand-tap"
+            f"no common tap with rows: {ref.path} has {tap_summary(ref)}, {cand.path} has {tap_summary(cand)}; "
+            f"choose with --tap, or --ref-tap/--cand-tap"
         )
     preferred = [t for t in common if t == "fc_in"] or [t for t in common if not t.startswith("bank")] or common
     return preferred[0], preferred[0]
+
+
+def tap_summary(store: TraceStore) -> str:
+    """'bank (0 rows), fc_in (1937 rows)' or 'no taps': what a store holds, for error messages."""
+    return ", ".join(f"{t} ({store.rows(t)} rows)" for t in store.taps) or "no taps"
 
 
 def _stream_layout(store: TraceStore, tap: str) -> tuple[int, str, int | None, list[str] | None, dict[str, Any]]:
@@ -198,6 +203,34 @@ def _read_rows(index: RowIndex, rows: np.ndarray) -> torch.Tensor:
     return to_float32(buf, dtype)
 
 
+def require_finite_rows(
+    sides: list[tuple[TraceStore, str, torch.Tensor]], size: int, what: str = "compare"
+) -> None:
+    """Refuse (one :class:`CompareError` naming the file) when a side's paired sample has no row free
+    of NaN and Inf: segments are matched on finite rows only, so there would be nothing to decide
+    from, and a report of every segment missing says nothing true. Some non-finite rows are fine:
+    they become ``nonfinite`` findings while the finite rows are compared."""
+    finite = None
+    for store, tap, rows in sides:
+        ok = torch.isfinite(rows).all(dim=1)
+        finite = ok if finite is None else finite & ok
+        if rows.shape[0] and not bool(ok.any()):
+            where = ""
+            if size > 0 and rows.shape[1] % size == 0:
+                bad = (~torch.isfinite(rows.reshape(rows.shape[0], -1, size))).any(dim=2).any(dim=0)
+                where = f" (segments {[int(i) for i in torch.nonzero(bad).flatten()]})"
+            raise CompareError(
+                f"{store.path}: tap {tap} values hold NaN or Inf in every one of the {rows.shape[0]} sampled aligned "
+                f"rows{where}: nothing finite to {what}; find where the non-finite values come from"
+            )
+    if finite is not None and finite.numel() and not bool(finite.any()):
+        (a, ta, _), (b, tb, _) = sides[0], sides[1]
+        raise CompareError(
+            f"{a.path} (tap {ta}) and {b.path} (tap {tb}): no sampled aligned row is free of NaN or Inf on both "
+            f"sides: nothing finite to {what}; find where the non-finite values come from"
+        )
+
+
 def _offset_search(
     alignment: Alignment, size: int, opts: CompareOptions, base: RowPairs | None = None
 ) -> tuple[int, dict[str, float], RowPairs]:
@@ -301,6 +334,7 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
     pick = _sample(pairs, opts.sample_rows, opts.seed + 1)
     c_sample = _read_rows(cand_index, pairs.candidate[pick])
     r_sample = _read_rows(ref_index, pairs.reference[pick])
+    require_finite_rows([(ref_store, rtap, r_sample), (cand_store, ctap, c_sample)], size)
     raw = segment_cosine_matrix(c_sample, r_sample, size)
     centred = segment_cosine_matrix(c_sample, r_sample, size, centred=True)
     baseline = mismatched_rows_matrix(c_sample, r_sample, size)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tracediff.align import RowIndex, align_sequences
-from tracediff.compare import CompareOptions, _offset_search, _read_rows, _sample
+from tracediff.compare import CompareOptions, _offset_search, _read_rows, _sample, require_finite_rows, tap_summary
 from tracediff.errors import CompareError
 from tracediff.segments import _tier, noise_floor, scale_tolerance, segment_cosine_matrix, split
 from tracediff.store import TraceStore, open_store
@@ -124,8 +124,10 @@ def _identify(store: TraceStore, bank: TraceStore, tap: str | None, bank_tap: st
     if tap is None:
         candidates = [t for t in store.taps if not t.startswith("bank") and store.rows(t)]
         tap = "fc_in" if "fc_in" in candidates else (candidates[0] if len(candidates) == 1 else None)
+        if tap is None and not candidates:
+            raise CompareError(f"{store.path}: no tap with rows to identify ({tap_summary(store)})")
         if tap is None:
-            raise CompareError(f"{store.path}: choose the tap to identify with --tap (taps: {', '.join(store.taps)})")
+            raise CompareError(f"{store.path}: choose the tap to identify with --tap ({tap_summary(store)})")
     streams = store.tap_streams(tap)
     bstreams = bank.tap_streams(btap)
     first, bfirst = streams[0], bstreams[0]
@@ -153,6 +155,7 @@ def _identify(store: TraceStore, bank: TraceStore, tap: str | None, bank_tap: st
     pick = _sample(pairs, sample_rows, seed + 1)
     c = _read_rows(cand_index, pairs.candidate[pick])
     b = _read_rows(ref_index, pairs.reference[pick])
+    require_finite_rows([(bank, btap, b), (store, tap, c)], size, what="identify")
     raw = segment_cosine_matrix(c, b, size)
     centred = segment_cosine_matrix(c, b, size, centred=True)
     floor = noise_floor(b, size, bfirst.dtype, first.dtype, seed=seed)

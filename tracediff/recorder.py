@@ -8,13 +8,16 @@ Path of a captured tensor::
 
 What this module must never do to its host: raise out of a hook, block a forward for longer than
 ``block_timeout`` seconds, hold more than ``max_queue_bytes`` of copies, or change a tensor the host
-uses. Any exception inside a hook or the writer is logged once, recording stops (the reason goes
-into the store), and the host goes on.
+uses. An exception in a tap's hook (picking its tensor, its label provider, its labels) is logged
+once and stops that tap; one in the writer (a full disk) stops the whole recorder. Either way the
+reason goes into the store, rows that could not be written are counted as dropped, committed rows
+stay readable, and the host goes on.
 """
 
 from __future__ import annotations
 
 import atexit
+import inspect
 import logging
 import os
 import queue
@@ -23,7 +26,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,23 +78,62 @@ class TapState:
     next_seq: int = 0
     label_generation: int = -1
     warned: set[str] = field(default_factory=set)
+    error: str | None = None  # why this tap stopped recording (its hook or labels failed)
+
+
+@dataclass(frozen=True)
+class _DefaultLabels:
+    """``seq`` or ``position`` labels nobody gave (one sequence per leading index, positions
+    0..per-1). The writer thread builds the arrays: off the forward path, and a batch waiting in the
+    queue holds no label arrays of its own."""
+
+    field: str
+    first: int  # first sequence key (seq)
+    lead: int
+    per: int
+    rows: int  # rows kept: fewer than lead * per when a sampling limit cut the batch
+    ndim: int = 1
+
+    def __getitem__(self, cut: slice) -> _DefaultLabels:
+        return replace(self, rows=len(range(self.rows)[cut]))
+
+    def array(self) -> np.ndarray:
+        if self.field == "seq":
+            full = np.repeat(np.arange(self.first, self.first + self.lead, dtype=np.int64), self.per)
+        else:
+            full = np.tile(np.arange(self.per, dtype=np.int64), self.lead)
+        return full[: self.rows]
 
 
 @dataclass
 class _Batch:
+    """One queued capture: its host buffer, small Python objects, and the labels the host gave.
+    The [rows, width] view of the buffer is made by the writer thread."""
+
     tap: str
-    values: torch.Tensor  # host tensor (pinned when copied from a device)
+    data: torch.Tensor  # a pooled 1-D buffer (pinned when copied from a device) or the captured tensor
+    rows: int
+    width: int
     labels: dict[str, Any]
     event: Any  # torch.cuda.Event or None
-    nbytes: int
-    pool_buf: torch.Tensor | None  # the pooled buffer ``values`` is a view of, to give back
+    nbytes: int  # what it holds against the queue's budget
+    pooled: bool  # ``data`` goes back to the pool once written
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The rows, [rows, width] (made by the writer thread)."""
+        if self.pooled:
+            return self.data[: self.rows * self.width].view(self.rows, self.width)
+        return self.data.reshape(self.rows, self.width)
 
 
 class _HostPool:
     """Reuses host buffers: pinned ones for device-to-host copies (pinning memory is slow) and plain
     ones for CPU captures (a fresh 48 MiB tensor costs page faults on every step; on a VM that returns
     freed memory to its host they run at 0.1-0.3 GB/s). Buffers are bucketed by size (powers of two,
-    so servers whose steps differ in rows reuse them too) and the pool keeps at most ``max_bytes``."""
+    so servers whose steps differ in rows reuse them too) and the pool keeps at most ``max_bytes``
+    (the recorder's ``max_queue_bytes``: buffers in flight are bounded by the queue's budget, idle ones
+    by this)."""
 
     def __init__(self, max_bytes: int = 1 << 30) -> None:
         self._free: dict[tuple[int, torch.dtype, bool], list[torch.Tensor]] = {}
@@ -99,16 +141,23 @@ class _HostPool:
         self._lock = threading.Lock()
         self._max = max_bytes
 
+    @staticmethod
+    def bucket_numel(numel: int) -> int:
+        return max(1 << 12, 1 << (numel - 1).bit_length())
+
     def get(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
         """A 1-D buffer of at least ``numel`` elements; give this same tensor back to :meth:`put`."""
-        key = (max(1 << 12, 1 << (numel - 1).bit_length()), dtype, pinned)
+        key = (self.bucket_numel(numel), dtype, pinned)
         with self._lock:
             bucket = self._free.get(key)
             if bucket:
                 buf = bucket.pop()
                 self._bytes -= buf.nbytes
                 return buf
-        return torch.empty(key[0], dtype=dtype, pin_memory=pinned)
+        # A buffer made under inference_mode would be an inference tensor, which no later capture
+        # outside it may write into (an eval loop, then training): pool buffers are always normal.
+        with torch.inference_mode(False):
+            return torch.empty(key[0], dtype=dtype, pin_memory=pinned)
 
     def put(self, buf: torch.Tensor, pinned: bool) -> None:
         with self._lock:
@@ -225,10 +274,11 @@ class Recorder:
         self._tls = threading.local()
         self._label_generation = 0
         self._explicit_step: int | None = None
-        self._pool = _HostPool()
+        self._pool = _HostPool(max_bytes=min(1 << 30, self.max_queue_bytes))
         self._logged_once: set[str] = set()
         self._writer_error: str | None = None
-        self._state_lock = threading.Lock()
+        self._state_lock = threading.Lock()  # drop counts: host threads and the writer add to them
+        self._close_lock = threading.RLock()  # re-entrant: SIGTERM may arrive while close() runs
 
         if append:
             if not (self.path / "zarr.json").is_file():
@@ -310,32 +360,56 @@ class Recorder:
                                    module.in_features if capture == "input" else module.out_features)
 
         if capture == "input":
+            what = f"input {arg!r}"
+            index, keyword = _input_slot(module, arg)
+
+            def pick(args: tuple, kwargs: dict) -> Any:
+                return _pick_input(args, kwargs, arg, index, keyword)
 
             def pre_hook(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-                if not self.enabled:
-                    return
-                try:
-                    tensor = _pick_input(args, kwargs, arg)
-                    extra = labels(mod, args, kwargs, tensor) if labels is not None else None
-                    self.capture(name, tensor, labels=extra)
-                except Exception as exc:  # noqa: BLE001  (a hook must never raise into the host)
-                    self.fail(f"tap {name!r} input hook", exc)
+                self._on_hook(state, what, labels, mod, args, kwargs, lambda: pick(args, kwargs))
 
             self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
         else:
 
             def post_hook(mod: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-                if not self.enabled:
-                    return
-                try:
-                    tensor = _pick_output(output)
-                    extra = labels(mod, args, kwargs, tensor) if labels is not None else None
-                    self.capture(name, tensor, labels=extra)
-                except Exception as exc:  # noqa: BLE001
-                    self.fail(f"tap {name!r} output hook", exc)
+                self._on_hook(state, "output", labels, mod, args, kwargs, lambda: _pick_output(output))
 
             self._handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
         return state
+
+    def _on_hook(
+        self,
+        state: TapState,
+        what: str,
+        labels: LabelProvider | None,
+        mod: torch.nn.Module,
+        args: tuple,
+        kwargs: dict,
+        pick: Callable[[], Any],
+    ) -> None:
+        """The body of every tap hook. Never raises: a failure stops this tap (logged once, reason
+        kept for the store); rows a stopped tap or recorder sees are counted as dropped."""
+        if self.closed:
+            return
+        try:
+            tensor = pick()
+        except Exception as exc:  # noqa: BLE001  (a hook must never raise into the host)
+            if self.enabled:
+                self._fail_tap(state, f"its {what}", exc)
+            return
+        if not self.enabled or state.error is not None:
+            self._count_lost(state, tensor)
+            return
+        extra = None
+        if labels is not None:
+            try:
+                extra = labels(mod, args, kwargs, tensor)
+            except Exception as exc:  # noqa: BLE001
+                self._fail_tap(state, "its label provider", exc)
+                self._count_lost(state, tensor)
+                return
+        self.capture(state.name, tensor, labels=extra)
 
     def keep_handle(self, handle: Any) -> None:
         """Keep a hook handle an adapter registered, so that :meth:`close` removes it."""
@@ -372,12 +446,22 @@ class Recorder:
         """Record ``tensor`` ([..., width]) as rows of tap ``name``. Never raises into the caller.
 
         ``fresh=True`` says the tensor is a private copy nobody will modify (skips the clone)."""
-        if not self.enabled:
+        if self.closed:
+            return
+        state = self._taps.get(name)
+        if not self.enabled or (state is not None and state.error is not None):
+            if state is not None:
+                self._count_lost(state, tensor)
             return
         try:
             self._capture(name, tensor, labels, fresh)
         except Exception as exc:  # noqa: BLE001
-            self.fail(f"capture of tap {name!r}", exc)
+            state = self._taps.get(name)
+            if state is None:
+                self.fail(f"capture of tap {name!r}", exc)
+            else:
+                self._fail_tap(state, "its capture", exc)
+                self._count_lost(state, tensor)
 
     def stats(self) -> dict[str, Any]:
         """Counts per tap as seen from the host thread (rows queued, dropped, skipped)."""
@@ -392,28 +476,33 @@ class Recorder:
                 "skipped_batches": t.skipped_batches,
                 "width": t.width,
                 "dtype": t.dtype,
+                "error": t.error,
             }
             for name, t in self._taps.items()
         }
 
     def close(self, timeout: float = 120.0) -> None:
-        """Stop capturing, write what is queued, trim and commit every group. Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        self.enabled = False
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        try:
-            self._queue.put(None, timeout=timeout)
-        except queue.Full:
-            log.error("tracediff: writer queue stuck at close; %s may miss its last batches", self.path)
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            log.error("tracediff: writer thread did not finish within %.0fs; %s keeps its committed rows",
-                      timeout, self.path)
-        self._restore_sigterm()
+        """Stop capturing, write what is queued, trim and commit every group. Idempotent, from any
+        thread: a second call returns once the first has finished."""
+        with self._close_lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.enabled = False
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            try:
+                self._queue.put(None, timeout=timeout)
+            except queue.Full:
+                log.error("tracediff: writer queue stuck at close; %s may miss its last batches", self.path)
+            if self._thread is threading.current_thread():
+                return  # closed from inside the writer (a callback): it finishes after this batch
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("tracediff: writer thread did not finish within %.0fs; %s keeps its committed rows",
+                          timeout, self.path)
+            self._restore_sigterm()
 
     # ------------------------------------------------------------------ host-thread internals
     def _capture(self, name: str, tensor: torch.Tensor, labels: Mapping[str, Any] | None, fresh: bool) -> None:
@@ -444,6 +533,8 @@ class Recorder:
             )
             return
         rows = tensor.numel() // width
+        if rows == 0:
+            return  # nothing to record (an empty batch); the layout above is still learnt
         step = self._explicit_step if self._explicit_step is not None else state.calls - 1
         label_fields = self._resolve_labels(state, tensor, labels, rows, step)
         phase = label_fields.get("phase")
@@ -467,25 +558,27 @@ class Recorder:
             nbytes = take * width * tensor.element_size()
             # Scalar labels (0-d arrays: a step or seq given once for the batch) apply to every row.
             label_fields = {
-                k: (v[:take] if isinstance(v, (np.ndarray, torch.Tensor)) and v.ndim else v)
+                k: (v[:take] if isinstance(v, (np.ndarray, torch.Tensor, _DefaultLabels)) and v.ndim else v)
                 for k, v in label_fields.items()
             }
 
-        if not self._reserve(nbytes):
-            state.dropped_rows += take
-            state.dropped_batches += 1
+        # The queue's budget counts the memory a copy really holds: pooled buffers are a power of two.
+        held = nbytes
+        if not fresh and tensor.device.type in ("cpu", "cuda"):
+            held = self._pool.bucket_numel(take * width) * tensor.element_size()
+        if not self._reserve(held):
+            self._add_drop(state, take)
             return
         try:
             flat = tensor.detach().reshape(rows, width)[:take]
-            host, event, pool_buf = self._copy_off_path(flat, fresh)
-            self._queue.put_nowait(_Batch(name, host, label_fields, event, nbytes, pool_buf))
+            data, event, pooled = self._copy_off_path(flat, fresh)
+            self._queue.put_nowait(_Batch(name, data, take, width, label_fields, event, held, pooled))
         except queue.Full:  # another host thread filled the last slot first
-            self._release(nbytes)
-            state.dropped_rows += take
-            state.dropped_batches += 1
+            self._release(held)
+            self._add_drop(state, take)
             return
         except BaseException:
-            self._release(nbytes)
+            self._release(held)
             raise
         state.rows_queued += take
         state.bytes_queued += nbytes
@@ -522,24 +615,23 @@ class Recorder:
             self._queued_bytes -= nbytes
             self._cond.notify_all()
 
-    def _copy_off_path(self, flat: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+    def _copy_off_path(self, flat: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, Any, bool]:
         """The one copy on the forward path: async into a pooled pinned buffer for CUDA, into a pooled
-        plain buffer on CPU. Returns (host tensor, event or None, pooled buffer to give back or None)."""
+        plain buffer on CPU. Returns (host data, event or None, whether the data is a pooled buffer).
+        The view written through is dropped at once: a queued batch keeps only the pooled buffer."""
         if flat.device.type == "cuda":
             base = self._pool.get(flat.numel(), flat.dtype, pinned=True)
-            buf = base[: flat.numel()].view(flat.shape)
-            buf.copy_(flat, non_blocking=True)
+            base[: flat.numel()].view(flat.shape).copy_(flat, non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(flat.device))
-            return buf, event, base
+            return base, event, True
         if flat.device.type != "cpu":
-            return flat.to("cpu"), None, None
+            return flat.to("cpu"), None, False
         if fresh and flat.is_contiguous():
-            return flat, None, None
+            return flat, None, False
         base = self._pool.get(flat.numel(), flat.dtype, pinned=False)
-        buf = base[: flat.numel()].view(flat.shape)
-        buf.copy_(flat)
-        return buf, None, base
+        base[: flat.numel()].view(flat.shape).copy_(flat)
+        return base, None, True
 
     def _resolve_labels(
         self,
@@ -580,10 +672,10 @@ class Recorder:
             lead = tensor.shape[0] if tensor.dim() >= 3 else 1
             per = rows // max(lead, 1)
             if "seq" not in out:
-                out["seq"] = np.repeat(np.arange(state.next_seq, state.next_seq + lead, dtype=np.int64), per)
+                out["seq"] = _DefaultLabels("seq", state.next_seq, lead, per, rows)
                 state.next_seq += lead
             if "position" not in out:
-                out["position"] = np.tile(np.arange(per, dtype=np.int64), lead)
+                out["position"] = _DefaultLabels("position", 0, lead, per, rows)
         out.setdefault("step", np.int64(step))
         return out
 
@@ -598,32 +690,61 @@ class Recorder:
             log.warning(fmt, *args)
 
     def fail(self, where: str, exc: BaseException) -> None:
-        """Disable recording for good, log once, keep the reason for the store (adapters call it
-        from their own hooks)."""
+        """Disable recording for good, log once (one line), keep the reason for the store (adapters
+        call it from their own hooks)."""
         self.enabled = False
         if self.error is None:
-            self.error = f"{where}: {type(exc).__name__}: {exc}"
-            log.error("tracediff: recording disabled after an error in %s: %s: %s (the host goes on)",
-                      where, type(exc).__name__, exc)
+            self.error = f"{where}: {_one_line(exc)}"
+            log.error("tracediff: recording disabled after an error in %s (the host goes on)", self.error)
+
+    def _fail_tap(self, state: TapState, where: str, exc: BaseException) -> None:
+        """Stop one tap for good (its hook or labels failed): logged once, kept for its store group."""
+        if state.error is None:
+            state.error = f"tap {state.name!r} stopped recording after an error in {where}: {_one_line(exc)}"
+            log.error("tracediff: %s (other taps and the host go on)", state.error)
+
+    def _add_drop(self, state: TapState, rows: int, batches: int = 1) -> None:
+        with self._state_lock:
+            state.dropped_rows += rows
+            state.dropped_batches += batches
+
+    def _count_lost(self, state: TapState, tensor: Any) -> None:
+        """Count the rows of a capture a stopped tap (or recorder) cannot write; never raises."""
+        try:
+            if isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and tensor.shape[-1] > 0:
+                rows = tensor.numel() // tensor.shape[-1]
+                if rows:
+                    self._add_drop(state, rows)
+        except Exception:  # noqa: BLE001, S110  (counting is best effort; the host comes first)
+            pass
 
     # ------------------------------------------------------------------ writer thread
     def _writer_loop(self) -> None:
+        closing = False
         while True:
-            item = self._queue.get()
+            if closing:
+                # close() was called: a capture that raced it may have queued behind the sentinel.
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            else:
+                item = self._queue.get()
             if item is None:
-                break
+                closing = True
+                continue
             try:
                 if self._writer_error is None:
                     self._write(item)
                 else:
                     self._count_drop(item)
-            except Exception as exc:  # noqa: BLE001
-                self._writer_error = f"{type(exc).__name__}: {exc}"
-                self.fail("writer", exc)
+            except BaseException as exc:  # noqa: BLE001  (even SystemExit: a dead writer would stall the host)
+                self._writer_error = _one_line(exc)
+                self.fail(f"the writer of tap {item.tap!r}", exc)
                 self._count_drop(item)
             finally:
-                if item.pool_buf is not None:
-                    self._pool.put(item.pool_buf, pinned=item.event is not None)
+                if item.pooled:
+                    self._pool.put(item.data, pinned=item.event is not None)
                 self._release(item.nbytes)
         self._finish()
 
@@ -637,10 +758,11 @@ class Recorder:
 
     def _open_writer(self, state: TapState) -> TraceWriter:
         attrs = dict(state.attrs)
+        segment_size, segment_labels = self._segment_layout(state)
         attrs.update(
             {
-                "segment_size": state.segment_size,
-                "segment_labels": state.segment_labels,
+                "segment_size": segment_size,
+                "segment_labels": segment_labels,
                 "rank": self.rank,
                 "world_size": self.world_size,
                 "source": self.source,
@@ -663,16 +785,37 @@ class Recorder:
         self._writers[state.name] = writer
         return writer
 
+    def _segment_layout(self, state: TapState) -> tuple[int | None, list[str] | None]:
+        """The declared segment layout if it fits the width the tap really saw; otherwise none (one
+        warning naming the tap and the field): readers refuse a layout that does not fit, and the
+        rows are worth more than the layout, which compare can infer."""
+        width = int(state.width or 0)
+        size, labels = state.segment_size, state.segment_labels
+        if size is not None and width % size:
+            self._warn_tap(state, "segment_size", f"tap {state.name!r}: field segment_size {size} does not divide "
+                           f"the width {width} it records; the rows are stored without a segment layout")
+            return None, None
+        if labels is not None:
+            segments = width // size if size is not None else len(labels)
+            if size is None and (not labels or width % len(labels)):
+                segments = -1
+            if segments != len(labels):
+                self._warn_tap(state, "segment_labels", f"tap {state.name!r}: field segment_labels names "
+                               f"{len(labels)} segments, which do not fit the width {width}; the labels are not stored")
+                return size, None
+        return size, labels
+
     def _write(self, item: _Batch) -> None:
         if item.event is not None:
             item.event.synchronize()
         values = item.values
-        if values.dtype == torch.bfloat16:
-            array = values.view(torch.int16).numpy().view(np.uint16)
-        else:
-            array = values.numpy()
+        bf16 = values.dtype == torch.bfloat16
+        array = values.view(torch.int16).numpy().view(np.uint16) if bf16 else values.numpy()
         writer = self._writer_for(item)
-        labels = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in item.labels.items()}
+        labels = {
+            k: (v.numpy() if isinstance(v, torch.Tensor) else v.array() if isinstance(v, _DefaultLabels) else v)
+            for k, v in item.labels.items()
+        }
         seq = labels.get("seq")
         if seq is not None and np.asarray(seq).dtype.kind in "OUS":
             labels["seq"] = np.array([writer.seq_id(k) for k in np.asarray(seq).reshape(-1)], dtype=np.int64)
@@ -691,15 +834,14 @@ class Recorder:
     def _count_drop(self, item: _Batch) -> None:
         state = self._taps.get(item.tap)
         if state is not None:
-            state.dropped_rows += int(item.values.shape[0])
-            state.dropped_batches += 1
+            self._add_drop(state, item.rows)
 
     def _finish(self) -> None:
         """Final commit of every group, with drop counts; taps that only dropped still get a group."""
         for name, state in self._taps.items():
             if name in self._writers or state.width is None:
                 continue
-            if state.dropped_rows or state.skipped_rows:
+            if state.dropped_rows or state.skipped_rows or state.error:
                 try:
                     self._open_writer(state)
                 except Exception as exc:  # noqa: BLE001
@@ -707,8 +849,8 @@ class Recorder:
         for name, writer in self._writers.items():
             try:
                 self._sync_counts(writer, name)
-                status = "failed" if self.error else "closed"
-                writer.close(status=status, error=self.error or "")
+                error = self._taps[name].error or self.error
+                writer.close(status="failed" if error else "closed", error=error or "")
             except Exception as exc:  # noqa: BLE001
                 log.error("tracediff: closing %s/%s: %s (committed rows stay readable)", self.path, name, exc)
 
@@ -748,13 +890,32 @@ class Recorder:
 
 
 # ---------------------------------------------------------------------- small pure helpers
-def _pick_input(args: tuple, kwargs: dict, arg: int | str) -> Any:
-    if isinstance(arg, int) and arg < len(args):
-        return args[arg]
-    if isinstance(arg, str) and arg in kwargs:
-        return kwargs[arg]
-    if isinstance(arg, int) and not args:
-        # Called with keywords only: take the first tensor keyword (Linear's is `input`).
+def _input_slot(module: torch.nn.Module, arg: int | str) -> tuple[int | None, str | None]:
+    """Where input ``arg`` arrives: its position and its keyword, from ``module.forward``'s signature
+    (``forward(hidden_states, ...)`` may be called either way). None where the signature cannot say
+    (``*args`` forwards, builtins)."""
+    index = arg if isinstance(arg, int) else None
+    keyword = arg if isinstance(arg, str) else None
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return index, keyword
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if isinstance(arg, int) and arg < len(positional) and positional[arg].kind == positional[arg].POSITIONAL_OR_KEYWORD:
+        keyword = positional[arg].name
+    elif isinstance(arg, str):
+        index = next((i for i, p in enumerate(positional) if p.name == arg and p.kind == p.POSITIONAL_OR_KEYWORD), None)
+    return index, keyword
+
+
+def _pick_input(args: tuple, kwargs: dict, arg: int | str, index: int | None, keyword: str | None) -> Any:
+    """The tapped input of one call: by position, else by keyword (see :func:`_input_slot`)."""
+    if index is not None and index < len(args):
+        return args[index]
+    if keyword is not None and keyword in kwargs:
+        return kwargs[keyword]
+    if isinstance(arg, int) and keyword is None and not args:
+        # Keywords only and no signature to name them: the first tensor keyword.
         for value in kwargs.values():
             if isinstance(value, torch.Tensor):
                 return value
@@ -762,15 +923,24 @@ def _pick_input(args: tuple, kwargs: dict, arg: int | str) -> Any:
 
 
 def _pick_output(output: Any) -> Any:
+    """The module's output tensor: itself, else the first tensor of a tuple / list or of a mapping
+    (a ``ModelOutput`` or a dict, in insertion order)."""
     if isinstance(output, torch.Tensor):
         return output
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
+    if isinstance(output, (tuple, list)):
+        for value in output:
+            if isinstance(value, torch.Tensor):
+                return value
     if isinstance(output, Mapping):
         for value in output.values():
             if isinstance(value, torch.Tensor):
                 return value
     raise UsageError(f"module output of type {type(output).__name__} holds no tensor to capture")
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line (torch's messages span several), for the log and the store."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
 def _label_rows(values: Mapping[str, Any]) -> int | None:

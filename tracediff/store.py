@@ -26,13 +26,14 @@ import json
 import math
 import os
 import socket
+import stat
 import sys
 import time
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -193,7 +194,12 @@ def create_store(
         if not overwrite:
             raise StoreExistsError(f"{path}: already exists; pass --overwrite (overwrite=True) to replace it")
         # A plain file is never a store folder (packed .zip stores are refused above): keep it too.
-        if not path.is_dir() or (any(path.iterdir()) and not _looks_like_trace_store(path)):
+        # A folder holding only zarr's temporary files is a store killed while its root zarr.json
+        # was being written: as good as empty.
+        if not path.is_dir() or (
+            any(not (p.name.endswith(".partial") and p.is_file()) for p in path.iterdir())
+            and not _looks_like_trace_store(path)
+        ):
             raise StoreExistsError(
                 f"{path}: exists and is not a tracediff store; refusing to delete it, choose another path"
             )
@@ -326,12 +332,17 @@ class TraceWriter:
             raise NotATraceStoreError(f"{self.store_path}: not a tracediff store (no 'tracediff' root attribute)")
         try:
             tap_group = _require_group(root, tap)
-            self.writer = _unique_child(tap_group, writer)
+            self.writer = _unique_child(tap_group, writer, self.store_path / tap)
             _check_name(self.writer, "writer")
-            self._group = tap_group.create_group(self.writer, attributes=self._attrs())
+            # The arrays are created first, each at its folder, and the group's zarr.json (which
+            # carries the commit record) last: until then the folder is not a zarr group and
+            # readers skip it, so a process killed halfway through never leaves a writer group
+            # with missing arrays (TraceStore would refuse the whole store). zarr.json holds no
+            # paths, so these arrays are the group's members once it exists.
+            folder = self.store_path / tap / self.writer
             store_dtype = VALUE_DTYPES[dtype]
-            self._values = self._group.create_array(
-                "values",
+            self._values = zarr.create_array(
+                str(folder / "values"),
                 shape=(0, self.width),
                 chunks=(self.chunk_rows, self.width),
                 dtype=store_dtype,
@@ -341,8 +352,8 @@ class TraceWriter:
                 attributes={"dtype": dtype},
             )
             self._labels = {
-                name: self._group.create_array(
-                    name,
+                name: zarr.create_array(
+                    str(folder / name),
                     shape=(0,),
                     chunks=(DEFAULT_LABEL_CHUNK_ROWS,),
                     dtype=LABEL_DTYPES[name],
@@ -354,6 +365,7 @@ class TraceWriter:
                 )
                 for name in LABEL_FIELDS
             }
+            self._group = tap_group.create_group(self.writer, attributes=self._attrs())
         except OSError as exc:
             raise StoreWriteError(f"{self.store_path}/{tap}: cannot create writer group: {exc}") from exc
         self.compressor = compressor
@@ -453,6 +465,7 @@ class TraceWriter:
             columns[name] = column
         start = self.counts.rows
         stop = start + rows
+        before = (self.counts.rows, self.counts.batches, self.counts.bytes)
         try:
             self._grow(stop)
             # Values: start writes at a chunk boundary (the tail kept from the last batch in memory is
@@ -474,11 +487,31 @@ class TraceWriter:
             self.counts.bytes += int(values.nbytes)
             self._commit(block_start)
         except OSError as exc:
+            # Not committed (the commit record itself may be what failed): count the batch out again.
+            self.counts.rows, self.counts.batches, self.counts.bytes = before
             self.status = "failed"
             self.error = f"{type(exc).__name__}: {exc}"
+            self._discard_uncommitted()  # a full disk: give back what the failed batch took
             raise StoreWriteError(
                 f"{self.store_path}/{self.tap}/{self.writer}: write of rows {start}..{stop} failed: {exc}"
             ) from exc
+
+    def _discard_uncommitted(self) -> None:
+        """Best effort: delete the chunk files that hold no committed row (what a failed batch wrote
+        past ``commit.rows``). They are not data, and on a full disk the space they hold is what the
+        final commit record (``status: failed``) needs. Chunks with committed rows are kept."""
+        base = self.store_path / self.tap / self.writer
+        rows = self.counts.rows
+        for name, chunk_rows in (("values", self.chunk_rows), *((n, DEFAULT_LABEL_CHUNK_ROWS) for n in LABEL_FIELDS)):
+            folder = base / name / "c"
+            try:
+                entries = os.listdir(folder)
+            except OSError:
+                continue
+            for entry in entries:
+                if entry.isdigit() and int(entry) * chunk_rows >= rows:
+                    with contextlib.suppress(OSError):
+                        _remove_tree(folder / entry)
 
     def record_drop(self, rows: int, batches: int = 1, *, skipped: bool = False) -> None:
         """Count rows not written (queue full or error: dropped; sampling limits: skipped)."""
@@ -549,11 +582,17 @@ def _require_group(parent, name: str):
         return parent[name]
 
 
-def _unique_child(group, name: str) -> str:
-    if name not in group:
+def _unique_child(group, name: str, folder: Path) -> str:
+    """``name``, or ``name_2``, ``name_3``...: the first that is neither a group nor a folder left
+    by a writer killed while creating its group (arrays there, no group zarr.json yet)."""
+
+    def taken(candidate: str) -> bool:
+        return candidate in group or os.path.lexists(folder / candidate)
+
+    if not taken(name):
         return name
     n = 2
-    while f"{name}_{n}" in group:
+    while taken(f"{name}_{n}"):
         n += 1
     return f"{name}_{n}"
 
@@ -575,7 +614,9 @@ class TraceStream:
     width: int
     dtype: str
     chunk_rows: int
-    _group: Any = field(repr=False)
+    _group: Any = field(repr=False)  # array name -> zarr array, opened by exact path after validation
+    _values_raw: bool = field(default=False, repr=False)  # values chunks hold plain bytes (no codec)
+    _values_endian: str = field(default="little", repr=False)
 
     @property
     def commit(self) -> dict[str, Any]:
@@ -601,20 +642,55 @@ class TraceStream:
         if name not in LABEL_FIELDS:
             raise UsageError(f"unknown label field {name!r}; fields: {', '.join(LABEL_FIELDS)}")
         where = f"{self.store.path}/{self.tap}/{self.writer}/{name}"
-        try:
-            arr = self._group[name]
-        except KeyError as exc:
-            raise CorruptStoreError(f"{where}: label array is missing") from exc
+        arr = self._group.get(name)
+        if arr is None:
+            raise CorruptStoreError(f"{where}: label array is missing")
         if arr.ndim != 1 or arr.shape[0] < self.rows:
             raise CorruptStoreError(f"{where}: has shape {arr.shape}, expected at least {self.rows} rows")
-        try:
-            data = np.asarray(arr[: self.rows])
-        except Exception as exc:
-            raise CorruptStoreError(f"{where}: cannot be read ({type(exc).__name__}: {exc})") from exc
-        return data.astype(LABEL_DTYPES[name], copy=False)
+        if self.rows == 0:
+            return np.empty(0, dtype=LABEL_DTYPES[name])
+        data = self._read_array(name, np.arange(0, -(-self.rows // arr.chunks[0])), lambda a: a[: self.rows])
+        if data.shape != (self.rows,) or data.dtype != LABEL_DTYPES[name]:
+            raise CorruptStoreError(f"{where}: read {data.shape} {data.dtype}, expected ({self.rows},) {LABEL_DTYPES[name]}")
+        return data
 
     def labels(self, names: Sequence[str] = LABEL_FIELDS) -> dict[str, np.ndarray]:
         return {name: self.label(name) for name in names}
+
+    def _chunk_key(self, name: str, index: int) -> str:
+        return f"{self.tap}/{self.writer}/{name}/c/{index}" + ("/0" if name == "values" else "")
+
+    def _read_array(self, name: str, chunks: np.ndarray, select: Any) -> np.ndarray:
+        """``select(zarr_array)`` as numpy, once the chunk files it reads (``chunks``, sorted indices)
+        have been checked to be plain files of a plausible size (no FIFO, loop or hole reaches zarr).
+        A chunk that zarr cannot decode is named in the error: the one that fails on its own."""
+        arr = self._group[name]
+        raw_size = self._raw_chunk_bytes if name == "values" and self._values_raw else None
+        for c in chunks.tolist():
+            self.store._check_chunk(self._chunk_key(name, c), raw_size)
+        try:
+            return np.asarray(select(arr))
+        except Exception as exc:  # noqa: BLE001  (codecs raise many types; all mean "cannot be decoded")
+            bad, cause = self._failing_chunk(arr, chunks, exc)
+            where = self.store._display(self._chunk_key(name, bad))
+            if isinstance(cause, OSError):
+                raise _read_error(where, cause) from exc
+            raise CorruptStoreError(
+                f"{where}: chunk cannot be decoded ({type(cause).__name__}: {_first_line(cause)})"
+            ) from exc
+
+    def _failing_chunk(self, arr: Any, chunks: np.ndarray, exc: Exception) -> tuple[int, Exception]:
+        cr = arr.chunks[0]
+        for c in chunks.tolist()[:4096]:  # an error path: find the culprit, within reason
+            try:
+                np.asarray(arr[c * cr : (c + 1) * cr])
+            except Exception as cause:  # noqa: BLE001
+                return c, cause
+        return int(chunks[0]) if chunks.size else 0, exc
+
+    @property
+    def _raw_chunk_bytes(self) -> int:
+        return self.chunk_rows * self.width * VALUE_DTYPES[self.dtype].itemsize
 
     def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Raw stored values of rows [start, stop) (uint16 bits for bf16)."""
@@ -622,13 +698,8 @@ class TraceStream:
         start = max(0, start)
         if start >= stop:
             return np.empty((0, self.width), dtype=VALUE_DTYPES[self.dtype])
-        try:
-            return np.asarray(self._group["values"][start:stop])
-        except Exception as exc:
-            raise CorruptStoreError(
-                f"{self.store.path}/{self.tap}/{self.writer}/values: rows {start}..{stop} cannot be read "
-                f"({type(exc).__name__}: {exc})"
-            ) from exc
+        chunks = np.arange(start // self.chunk_rows, (stop - 1) // self.chunk_rows + 1)
+        return self._read_array("values", chunks, lambda a: a[start:stop])
 
     def read_float32(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         return decode_values(self.read(start, stop), self.dtype)
@@ -640,12 +711,8 @@ class TraceStream:
             return np.empty((0, self.width), dtype=VALUE_DTYPES[self.dtype])
         if rows.min() < 0 or rows.max() >= self.rows:
             raise UsageError(f"row index out of range 0..{self.rows - 1}")
-        try:
-            return np.asarray(self._group["values"].get_orthogonal_selection((rows, slice(None))))
-        except Exception as exc:
-            raise CorruptStoreError(
-                f"{self.store.path}/{self.tap}/{self.writer}/values: cannot be read ({type(exc).__name__}: {exc})"
-            ) from exc
+        chunks = np.unique(rows // self.chunk_rows)
+        return self._read_array("values", chunks, lambda a: a.get_orthogonal_selection((rows, slice(None))))
 
     def read_chunk(
         self,
@@ -675,19 +742,14 @@ class TraceStream:
         if start >= stop:
             return np.empty((0, self.width), dtype=VALUE_DTYPES[self.dtype])
         if self._raw_chunks:
-            path = self.store.path / self.tap / self.writer / "values" / "c" / str(index) / "0"
+            path = os.fspath(self.store.path / self.tap / self.writer / "values" / "c" / str(index) / "0")
             count = self.chunk_rows * self.width
+            fd = _open_chunk_file(path, count * self._raw_dtype.itemsize)
             try:
-                with open(path, "rb") as fh:
-                    data = np.fromfile(fh, dtype=self._raw_dtype, count=count)
-            except FileNotFoundError:
-                data = np.zeros(count, dtype=self._raw_dtype)  # never written: the fill value
-            except OSError as exc:
-                raise CorruptStoreError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
-            if data.size != count:
-                raise CorruptStoreError(
-                    f"{path}: chunk holds {data.size} values, expected {count} (truncated file?)"
-                )
+                data = np.empty(count, dtype=self._raw_dtype)
+                self._pread(fd, path, [data.data.cast("B")], 0, data.nbytes)
+            finally:
+                os.close(fd)
             return data.reshape(self.chunk_rows, self.width)[: stop - start].astype(VALUE_DTYPES[self.dtype], copy=False)
         return self.read(start, stop)
 
@@ -771,9 +833,6 @@ class TraceStream:
                 c = chunk_l[a]
                 path = f"{prefix}/c/{c}/0"
                 fd = files.open(path, chunk_bytes)
-                if fd is None:  # never written: the fill value
-                    out[dest[a:b]] = 0
-                    continue
                 offset = (rows_l[a] - c * cr) * row_bytes
                 if scattered[b - 1] == scattered[a]:
                     d0 = dest_l[a] * row_bytes
@@ -795,7 +854,7 @@ class TraceStream:
         try:
             got = os.preadv(fd, buffers, offset)
         except OSError as exc:
-            raise CorruptStoreError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+            raise _read_error(path, exc) from exc
         if got != size:
             raise CorruptStoreError(f"{path}: short read at byte {offset} (file truncated while reading?)")
 
@@ -815,30 +874,13 @@ class TraceStream:
 
     @property
     def _raw_chunks(self) -> bool:
-        cached = self.__dict__.get("_raw_chunks_cache")
-        if cached is None:
-            cached = False
-            if self.store._zip is None:
-                try:
-                    meta = self._group["values"].metadata
-                    codecs = [c.to_dict() for c in meta.codecs]
-                    encoding = meta.chunk_key_encoding.to_dict()
-                    cached = (
-                        len(codecs) == 1
-                        and codecs[0].get("name") == "bytes"
-                        and encoding.get("name") == "default"
-                        and (encoding.get("configuration") or {}).get("separator", "/") == "/"
-                    )
-                    endian = (codecs[0].get("configuration") or {}).get("endian", "little") if codecs else "little"
-                    self.__dict__["_raw_dtype"] = VALUE_DTYPES[self.dtype].newbyteorder("<" if endian == "little" else ">")
-                except Exception:  # noqa: BLE001  (unknown metadata layout: use zarr)
-                    cached = False
-            self.__dict__["_raw_chunks_cache"] = cached
-        return cached
+        """Values chunks are plain files of plain bytes (a folder store, no codec but ``bytes``), so
+        rows can be read straight from them; decided from the metadata checked on open."""
+        return self._values_raw and self.store._zip is None
 
     @property
     def _raw_dtype(self) -> np.dtype:
-        return self.__dict__["_raw_dtype"]
+        return VALUE_DTYPES[self.dtype].newbyteorder("<" if self._values_endian == "little" else ">")
 
     @property
     def chunks(self) -> int:
@@ -858,6 +900,73 @@ class TraceStream:
 
 _IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
 
+# What a reader accepts on disk is what TraceWriter writes, checked before zarr touches a byte of
+# data: no codec that could run code from a file (zarr v2's pickle and object codecs), no vlen or
+# sharding codec, no metadata that makes a reader allocate more than a chunk file can hold.
+ALLOWED_CODECS = frozenset({"bytes", "blosc", "zstd"})
+_MAX_CHUNK_BYTES = 0x7FFFF000  # the most one read() returns on Linux; blosc holds less
+_MAX_METADATA_BYTES = 64 << 20  # a zarr.json larger than this is not one tracediff wrote
+
+
+def _file_kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a plain file"
+
+
+def _open_plain_file(path: str) -> int | None:
+    """Open ``path`` for reading without ever blocking (a FIFO would wait forever for a writer);
+    None when it does not exist; :class:`CorruptStoreError` when it cannot be read or is not a
+    plain file (symlink loop, folder, FIFO, socket, device)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise _read_error(path, exc) from exc
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError as exc:
+        os.close(fd)
+        raise _read_error(path, exc) from exc
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise CorruptStoreError(f"{path}: is {_file_kind(mode)}, not a file")
+    return fd
+
+
+def _open_chunk_file(path: str, size: int) -> int:
+    """File descriptor of an uncompressed chunk file of exactly ``size`` bytes. A missing chunk is
+    corruption, never the fill value: the writer writes every chunk of the rows it commits."""
+    fd = _open_plain_file(path)
+    if fd is None:
+        raise CorruptStoreError(f"{path}: chunk file is missing (deleted?) but holds committed rows")
+    actual = os.fstat(fd).st_size
+    if actual != size:
+        os.close(fd)
+        raise CorruptStoreError(f"{path}: chunk holds {actual} bytes, expected {size} (truncated or foreign file?)")
+    return fd
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+def _read_error(where: str, exc: OSError, verb: str = "read") -> StoreError:
+    """The error for a file of the store that the OS will not read: a permission problem is not
+    damage (:class:`StoreError`), anything else is (:class:`CorruptStoreError`)."""
+    reason = exc.strerror or str(exc)
+    if isinstance(exc, PermissionError):
+        return StoreError(f"{where}: cannot be {verb} ({reason}): check the permissions")
+    return CorruptStoreError(f"{where}: cannot be {verb} ({reason})")
+
 
 class ChunkFiles:
     """Open uncompressed chunk files for :meth:`TraceStream.read_chunk`, the least recently used
@@ -869,26 +978,14 @@ class ChunkFiles:
         self.limit = max(1, int(limit))
         self._fds: OrderedDict[str, int] = OrderedDict()
 
-    def open(self, path: str, size: int) -> int | None:
-        """File descriptor of ``path`` (None if it does not exist); refuses a file under ``size`` bytes."""
+    def open(self, path: str, size: int) -> int:
+        """File descriptor of chunk file ``path``, which must be a plain file of exactly ``size`` bytes
+        (:class:`CorruptStoreError` otherwise: missing, truncated, a FIFO, a folder...)."""
         fd = self._fds.get(path)
         if fd is not None:
             self._fds.move_to_end(path)
             return fd
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise CorruptStoreError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
-        try:
-            actual = os.fstat(fd).st_size
-        except OSError as exc:
-            os.close(fd)
-            raise CorruptStoreError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
-        if actual < size:
-            os.close(fd)
-            raise CorruptStoreError(f"{path}: chunk holds {actual} bytes, expected {size} (truncated file?)")
+        fd = _open_chunk_file(path, size)
         self._fds[path] = fd
         while len(self._fds) > self.limit:
             os.close(self._fds.popitem(last=False)[1])
@@ -910,51 +1007,78 @@ class ChunkFiles:
 
 
 class TraceStore:
-    """A trace store opened for reading: a folder or a ``.zarr.zip`` file. Validates on open."""
+    """A trace store opened for reading: a folder or a ``.zarr.zip`` file. Validates on open.
+
+    Every metadata document (``zarr.json``) is read and checked here before zarr sees it: node
+    types, the commit record against the arrays' shapes, dtypes, chunk shapes, and the codecs
+    against :data:`ALLOWED_CODECS`. zarr only ever opens the arrays that passed, by exact path, and
+    every chunk file of the committed rows is checked to exist as a plain file (of the exact size
+    when uncompressed) before any is read. So a damaged or hostile store fails on open, with one
+    :class:`StoreError` naming the file and the field, and never makes a reader run code from the
+    store, block on a FIFO, follow a symlink loop or allocate what its metadata claims.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        zarr = _zarr()
+        self._zip = None  # zarr's ZipStore of a .zarr.zip store
+        self._zipfile: zipfile.ZipFile | None = None
+        self._zip_names: dict[str, zipfile.ZipInfo] = {}
         if not os.path.lexists(self.path):
             raise StoreNotFoundError(f"{self.path}: no such trace store")
         try:
-            if self.path.is_file() and zipfile.is_zipfile(self.path):
+            mode = os.stat(self.path).st_mode
+        except OSError as exc:
+            raise NotATraceStoreError(f"{self.path}: cannot be opened ({exc.strerror or exc})") from exc
+        try:
+            if stat.S_ISDIR(mode):
+                from zarr.storage import LocalStore  # noqa: PLC0415
+
+                self._zstore: Any = LocalStore(str(self.path), read_only=True)
+            elif stat.S_ISREG(mode) and zipfile.is_zipfile(self.path):
                 from zarr.storage import ZipStore  # noqa: PLC0415
 
+                self._zipfile = zipfile.ZipFile(self.path)
+                self._zip_names = {info.filename: info for info in self._zipfile.infolist()}
                 self._zip = ZipStore(str(self.path), mode="r")
-                root = zarr.open_group(self._zip, mode="r")
-            elif self.path.is_dir():
-                self._zip = None
-                if not (self.path / "zarr.json").is_file():
-                    raise NotATraceStoreError(f"{self.path}: not a zarr v3 store (no zarr.json at its top)")
-                root = zarr.open_group(str(self.path), mode="r")
+                self._zstore = self._zip
             else:
-                raise NotATraceStoreError(f"{self.path}: not a trace store (neither a folder nor a .zarr.zip file)")
+                what = "a file but not a zip archive (or a truncated one)" if stat.S_ISREG(mode) else _file_kind(mode)
+                raise NotATraceStoreError(
+                    f"{self.path}: not a trace store (neither a folder nor a .zarr.zip file: it is {what})"
+                )
         except StoreError:
+            self.close()
             raise
         except PermissionError as exc:
+            self.close()
             raise StoreError(f"{self.path}: permission denied reading the store") from exc
-        except OSError as exc:
-            raise CorruptStoreError(f"{self.path}: cannot be read ({exc.strerror or exc})") from exc
-        except Exception as exc:
-            raise NotATraceStoreError(
-                f"{self.path}/zarr.json: not a readable zarr v3 group ({type(exc).__name__}: {exc})"
-            ) from exc
-        self._root = root
-        attrs = _as_dict(root.attrs, f"{self.path}/zarr.json: attributes")
+        except Exception as exc:  # noqa: BLE001  (zipfile and zarr raise several types for a bad file)
+            self.close()
+            raise CorruptStoreError(f"{self.path}: cannot be read ({type(exc).__name__}: {_first_line(exc)})") from exc
+        try:
+            self._open_root()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_root(self) -> None:
+        doc = self._node_doc("", root=True)
+        if doc is None:
+            raise NotATraceStoreError(f"{self.path}: not a zarr v3 store (no zarr.json at its top)")
+        where = self._display("zarr.json")
+        attrs = _group_attributes(doc, where, error=NotATraceStoreError)
         header = attrs.get("tracediff")
         if not isinstance(header, dict):
-            raise NotATraceStoreError(f"{self.path}/zarr.json: no 'tracediff' attribute: this zarr is not a trace store")
+            raise NotATraceStoreError(f"{where}: no 'tracediff' attribute: this zarr is not a trace store")
         fmt = header.get("format")
         if not isinstance(fmt, int) or isinstance(fmt, bool):
-            raise CorruptStoreError(f"{self.path}/zarr.json: field tracediff.format is {fmt!r}, expected an integer")
+            raise CorruptStoreError(f"{where}: field tracediff.format is {fmt!r}, expected an integer")
         if fmt > FORMAT:
             raise FormatVersionError(
-                f"{self.path}/zarr.json: tracediff.format is {fmt}, newer than this tracediff reads ({FORMAT}); "
-                f"upgrade tracediff"
+                f"{where}: tracediff.format is {fmt}, newer than this tracediff reads ({FORMAT}); upgrade tracediff"
             )
         if fmt < 1:
-            raise CorruptStoreError(f"{self.path}/zarr.json: tracediff.format {fmt} is not a known format")
+            raise CorruptStoreError(f"{where}: tracediff.format {fmt} is not a known format")
         self.format = fmt
         self.version = str(header.get("version", ""))
         self.source = attrs.get("source") if isinstance(attrs.get("source"), dict) else {}
@@ -963,7 +1087,12 @@ class TraceStore:
 
     def close(self) -> None:
         if self._zip is not None:
-            self._zip.close()
+            with contextlib.suppress(AttributeError):  # zarr's ZipStore fails to close if it never opened
+                self._zip.close()
+            self._zip = None
+        if self._zipfile is not None:
+            self._zipfile.close()
+            self._zipfile = None
 
     def __enter__(self) -> TraceStore:
         return self
@@ -971,65 +1100,245 @@ class TraceStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- reading metadata and checking chunk files, for a folder or a zip ------------------------
+    def _display(self, key: str) -> str:
+        return f"{self.path}/{key}" if key else str(self.path)
+
+    def _read_bytes(self, key: str, limit: int) -> bytes | None:
+        """The bytes of store key ``key`` (None if absent), refusing more than ``limit`` bytes."""
+        where = self._display(key)
+        if self._zipfile is not None:
+            info = self._zip_names.get(key)
+            if info is None:
+                return None
+            if info.file_size > limit:
+                raise CorruptStoreError(f"{where}: {info.file_size} bytes, more than a trace store's metadata holds")
+            try:
+                return self._zipfile.read(info)
+            except Exception as exc:  # noqa: BLE001  (BadZipFile, zlib.error, EOFError...)
+                raise CorruptStoreError(f"{where}: cannot be read from the zip ({type(exc).__name__}: {_first_line(exc)})") from exc
+        fd = _open_plain_file(where)
+        if fd is None:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size > limit:
+                raise CorruptStoreError(f"{where}: {size} bytes, more than a trace store's metadata holds")
+            parts, got = [], 0
+            while got <= size:  # read to the end (a file can grow while it is read)
+                part = os.read(fd, max(size - got, 0) + 1)
+                if not part:
+                    break
+                parts.append(part)
+                got += len(part)
+                if got > limit:
+                    raise CorruptStoreError(f"{where}: more than {limit} bytes, more than a trace store's metadata holds")
+            return b"".join(parts)
+        except OSError as exc:
+            raise _read_error(where, exc) from exc
+        finally:
+            os.close(fd)
+
+    def _node_doc(self, key: str, *, root: bool = False) -> dict[str, Any] | None:
+        """The parsed ``zarr.json`` of node ``key`` ('' = the root), None if it has none."""
+        name = f"{key}/zarr.json" if key else "zarr.json"
+        where = self._display(name)
+        error = NotATraceStoreError if root else CorruptStoreError
+        data = self._read_bytes(name, _MAX_METADATA_BYTES)
+        if data is None:
+            return None
+        try:
+            doc = json.loads(data)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise error(f"{where}: not valid JSON ({_first_line(exc)})") from exc
+        if not isinstance(doc, dict):
+            raise error(f"{where}: holds {_json_type(doc)}, expected a JSON object (zarr v3 metadata)")
+        if doc.get("zarr_format") != 3:
+            raise error(f"{where}: field zarr_format is {doc.get('zarr_format')!r}, expected 3 (a zarr v3 store)")
+        if doc.get("node_type") not in ("group", "array"):
+            raise error(f"{where}: field node_type is {doc.get('node_type')!r}, expected 'group' or 'array'")
+        return doc
+
+    def _children(self, key: str) -> list[str]:
+        """Names of the child nodes (folders holding a zarr.json) of group ``key``, sorted."""
+        if self._zipfile is not None:
+            prefix = f"{key}/" if key else ""
+            depth = prefix.count("/") + 1
+            return sorted({
+                name[len(prefix):].split("/")[0] for name in self._zip_names
+                if name.startswith(prefix) and name.endswith("/zarr.json") and name.count("/") == depth
+            })
+        where = self._display(key)
+        try:
+            with os.scandir(where) as entries:
+                names = sorted(e.name for e in entries if e.name != "zarr.json")
+        except OSError as exc:
+            raise _read_error(where, exc, "listed") from exc
+        out = []
+        for name in names:
+            child = os.path.join(where, name)
+            try:
+                is_dir = stat.S_ISDIR(os.stat(child).st_mode)
+            except FileNotFoundError:  # a dangling link or a file renamed away meanwhile: no node
+                continue
+            except OSError as exc:  # a symlink loop where a node could be
+                raise _read_error(child, exc) from exc
+            if not is_dir:
+                continue
+            try:
+                os.lstat(os.path.join(child, "zarr.json"))
+            except FileNotFoundError:  # a folder that is no zarr node (a writer killed while creating it)
+                continue
+            except OSError as exc:  # unreadable: never skip a tap or writer silently
+                raise _read_error(os.path.join(child, "zarr.json"), exc) from exc
+            out.append(name)
+        return out
+
+    def _chunk_count(self, key: str) -> int:
+        """How many chunk entries array ``key`` has under ``c/`` (a bound, found by one listing)."""
+        if self._zipfile is not None:
+            prefix = f"{key}/c/"
+            return len({name[len(prefix):].split("/")[0] for name in self._zip_names if name.startswith(prefix)})
+        try:
+            return len(os.listdir(self._display(f"{key}/c")))
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            raise _read_error(self._display(key + '/c'), exc, "listed") from exc
+
+    def _check_chunk(self, key: str, raw_size: int | None) -> None:
+        """Chunk ``key`` holds committed rows: it must be a plain file, of exactly ``raw_size`` bytes
+        when uncompressed, else not empty."""
+        where = self._display(key)
+        if self._zipfile is not None:
+            info = self._zip_names.get(key)
+            size = None if info is None else info.file_size
+        else:
+            try:
+                st = os.stat(where)
+            except FileNotFoundError:
+                size = None
+            except OSError as exc:
+                raise _read_error(where, exc) from exc
+            else:
+                if not stat.S_ISREG(st.st_mode):
+                    raise CorruptStoreError(f"{where}: is {_file_kind(st.st_mode)}, not a chunk file")
+                size = st.st_size
+        if size is None:
+            raise CorruptStoreError(f"{where}: chunk file is missing (deleted?) but holds committed rows")
+        if raw_size is not None and size != raw_size:
+            raise CorruptStoreError(f"{where}: chunk holds {size} bytes, expected {raw_size} (truncated or foreign file?)")
+        if size == 0:
+            raise CorruptStoreError(f"{where}: chunk file is empty (truncated?)")
+
+    def _open_array(self, key: str, *, ndim: int, data_type: str, rows: int) -> tuple[Any, dict[str, Any]]:
+        """Check array ``key``'s metadata, its committed chunk files, then open it with zarr."""
+        where = self._display(f"{key}/zarr.json")
+        doc = self._node_doc(key)
+        if doc is None:
+            raise CorruptStoreError(f"{self._display(key)}: array is missing (no zarr.json)")
+        _check_array_doc(doc, where, ndim=ndim, data_type=data_type, rows=rows)
+        chunk_rows = doc["chunk_grid"]["configuration"]["chunk_shape"][0]
+        needed = -(-rows // chunk_rows)
+        if needed:
+            found = self._chunk_count(key)
+            if found < needed:
+                raise CorruptStoreError(
+                    f"{self._display(key + '/c')}: {found} chunk(s) for the {rows} committed rows (field "
+                    f"commit.rows), which need {needed}: chunk files are missing or the commit record is wrong"
+                )
+            codecs = [c["name"] for c in doc["codecs"]]
+            raw_size = math.prod(doc["chunk_grid"]["configuration"]["chunk_shape"]) * np.dtype(data_type).itemsize
+            for c in range(needed):
+                self._check_chunk(f"{key}/c/{c}" + "/0" * (ndim - 1), raw_size if codecs == ["bytes"] else None)
+        try:
+            array = _zarr().open_array(store=self._zstore, path=key, mode="r", zarr_format=3)
+        except Exception as exc:  # noqa: BLE001  (zarr rejects odd metadata with several types)
+            raise CorruptStoreError(f"{where}: not a readable zarr array ({type(exc).__name__}: {_first_line(exc)})") from exc
+        return array, doc
+
+    # -- the tree ---------------------------------------------------------------------------------
     def _scan(self) -> dict[str, list[TraceStream]]:
         out: dict[str, list[TraceStream]] = {}
-        try:
-            taps = sorted(self._root.group_keys())
-        except Exception as exc:
-            raise CorruptStoreError(f"{self.path}: cannot list taps ({type(exc).__name__}: {exc})") from exc
-        for tap in taps:
-            try:
-                tap_group = self._root[tap]
-                writers = sorted(tap_group.group_keys())
-            except Exception as exc:
-                raise CorruptStoreError(f"{self.path}/{tap}: cannot be read ({type(exc).__name__}: {exc})") from exc
-            streams = [self._open_stream(tap, tap_group, w) for w in writers]
+        for tap in self._children(""):
+            doc = self._node_doc(tap)
+            if doc is None or doc["node_type"] != "group":
+                raise CorruptStoreError(f"{self._display(tap + '/zarr.json')}: field node_type: a tap must be a group")
+            streams = [self._open_stream(tap, writer) for writer in self._children(tap)]
             out[tap] = [s for s in streams if s is not None]
         return out
 
-    def _open_stream(self, tap: str, tap_group, writer: str) -> TraceStream | None:
-        where = f"{self.path}/{tap}/{writer}"
-        try:
-            group = tap_group[writer]
-        except Exception as exc:
-            raise CorruptStoreError(f"{where}/zarr.json: cannot be read ({type(exc).__name__}: {exc})") from exc
-        attrs = _as_dict(group.attrs, f"{where}/zarr.json: attributes")
+    def _open_stream(self, tap: str, writer: str) -> TraceStream | None:
+        key = f"{tap}/{writer}"
+        where = self._display(key)
+        meta_file = f"{where}/zarr.json"
+        doc = self._node_doc(key)
+        if doc is None or doc["node_type"] != "group":
+            raise CorruptStoreError(f"{meta_file}: field node_type: a writer must be a group")
+        attrs = _group_attributes(doc, meta_file)
         commit = attrs.get("commit")
         if not isinstance(commit, dict):
-            raise CorruptStoreError(f"{where}/zarr.json: field 'commit' is missing or not an object")
+            raise CorruptStoreError(f"{meta_file}: field 'commit' is missing or not an object")
         rows = commit.get("rows")
-        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
-            raise CorruptStoreError(f"{where}/zarr.json: field commit.rows is {rows!r}, expected a count >= 0")
-        dtype = attrs.get("dtype")
-        if dtype not in VALUE_DTYPES:
+        if not _is_int(rows) or rows < 0:
+            raise CorruptStoreError(f"{meta_file}: field commit.rows is {rows!r}, expected a count >= 0")
+        seq_names = commit.get("seq_names")
+        if seq_names is not None and not (
+            isinstance(seq_names, dict) and all(_is_int(v) for v in seq_names.values())
+        ):
             raise CorruptStoreError(
-                f"{where}/zarr.json: field dtype is {dtype!r}; expected one of {', '.join(VALUE_DTYPES)}"
+                f"{meta_file}: field commit.seq_names is {_short_repr(seq_names)}, expected an object of name: integer"
+            )
+        dtype = attrs.get("dtype")
+        if not isinstance(dtype, str) or dtype not in VALUE_DTYPES:
+            raise CorruptStoreError(
+                f"{meta_file}: field dtype is {_short_repr(dtype)}; expected one of {', '.join(VALUE_DTYPES)}"
             )
         width = attrs.get("width")
-        if not isinstance(width, int) or isinstance(width, bool) or width <= 0:
-            raise CorruptStoreError(f"{where}/zarr.json: field width is {width!r}, expected a positive integer")
-        try:
-            values = group["values"]
-        except Exception as exc:
-            raise CorruptStoreError(f"{where}/values: array is missing or unreadable ({exc})") from exc
-        if values.ndim != 2 or values.shape[1] != width or values.shape[0] < rows:
+        if not _is_int(width) or width <= 0:
+            raise CorruptStoreError(f"{meta_file}: field width is {_short_repr(width)}, expected a positive integer")
+        phases = attrs.get("phases")
+        if phases is not None and (
+            not isinstance(phases, list) or not all(isinstance(p, str) for p in phases)
+            or list(phases[: len(PHASES)]) != list(PHASES[: len(phases)])
+        ):
             raise CorruptStoreError(
-                f"{where}/values: shape {values.shape} does not hold {rows} committed rows of width {width}"
+                f"{meta_file}: field phases is {_short_repr(phases)}; expected the phase names {list(PHASES)}"
             )
-        if values.dtype != VALUE_DTYPES[dtype]:
-            raise CorruptStoreError(
-                f"{where}/values: stored dtype {values.dtype} does not match dtype attribute {dtype!r}"
-            )
-        for name in LABEL_FIELDS:
-            try:
-                arr = group[name]
-            except Exception as exc:
-                raise CorruptStoreError(f"{where}/{name}: label array is missing ({exc})") from exc
-            if arr.ndim != 1 or arr.shape[0] < rows:
-                raise CorruptStoreError(f"{where}/{name}: shape {arr.shape} holds fewer than {rows} committed rows")
         segment_size = attrs.get("segment_size")
-        if segment_size is not None and (not isinstance(segment_size, int) or segment_size <= 0):
-            raise CorruptStoreError(f"{where}/zarr.json: field segment_size is {segment_size!r}")
+        if segment_size is not None and (not _is_int(segment_size) or segment_size <= 0 or width % segment_size):
+            raise CorruptStoreError(
+                f"{meta_file}: field segment_size is {_short_repr(segment_size)}, expected a positive integer that "
+                f"divides the width {width}"
+            )
+        labels = attrs.get("segment_labels")
+        if labels is not None:
+            if not isinstance(labels, list) or not all(isinstance(x, (str, int)) for x in labels):
+                raise CorruptStoreError(f"{meta_file}: field segment_labels is {_short_repr(labels)}, expected a list of names")
+            if segment_size is not None and len(labels) != width // segment_size:
+                raise CorruptStoreError(
+                    f"{meta_file}: field segment_labels names {len(labels)} segments but width {width} / segment_size "
+                    f"{segment_size} makes {width // segment_size}; fix the attribute or record again"
+                )
+        values, values_doc = self._open_array(f"{key}/values", ndim=2, data_type=VALUE_DTYPES[dtype].name, rows=rows)
+        shape = values_doc["shape"]
+        chunk_shape = values_doc["chunk_grid"]["configuration"]["chunk_shape"]
+        if shape[1] != width or chunk_shape[1] != width:
+            raise CorruptStoreError(
+                f"{where}/values/zarr.json: field shape {shape} (chunks {chunk_shape}) does not hold rows of width "
+                f"{width} (field width of {meta_file})"
+            )
+        stored_as = (values_doc.get("attributes") or {}).get("dtype", dtype)
+        if stored_as != dtype:
+            raise CorruptStoreError(
+                f"{where}/values/zarr.json: field attributes.dtype is {_short_repr(stored_as)} but {meta_file} says "
+                f"dtype {dtype!r}: the two disagree on how to decode the values"
+            )
+        arrays = {"values": values}
+        for name in LABEL_FIELDS:
+            arrays[name], _doc = self._open_array(f"{key}/{name}", ndim=1, data_type=LABEL_DTYPES[name].name, rows=rows)
+        codecs = values_doc["codecs"]
+        endian = (codecs[0].get("configuration") or {}).get("endian", "little")
         return TraceStream(
             store=self,
             tap=tap,
@@ -1038,8 +1347,10 @@ class TraceStore:
             rows=rows,
             width=width,
             dtype=dtype,
-            chunk_rows=int(values.chunks[0]),
-            _group=group,
+            chunk_rows=int(chunk_shape[0]),
+            _group=arrays,
+            _values_raw=[c["name"] for c in codecs] == ["bytes"],
+            _values_endian="big" if endian == "big" else "little",
         )
 
     # -- convenience ----------------------------------------------------------------------------
@@ -1057,11 +1368,77 @@ class TraceStore:
         return sum(s.rows for s in self.tap_streams(tap))
 
 
-def _as_dict(attrs: Any, where: str) -> dict[str, Any]:
-    try:
-        return dict(attrs)
-    except Exception as exc:
-        raise CorruptStoreError(f"{where} cannot be read ({type(exc).__name__}: {exc})") from exc
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _group_attributes(doc: dict[str, Any], where: str, error: type[StoreError] = CorruptStoreError) -> dict[str, Any]:
+    if doc["node_type"] != "group":
+        raise error(f"{where}: field node_type is 'array', expected a group")
+    attrs = doc.get("attributes", {})
+    if not isinstance(attrs, dict):
+        raise error(f"{where}: field attributes is {_json_type(attrs)}, expected an object")
+    return attrs
+
+
+def _check_array_doc(doc: dict[str, Any], where: str, *, ndim: int, data_type: str, rows: int) -> None:
+    """An array's zarr.json must be what TraceWriter writes: ``ndim`` dimensions of ``data_type``,
+    regular chunks of at most _MAX_CHUNK_BYTES, default chunk keys, ALLOWED_CODECS only, at least
+    ``rows`` rows."""
+    if doc["node_type"] != "array":
+        raise CorruptStoreError(f"{where}: field node_type is 'group', expected an array")
+    shape = doc.get("shape")
+    if not isinstance(shape, list) or len(shape) != ndim or not all(_is_int(n) and n >= 0 for n in shape):
+        raise CorruptStoreError(f"{where}: field shape is {_short_repr(shape)}, expected {ndim} dimension(s) of size >= 0")
+    if shape[0] < rows:
+        raise CorruptStoreError(
+            f"{where}: field shape {shape} holds fewer than the {rows} committed rows (field commit.rows)"
+        )
+    if doc.get("data_type") != data_type:
+        raise CorruptStoreError(f"{where}: field data_type is {_short_repr(doc.get('data_type'))}, expected {data_type!r}")
+    grid = doc.get("chunk_grid")
+    config = grid.get("configuration") if isinstance(grid, dict) else None
+    chunks = config.get("chunk_shape") if isinstance(config, dict) else None
+    if (
+        not isinstance(grid, dict) or grid.get("name") != "regular" or not isinstance(chunks, list)
+        or len(chunks) != ndim or not all(_is_int(n) and n > 0 for n in chunks)
+    ):
+        raise CorruptStoreError(f"{where}: field chunk_grid is {_short_repr(grid)}, expected regular chunks of {ndim} sizes > 0")
+    if math.prod(chunks) * np.dtype(data_type).itemsize > _MAX_CHUNK_BYTES:
+        raise CorruptStoreError(f"{where}: field chunk_grid: chunks of {chunks} {data_type} are larger than any chunk "
+                                f"tracediff writes ({_MAX_CHUNK_BYTES} bytes)")
+    encoding = doc.get("chunk_key_encoding")
+    config = encoding.get("configuration") if isinstance(encoding, dict) else None
+    separator = (config or {}).get("separator", "/") if isinstance(config, (dict, type(None))) else None
+    if not isinstance(encoding, dict) or encoding.get("name") != "default" or separator != "/":
+        raise CorruptStoreError(f"{where}: field chunk_key_encoding is {_short_repr(encoding)}, expected default with '/'")
+    codecs = doc.get("codecs")
+    if not isinstance(codecs, list) or not codecs or not all(isinstance(c, dict) for c in codecs):
+        raise CorruptStoreError(f"{where}: field codecs is {_short_repr(codecs)}, expected a list of codecs")
+    for codec in codecs:
+        if not isinstance(codec.get("name"), str) or codec["name"] not in ALLOWED_CODECS:
+            raise CorruptStoreError(
+                f"{where}: field codecs names codec {_short_repr(codec.get('name'))}, which tracediff never writes "
+                f"(allowed: {', '.join(sorted(ALLOWED_CODECS))}); refusing to decode it"
+            )
+        if not isinstance(codec.get("configuration", {}), dict):
+            raise CorruptStoreError(f"{where}: field codecs: codec {codec['name']!r} has a configuration that is not an object")
+    if codecs[0]["name"] != "bytes" or any(c["name"] == "bytes" for c in codecs[1:]):
+        raise CorruptStoreError(f"{where}: field codecs must start with the one 'bytes' codec, got {[c['name'] for c in codecs]}")
+    if doc.get("storage_transformers") not in (None, []):
+        raise CorruptStoreError(f"{where}: field storage_transformers is {_short_repr(doc['storage_transformers'])}, expected none")
+    if not isinstance(doc.get("attributes", {}), dict):
+        raise CorruptStoreError(f"{where}: field attributes is {_json_type(doc['attributes'])}, expected an object")
 
 
 def open_store(path: str | os.PathLike[str]) -> TraceStore:
