@@ -7,9 +7,11 @@ processes. Nothing mocks the store.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 import zarr
 from click.testing import CliRunner
+from reliability_children import wait_for_commit
 
 from tracediff.cli import main as cli_main
 
@@ -137,6 +140,23 @@ def invoke_tracediff(*args: str) -> CliResult:
     return CliResult(result.exit_code, result.stdout, result.stderr)
 
 
+@contextlib.contextmanager
+def no_hang(seconds: int = 60) -> Iterator[None]:
+    """A command that blocks (a FIFO read with no writer) fails the test instead of stalling the run."""
+
+    def fail(signum: int, frame: Any) -> None:  # noqa: ARG001
+        raise TimeoutError(f"still running after {seconds} s: it blocked")
+
+    previous = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+
 # ------------------------------------------------------------------------------ reliability counts
 # Reliability tests (crash harness, concurrent writers, full disk, hostile inputs) report what they
 # measured: counts of kills by phase, rows written, peak memory. They go into the terminal summary
@@ -201,17 +221,7 @@ def record_batches_until_killed(store: str, log: str, sizes: list[int]) -> None:
         for i, n in enumerate(sizes):
             rec.labels(seq=i, position=np.arange(n), step=i)
             layer(torch.full((n, KILL_WIDTH), float(i + 1)))
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    committed = json.loads(commit_file.read_text())["attributes"]["commit"]["batches"]
-                except FileNotFoundError:  # the writer thread has not created its group yet
-                    committed = 0
-                if committed > i:
-                    break
-                if rec.error or time.monotonic() > deadline:
-                    raise RuntimeError(f"batch {i} was never committed: {rec.error}")
-                time.sleep(0.001)
+            wait_for_commit(commit_file, i, rec)
             out.write(f"{i}\n")
             out.flush()
 

@@ -28,6 +28,23 @@ CRASH_VOCAB = 1000
 PHASE_BYTES = 64  # the phase file: what the writer was doing, readable after a SIGKILL
 
 
+def wait_for_commit(commit_file: Path, batch: int, rec: Any, poll: float = 0.001, timeout: float = 30) -> None:
+    """Poll the commit record on disk (zarr writes it atomically) until it shows batch ``batch``:
+    the proof that the batch is durable, which a child logs for its parent."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            committed = json.loads(commit_file.read_text())["attributes"]["commit"]["batches"]
+        except FileNotFoundError:  # the writer thread has not created its group yet
+            committed = 0
+        if committed > batch:
+            return
+        if rec.error or time.monotonic() > deadline:
+            raise RuntimeError(f"batch {batch} was never committed: {rec.error}")
+        time.sleep(poll)
+
+
+
 # ------------------------------------------------------------------------- deterministic data
 def crash_batch(k: int, n: int) -> np.ndarray:
     """Float32 rows of batch ``k``: seeded by the index, so every batch differs from every other."""
@@ -268,17 +285,7 @@ def record_with_kill_point(store: str, log: str, phase_file: str, plan: dict[str
             rec.labels(**crash_labels(k, n))
             with torch.no_grad():
                 layer(torch.from_numpy(crash_batch(k, n)).to(dtype))
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    committed = json.loads(commit_file.read_text())["attributes"]["commit"]["batches"]
-                except FileNotFoundError:  # the writer thread has not created its group yet
-                    committed = 0
-                if committed > k:
-                    break
-                if rec.error or time.monotonic() > deadline:
-                    raise RuntimeError(f"batch {k} was never committed: {rec.error}")
-                time.sleep(0.0005)
+            wait_for_commit(commit_file, k, rec, poll=0.0005)
             # A pause before saying so: a kill right after the commit record's rename then finds
             # the batch committed but not logged (the one in flight), the case the parent allows.
             time.sleep(0.002)

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 import tracediff
 from tracediff.cli import main
 from tracediff.compare import CompareOptions, compare_stores
-from tracediff.errors import CompareError, StoreNotFoundError, NotATraceStoreError
+from tracediff.errors import CompareError, NotATraceStoreError, StoreNotFoundError
 from tracediff.testing.tiny_llama import (
     DraftHead,
     build_tiny_llama,

@@ -17,11 +17,9 @@ Bounded and reproducible: a fixed number of derandomized examples, no example da
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import no_hang
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -51,20 +50,6 @@ _COUNTS = {"store_reader": 0, "aligner": 0}
 def _report_counts(reliability_report: dict[str, Any]) -> Iterator[None]:
     yield
     reliability_report["fuzz"] = dict(_COUNTS)
-
-
-@contextlib.contextmanager
-def _no_hang(seconds: int = 60) -> Iterator[None]:
-    def fail(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"still running after {seconds} s: the reader blocked")
-
-    previous = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 # ---------------------------------------------------------------------------------- (a) the reader
@@ -216,7 +201,7 @@ def test_a_randomly_damaged_store_reads_or_fails_with_a_tracediff_error(
         for mutation in damage:
             _mutate(store, intact[_TARGETS[mutation[0]]][base], mutation)
         good = intact["stores"]["raw"]
-        with _no_hang():
+        with no_hang():
             try:
                 with open_store(store) as opened:
                     _read_everything(opened)

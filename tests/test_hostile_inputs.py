@@ -22,7 +22,6 @@ import json
 import os
 import pickle
 import shutil
-import signal
 import socket
 import struct
 import tempfile
@@ -35,7 +34,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import CliResult, invoke_tracediff, run_tracediff
+from conftest import CliResult, invoke_tracediff, no_hang, run_tracediff
 from safetensors.torch import save_file
 
 from tracediff.compare import compare_stores
@@ -386,22 +385,6 @@ def _report_counts(reliability_report: dict[str, Any]) -> Any:
     reliability_report["hostile_inputs"] = dict(_COUNTS)
 
 
-@contextlib.contextmanager
-def _no_hang(seconds: int = 60) -> Iterator[None]:
-    """A command that blocks (a FIFO read with no writer) fails the test instead of stalling the run."""
-
-    def fail(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"the command was still running after {seconds} s: it blocked")
-
-    previous = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_command_refuses_a_damaged_store_with_one_line(bases: dict[str, Path], tmp_path: Path, name: str) -> None:
     case = CASES[name]
@@ -415,7 +398,7 @@ def test_every_command_refuses_a_damaged_store_with_one_line(bases: dict[str, Pa
         out.mkdir()
         # A few cases go through the real entry point: no traceback reaches a real user either.
         real = case.subprocess and command == "compare_candidate"
-        with _no_hang():
+        with no_hang():
             outcome = _run(command, bad, bases["raw"], out, real)
         _COUNTS["commands_run"] += 1
         _COUNTS["subprocess_runs"] += int(real)
@@ -489,7 +472,7 @@ def test_an_unreadable_part_of_a_store_is_one_line_naming_it(bases: dict[str, Pa
         empty.mkdir()
         _COUNTS["permission_cases"] += 1
         for args in commands:
-            with _no_hang(), _unprivileged():
+            with no_hang(), _unprivileged():
                 result = invoke_tracediff(*args)
             _COUNTS["commands_run"] += 1
             _COUNTS["all_exit_2"] &= result.returncode == 2
