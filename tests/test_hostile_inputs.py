@@ -38,7 +38,7 @@ from conftest import CliResult, invoke_tracediff, no_hang, run_tracediff
 from safetensors.torch import save_file
 
 from tracediff.compare import compare_stores
-from tracediff.store import pack_store
+from tracediff.store import TraceStore, pack_store
 from tracediff.testing.stores import HIDDEN, write_small_store
 
 WRITER = "pid1"
@@ -606,3 +606,33 @@ def test_library_refusals_are_tracediff_errors(bases: dict[str, Path], tmp_path:
         bad = _make_bad(bases, CASES[name], tmp_path / str(i), "fc_in")
         with pytest.raises(cls, match=match):
             compare_stores(bases["raw"], bad)
+
+
+def test_a_failed_import_over_an_existing_store_keeps_the_old_store_whole(tmp_path: Path) -> None:
+    """The importer builds its store under a hidden name beside the target and moves it there only
+    once every file is in: a file that breaks halfway (after a good one was written) leaves the
+    store that --overwrite was to replace exactly as it was, and no half-built folder."""
+    src = tmp_path / "src"
+    src.mkdir()
+    _safetensors(src / "hs_0.safetensors", length=6)
+    out_store = tmp_path / "imported.zarr"
+    first = invoke_tracediff("import", "speculators", src, "-o", out_store)
+    assert first.returncode == 0, first.stderr
+    with TraceStore(out_store) as opened:
+        before = {tap: opened.rows(tap) for tap in opened.taps}
+    _safetensors(src / "hs_1.safetensors", length=7)
+    _truncate(src / "hs_1.safetensors")
+
+    again = invoke_tracediff("import", "speculators", src, "-o", out_store, "--overwrite")
+    assert again.returncode == 2 and "hs_1.safetensors" in again.stderr, again.stderr
+    with TraceStore(out_store) as opened:
+        assert {tap: opened.rows(tap) for tap in opened.taps} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["imported.zarr", "src"]
+
+    (src / "hs_1.safetensors").unlink()
+    _safetensors(src / "hs_1.safetensors", length=7)
+    replaced = invoke_tracediff("import", "speculators", src, "-o", out_store, "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    with TraceStore(out_store) as opened:
+        assert opened.rows("bank") == before["bank"] + 7
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["imported.zarr", "src"]

@@ -34,7 +34,15 @@ import numpy as np
 import torch
 
 from tracediff.errors import ImportFormatError, TracediffError, UsageError
-from tracediff.store import PHASES, TraceWriter, create_store, default_source, phase_code
+from tracediff.store import (
+    PHASES,
+    TraceWriter,
+    check_replaceable,
+    create_store,
+    default_source,
+    phase_code,
+    replace_store,
+)
 
 _TORCH_TO_STORE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
                    torch.float64: "float64"}
@@ -278,8 +286,8 @@ def _write(
 ) -> ImportResult:
     """Write the samples into a new store; on any error the half-written store is removed."""
     dest = Path(dest)
-    if dest.exists() and not overwrite:
-        raise UsageError(f"{dest}: already exists; pass --overwrite to replace it")
+    if dest.exists():
+        check_replaceable(dest, overwrite)
     first = next(samples, None)
     if first is None:
         raise ImportFormatError("no files to import")
@@ -295,8 +303,13 @@ def _write(
     dtype = _TORCH_TO_STORE[first.fc_in.dtype]
     source = default_source("trainer", meta["framework"], meta["framework_version"])
     source["imported"] = True
-    create_store(dest, role="trainer", meta=meta, source=source, overwrite=overwrite)
-    result = ImportResult(dest, 0)
+    # The store is built beside its destination under a hidden name and moved there whole once every
+    # file is in: an import that fails, or is killed, never leaves a half-written store at ``dest``
+    # (a kill leaves the hidden folder, which nothing reads), and --overwrite keeps the old store
+    # until the new one is complete.
+    final, dest = dest, dest.with_name(f".{dest.name}.importing-{os.getpid()}")
+    create_store(dest, role="trainer", meta=meta, source=source, overwrite=True)
+    result = ImportResult(final, 0)
     writers: dict[str, TraceWriter] = {}
     try:
         for tap, tap_width, labels, what in (
@@ -323,11 +336,12 @@ def _write(
             sample = next(samples, None)
         for writer in writers.values():
             writer.close()
+        replace_store(dest, final)
     except (TracediffError, OSError) as exc:
         shutil.rmtree(dest, ignore_errors=True)
         if isinstance(exc, TracediffError):
             raise
-        raise ImportFormatError(f"{dest}: import failed: {exc}") from exc
+        raise ImportFormatError(f"{final}: import failed: {exc}") from exc
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         raise

@@ -191,18 +191,7 @@ def create_store(
     if str(path).endswith(".zip"):
         raise UsageError(f"{path}: a .zarr.zip store is read-only; record into a folder and pack it")
     if path.exists():
-        if not overwrite:
-            raise StoreExistsError(f"{path}: already exists; pass --overwrite (overwrite=True) to replace it")
-        # A plain file is never a store folder (packed .zip stores are refused above): keep it too.
-        # A folder holding only zarr's temporary files is a store killed while its root zarr.json
-        # was being written: as good as empty.
-        if not path.is_dir() or (
-            any(not (p.name.endswith(".partial") and p.is_file()) for p in path.iterdir())
-            and not _looks_like_trace_store(path)
-        ):
-            raise StoreExistsError(
-                f"{path}: exists and is not a tracediff store; refusing to delete it, choose another path"
-            )
+        check_replaceable(path, overwrite)
         _remove_tree(path)
     blocker = next((p for p in path.parents if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
@@ -219,6 +208,33 @@ def create_store(
     except OSError as exc:
         raise StoreWriteError(f"{path}: cannot create the store: {exc.strerror or exc}") from exc
     return path
+
+
+def check_replaceable(path: Path, overwrite: bool) -> None:
+    """Refuse to replace an existing ``path`` unless ``overwrite`` and it is a trace store (or a
+    folder holding nothing but zarr's temporary files), never an unrelated file or folder."""
+    if not overwrite:
+        raise StoreExistsError(f"{path}: already exists; pass --overwrite (overwrite=True) to replace it")
+    # A plain file is never a store folder (packed .zip stores are refused above): keep it too.
+    # A folder holding only zarr's temporary files is a store killed while its root zarr.json
+    # was being written: as good as empty.
+    if not path.is_dir() or (
+        any(not (p.name.endswith(".partial") and p.is_file()) for p in path.iterdir())
+        and not _looks_like_trace_store(path)
+    ):
+        raise StoreExistsError(f"{path}: exists and is not a tracediff store; refusing to delete it, choose another path")
+
+
+def replace_store(built: Path, dest: Path) -> None:
+    """Move the finished store ``built`` to ``dest`` (same folder, so renames are atomic), replacing
+    a store already there only now: until this point ``dest`` holds the old store or nothing."""
+    old = None
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        os.replace(dest, old)
+    os.replace(built, dest)
+    if old is not None:
+        _remove_tree(old)
 
 
 def update_store_meta(path: str | os.PathLike[str], meta: Mapping[str, Any]) -> None:
