@@ -143,6 +143,17 @@ class KillSwitch:
             kind = "other"
         return f"{self.section}:{kind}"
 
+    def reach(self, phase: str) -> str | None:
+        """Count one write of ``phase``, mark it as the current phase and die now if this is the kill
+        point's "before"; returns the kill point's "when" for this write ("middle", "after", None)."""
+        with self._lock:
+            self.puts[phase] += 1
+            when = self._hit("put", phase, self.puts[phase])
+        self.mark(phase)
+        if when == "before":
+            self.die()
+        return when
+
     def _hit(self, point: str, key: str, count: int) -> str | None:
         k = self.kill
         if k and k["point"] == point and k["target"] == key and k["n"] == count:
@@ -161,12 +172,7 @@ class KillSwitch:
 
         def watched_put(path: Path, value: Any, exclusive: bool = False) -> int:
             phase = switch.phase_of(path)
-            with switch._lock:
-                switch.puts[phase] += 1
-                when = switch._hit("put", phase, switch.puts[phase])
-            switch.mark(phase)
-            if when == "before":
-                switch.die()
+            when = switch.reach(phase)
             if when == "middle":  # what zarr's atomic write leaves when killed halfway through it
                 data = memoryview(value.as_buffer_like()).cast("B")
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -181,12 +187,7 @@ class KillSwitch:
 
         async def watched_delete(store: Any, key: str) -> None:
             phase = switch.phase_of(store.root / key).rsplit(":", 1)[0] + ":delete"
-            with switch._lock:
-                switch.puts[phase] += 1
-                when = switch._hit("put", phase, switch.puts[phase])
-            switch.mark(phase)
-            if when == "before":
-                switch.die()
+            when = switch.reach(phase)
             await delete(store, key)
             if when == "after":
                 switch.die()

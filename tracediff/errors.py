@@ -66,3 +66,10 @@ class SendError(TracediffError, ConnectionError):
 class ImportFormatError(TracediffError, ValueError):
     """A trainer's offline files cannot be imported: missing, refused (not plain tensors), or not in
     the layout that framework writes (keys, shapes, files of two different models)."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (at most 300 characters), or its type's name: what
+    a one-line error quotes of a library's exception."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracediff.errors import ImportFormatError, TracediffError, UsageError
+from tracediff.errors import ImportFormatError, TracediffError, UsageError, first_line
 from tracediff.store import (
     PHASES,
     TraceWriter,
@@ -99,7 +99,7 @@ def _load_speculators_file(path: Path, index: int) -> _Sample:
     try:
         data = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise ImportFormatError(f"{path}: not a readable safetensors file: {_first_line(exc)}") from exc
+        raise ImportFormatError(f"{path}: not a readable safetensors file: {first_line(exc)}") from exc
     missing = {"hidden_states", "token_ids"} - set(data)
     if missing:
         raise ImportFormatError(f"{path}: missing {sorted(missing)}; speculators files hold hidden_states "
@@ -199,7 +199,7 @@ def load_specforge_file(path: Path) -> dict[str, Any]:
             data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001  (unpickling errors come in many types; all mean "refused")
         raise ImportFormatError(
-            f"{path}: refused by torch.load(weights_only=True) (only plain tensors are read): {_first_line(exc)}"
+            f"{path}: refused by torch.load(weights_only=True) (only plain tensors are read): {first_line(exc)}"
         ) from exc
     if not isinstance(data, dict):
         raise ImportFormatError(f"{path}: holds a {type(data).__name__}, not the dict SpecForge saves")
@@ -393,11 +393,6 @@ def _version(distribution: str) -> str:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
 
 
 def parse_layer_ids(text: str | None) -> list[int] | None:

@@ -47,6 +47,7 @@ from tracediff.errors import (
     StoreNotFoundError,
     StoreWriteError,
     UsageError,
+    first_line,
 )
 
 FORMAT = 1
@@ -692,7 +693,7 @@ class TraceStream:
             if isinstance(cause, OSError):
                 raise _read_error(where, cause) from exc
             raise CorruptStoreError(
-                f"{where}: chunk cannot be decoded ({type(cause).__name__}: {_first_line(cause)})"
+                f"{where}: chunk cannot be decoded ({type(cause).__name__}: {first_line(cause)})"
             ) from exc
 
     def _failing_chunk(self, arr: Any, chunks: np.ndarray, exc: Exception) -> tuple[int, Exception]:
@@ -970,11 +971,6 @@ def _open_chunk_file(path: str, size: int) -> int:
     return fd
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
-
-
 def _read_error(where: str, exc: OSError, verb: str = "read") -> StoreError:
     """The error for a file of the store that the OS will not read: a permission problem is not
     damage (:class:`StoreError`), anything else is (:class:`CorruptStoreError`)."""
@@ -1070,7 +1066,7 @@ class TraceStore:
             raise StoreError(f"{self.path}: permission denied reading the store") from exc
         except Exception as exc:  # noqa: BLE001  (zipfile and zarr raise several types for a bad file)
             self.close()
-            raise CorruptStoreError(f"{self.path}: cannot be read ({type(exc).__name__}: {_first_line(exc)})") from exc
+            raise CorruptStoreError(f"{self.path}: cannot be read ({type(exc).__name__}: {first_line(exc)})") from exc
         try:
             self._open_root()
         except BaseException:
@@ -1132,7 +1128,7 @@ class TraceStore:
             try:
                 return self._zipfile.read(info)
             except Exception as exc:  # noqa: BLE001  (BadZipFile, zlib.error, EOFError...)
-                raise CorruptStoreError(f"{where}: cannot be read from the zip ({type(exc).__name__}: {_first_line(exc)})") from exc
+                raise CorruptStoreError(f"{where}: cannot be read from the zip ({type(exc).__name__}: {first_line(exc)})") from exc
         fd = _open_plain_file(where)
         if fd is None:
             return None
@@ -1166,7 +1162,7 @@ class TraceStore:
         try:
             doc = json.loads(data)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise error(f"{where}: not valid JSON ({_first_line(exc)})") from exc
+            raise error(f"{where}: not valid JSON ({first_line(exc)})") from exc
         if not isinstance(doc, dict):
             raise error(f"{where}: holds {_json_type(doc)}, expected a JSON object (zarr v3 metadata)")
         if doc.get("zarr_format") != 3:
@@ -1270,7 +1266,7 @@ class TraceStore:
         try:
             array = _zarr().open_array(store=self._zstore, path=key, mode="r", zarr_format=3)
         except Exception as exc:  # noqa: BLE001  (zarr rejects odd metadata with several types)
-            raise CorruptStoreError(f"{where}: not a readable zarr array ({type(exc).__name__}: {_first_line(exc)})") from exc
+            raise CorruptStoreError(f"{where}: not a readable zarr array ({type(exc).__name__}: {first_line(exc)})") from exc
         return array, doc
 
     # -- the tree ---------------------------------------------------------------------------------
