@@ -59,15 +59,16 @@ def _common_meta() -> dict[str, Any]:
 
 def trainer_meta() -> dict[str, Any]:
     return {**_common_meta(),
-            "aux_layer_ids": {"hf_hidden_states": [0, 3, 6], "source": "trainer config"},
+            # The canonical aux_layers block (docs/format.md): ids in the trainer's own numbering.
+            "aux_layers": {"ids": [0, 3, 6], "convention": "hf", "source": "trainer config"},
             "framework": "simulated EAGLE-3 trainer (tracediff.testing.tiny_llama.run_trainer)"}
 
 
 def server_meta(sglang_ids: list[int]) -> dict[str, Any]:
     return {**_common_meta(),
-            "aux_layer_ids": {"eagle_config.eagle_aux_hidden_state_layer_ids": sglang_ids,
-                              "read_from": "eagle_config (nested)",
-                              "convention": "output of layer j (-1 = embedding)"},
+            "aux_layers": {"ids": sglang_ids, "convention": "sglang", "framework": "sglang",
+                           "field": "eagle_config.eagle_aux_hidden_state_layer_ids",
+                           "source": "draft config eagle_config (nested)"},
             "framework": "simulated SGLang-style server (tracediff.testing.tiny_llama.run_engine)",
             "server_args": {"speculative_algorithm": "EAGLE3", "max_running_requests": 3,
                             "dtype": "bfloat16"}}

@@ -309,3 +309,88 @@ def test_fc_input_under_another_tap_name_is_paired_when_no_tap_is_common(tmp_pat
     assert (report.plan.tap_reference, report.plan.tap_candidate) == ("fc_in", "aux_hidden")
     assert report.verdict == "match"
     assert any("no common tap" in note for note in report.plan.notes)
+
+
+def test_two_hidden_sizes_are_one_shape_error_not_more_segments(traces, tmp_path):
+    """3 x 64 against 3 x 32: another target model, never 6 segments of 32 with 6 missing."""
+    small = build_tiny_llama(hidden_size=32, num_layers=8)
+    seqs = make_sequences(n_seqs=4, min_len=12, max_len=30, seed=1)
+    draft = DraftHead(32, 3)
+    path = tmp_path / "h32.zarr"
+    with tracediff.record(path) as rec:
+        rec.tap(draft.fc, "fc_in", segment_size=32)
+        run_engine(small, draft, seqs, REF, dtype=torch.bfloat16, on_batch=lambda lab: rec.labels(**lab))
+    report = compare_stores(traces["ref"], path)
+    errors = [f for f in report.findings if f.severity == "error"]
+    assert [f.kind for f in errors] == ["shape"]
+    assert errors[0].evidence["reference_segment_size"] == 64 and errors[0].evidence["candidate_segment_size"] == 32
+    assert "64" in errors[0].message and "32" in errors[0].message
+    assert report.segment_map == [] and report.metrics == []
+    assert report.exit_code() == 1
+
+
+def test_a_side_without_a_segment_size_takes_the_other_sides_and_says_so(traces, tmp_path):
+    rows = torch.randn(30, 192)
+    for name, size in (("with", 64), ("without", None)):
+        with tracediff.record(tmp_path / f"{name}.zarr") as rec:
+            if size:
+                rec.declare("fc_in", segment_size=size)
+            rec.labels(seq=0, position=np.arange(30), token_id=np.arange(30) + 3)
+            rec.capture("fc_in", rows)
+    report = compare_stores(tmp_path / "with.zarr", tmp_path / "without.zarr")
+    assert report.plan.segment_size == 64 and report.plan.segment_size_source == "mixed"
+    assert any("candidate recorded no segment size" in n for n in report.plan.notes)
+
+
+SAMPLES = Path(__file__).resolve().parents[1] / "samples"
+
+
+def test_the_shipped_fixed_pair_is_a_match_with_no_warning():
+    """Trainer ids in HF numbering [0, 3, 6], server ids in SGLang's [-1, 2, 5]: the same layers."""
+    report = compare_stores(SAMPLES / "train.zarr", SAMPLES / "server_fixed.zarr")
+    assert report.verdict == "match"
+    assert [f for f in report.findings if f.severity != "info"] == []
+    config = [f for f in report.findings if f.kind == "config" and "numberings" in f.message]
+    assert config and config[0].evidence["aux_layers"]["candidate"]["physical"] == [0, 3, 6]
+    result = CliRunner().invoke(main, ["compare", str(SAMPLES / "train.zarr"), str(SAMPLES / "server_fixed.zarr"),
+                                       "--fail-on", "warning", "--quiet"])
+    assert result.exit_code == 0, result.output
+
+
+def test_the_shipped_broken_pair_names_the_fix_in_sglang_numbering():
+    report = compare_stores(SAMPLES / "train.zarr", SAMPLES / "server_broken.zarr")
+    order = next(f for f in report.findings if f.kind == "segment_order")
+    fix = order.evidence["fix"]
+    assert fix["engine"] == "sglang" and fix["value"] == [-1, 2, 5] and fix["config_can_fix"]
+    assert fix["candidate_layers"] == [3, 6, 8]
+    assert "eagle_config.eagle_aux_hidden_state_layer_ids" in order.message and "[-1, 2, 5]" in order.message
+
+
+def _record_engine(path: Path, layers: list[str], meta: dict) -> Path:
+    tl = build_tiny_llama(hidden_size=64, num_layers=8)
+    seqs = make_sequences(n_seqs=4, min_len=12, max_len=30, seed=1)
+    draft = DraftHead(64, len(layers))
+    with tracediff.record(path, meta=meta) as rec:
+        rec.tap(draft.fc, "fc_in", segment_size=64)
+        run_engine(tl, draft, seqs, layers, dtype=torch.bfloat16, on_batch=lambda lab: rec.labels(**lab))
+    return path
+
+
+def test_same_config_in_another_order_is_a_code_path_not_a_config_fix(traces, tmp_path):
+    """The server is configured for the trainer's layers but concatenates them in another order."""
+    ref = _record_engine(tmp_path / "ref.zarr", REF, {"aux_layers": {"ids": [0, 3, 6], "convention": "hf"}})
+    cand = _record_engine(tmp_path / "cand.zarr", ["hs3", "hs0", "hs6"],
+                          {"aux_layers": {"ids": [-1, 2, 5], "convention": "sglang", "framework": "sglang"}})
+    report = compare_stores(ref, cand)
+    order = next(f for f in report.findings if f.kind == "segment_order")
+    assert order.evidence["fix"]["config_can_fix"] is False
+    assert "no config value can fix it" in order.message and "code" in order.message
+
+
+def test_an_unknown_numbering_says_what_to_record(traces, tmp_path):
+    cand = _record_engine(tmp_path / "cand.zarr", ["hs3", "hs6", "pre_norm"], {"aux_layer_ids": [2, 5, 7]})
+    report = compare_stores(traces["ref"], cand)
+    assert any("has no convention" in n for n in report.plan.notes)
+    order = next(f for f in report.findings if f.kind == "segment_order")
+    # The reference's labels give its layers; the candidate's engine is unknown: both engines' words.
+    assert "sglang" in order.message and "vllm" in order.message

@@ -50,7 +50,8 @@ def record_trainer(path: Path, layers: list[str]) -> None:
     tl = build_tiny_llama(hidden_size=HIDDEN, num_layers=LAYERS, vocab_size=VOCAB, seed=0)
     draft = DraftHead(HIDDEN, len(layers))
     seqs = make_sequences(n_seqs=4, min_len=6, max_len=20, vocab_size=VOCAB, seed=1)
-    with td.record(path, role="trainer") as rec:
+    ids = [int(name[2:]) for name in layers]  # HF hidden_states indices, as the trainer counts them
+    with td.record(path, role="trainer", meta={"aux_layers": {"ids": ids, "convention": "capture"}}) as rec:
         rec.tap(draft.fc, "fc_in", segment_size=HIDDEN, segment_labels=layers)
         run_trainer(tl, draft, seqs, layers, on_batch=lambda labels: rec.labels(**labels))
 
@@ -188,6 +189,11 @@ def test_compare_names_the_mismatched_segments_of_a_trainer_with_other_layers(li
     assert by_candidate[1]["reference"] == 2 and by_candidate[1]["cosine"] > 0.999, report["segment_map"]
     assert by_candidate[0]["status"] not in ("same", "moved") and by_candidate[2]["status"] not in ("same", "moved")
     assert "segment" in result.stdout
+    # Other layers are other data, never a normalisation; the fix is in SGLang's own numbering.
+    assert "segment_scale" not in {f["kind"] for f in report["findings"]}
+    fixes = [f["evidence"]["fix"] for f in report["findings"] if "fix" in f["evidence"]]
+    assert len(fixes) == 1 and fixes[0]["engine"] == "sglang", fixes
+    assert fixes[0]["candidate_layers"] == [2, 4, 5] and fixes[0]["value"] == [0, 2, 3], fixes
 
 
 def test_send_to_a_stopped_server_is_a_one_line_error(live) -> None:

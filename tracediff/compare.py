@@ -8,264 +8,38 @@ it raises :class:`tracediff.errors.CompareError` (exit 2) when the stores cannot
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from tracediff import __version__
-from tracediff.align import Alignment, RowIndex, RowPairs, align_sequences, pair_rows
-from tracediff.diagnose import StreamResult, _aligned_empty, _ChunkReader, stream_metrics
+from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
+from tracediff.align import RowIndex, align_sequences, pair_rows
+from tracediff.diagnose import StreamResult, stream_metrics
 from tracediff.errors import CompareError
+from tracediff.findings import build_findings
+from tracediff.metadata import aux_config, config_diff, side_aux_layers
+from tracediff.plan import (
+    CompareOptions,
+    SegmentPlan,
+    collect_meta,
+    decide_segment_sizes,
+    offset_search,
+    pick_taps,
+    plan_segments,
+    read_rows,
+    require_finite_rows,
+    sample_pairs,
+    stream_layout,
+    tap_summary,
+)
 from tracediff.results import Plan, Report, SegmentMatch, Side
-from tracediff.segments import (
-    SegmentDecision,
-    infer_segment_size,
-    match_segments,
-    mismatched_rows_matrix,
-    noise_floor,
-    segment_cosine_matrix,
-    to_float32,
-)
-from tracediff.store import VALUE_DTYPES, TraceStore, open_store
+from tracediff.segments import SegmentDecision
+from tracediff.store import TraceStore, open_store
 
-OFFSETS = (-2, -1, 0, 1, 2)
-VOLATILE_KEYS = re.compile(
-    r"(^|_)(pid|host|hostname|started|updated|time|timestamp|argv|python|recorded_by|record|limits|injected)$"
-)
-AUX_KEYS = re.compile(r"layer_ids|layers_to_capture|aux_hidden_state|eagle_aux|aux_layer|segment_labels", re.I)
-
-
-# Tap names that hold the same fc input (reference name, candidate name), tried in order when the
-# stores share no tap: a server in capture-only mode records the target's packed aux states only.
-FC_INPUT_EQUIVALENTS = (("fc_in", "aux_hidden"), ("aux_hidden", "fc_in"), ("fc_in", "fc_in_raw"), ("fc_in_raw", "fc_in"))
-
-
-@dataclass
-class CompareOptions:
-    tap: str | None = None
-    reference_tap: str | None = None
-    candidate_tap: str | None = None
-    segment_size: int | None = None
-    sample_rows: int = 2048
-    offset_sample_rows: int = 512
-    seed: int = 0
-    progress: Callable[[int], None] | None = None
-    progress_total: Callable[[int], None] | None = None
-    bank: str | None = None
-    extra_notes: list[str] = field(default_factory=list)
-
-
-def _pick_taps(ref: TraceStore, cand: TraceStore, opts: CompareOptions) -> tuple[str, str]:
-    if opts.reference_tap or opts.candidate_tap:
-        rt = opts.reference_tap or opts.tap or opts.candidate_tap
-        ct = opts.candidate_tap or opts.tap or opts.reference_tap
-        assert rt is not None and ct is not None
-        ref.tap_streams(rt)
-        cand.tap_streams(ct)
-        return rt, ct
-    if opts.tap:
-        ref.tap_streams(opts.tap)
-        cand.tap_streams(opts.tap)
-        return opts.tap, opts.tap
-    common = [t for t in ref.taps if t in cand.taps and ref.rows(t) and cand.rows(t)]
-    if not common:
-        # The same fc input under the names different capture points give it: a trainer's fc_in
-        # against a server's packed aux states (capture-only mode, no draft loaded).
-        for rt, ct in FC_INPUT_EQUIVALENTS:
-            if rt in ref.taps and ct in cand.taps and ref.rows(rt) and cand.rows(ct):
-                opts.extra_notes.append(f"no common tap: compared reference {rt} with candidate {ct} "
-                                        f"(both are the fc input); choose others with --ref-tap/--cand-tap")
-                return rt, ct
-        raise CompareError(
-            f"no common tap with rows: {ref.path} has {tap_summary(ref)}, {cand.path} has {tap_summary(cand)}; "
-            f"choose with --tap, or --ref-tap/--cand-tap"
-        )
-    preferred = [t for t in common if t == "fc_in"] or [t for t in common if not t.startswith("bank")] or common
-    return preferred[0], preferred[0]
-
-
-def tap_summary(store: TraceStore) -> str:
-    """'bank (0 rows), fc_in (1937 rows)' or 'no taps': what a store holds, for error messages."""
-    return ", ".join(f"{t} ({store.rows(t)} rows)" for t in store.taps) or "no taps"
-
-
-def _stream_layout(store: TraceStore, tap: str) -> tuple[int, str, int | None, list[str] | None, dict[str, Any]]:
-    streams = store.tap_streams(tap)
-    with_rows = [s for s in streams if s.rows] or streams
-    widths = {s.width for s in with_rows}
-    dtypes = {s.dtype for s in with_rows}
-    if len(widths) > 1 or len(dtypes) > 1:
-        raise CompareError(
-            f"{store.path}/{tap}: writers disagree on the row layout (widths {sorted(widths)}, dtypes {sorted(dtypes)}); "
-            f"compare one process at a time"
-        )
-    first = with_rows[0]
-    return first.width, first.dtype, first.segment_size, first.segment_labels, first.attrs
-
-
-def _collect_meta(store: TraceStore, tap: str) -> dict[str, Any]:
-    attrs = _stream_layout(store, tap)[4]
-    tap_meta = {k: v for k, v in attrs.items() if k not in ("commit", "source", "meta", "limits", "phases", "rank",
-                                                            "world_size", "tap")}
-    # The in-process recorder writes its meta both at the root and per writer: keep each key once.
-    writer_meta = {k: v for k, v in (attrs.get("meta") or {}).items() if store.meta.get(k) != v}
-    return {"store": store.meta, "writer": writer_meta, "tap": tap_meta}
-
-
-def _aux_config(meta: Any, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if isinstance(meta, dict):
-        for k, v in meta.items():
-            path = f"{prefix}.{k}" if prefix else str(k)
-            if AUX_KEYS.search(str(k)):
-                out[path] = v
-            elif isinstance(v, dict):
-                out.update(_aux_config(v, path))
-    return out
-
-
-def config_diff(ref_meta: dict[str, Any], cand_meta: dict[str, Any]) -> list[dict[str, Any]]:
-    """deepdiff of the two metas, volatile keys (pids, hosts, times, command lines) left out."""
-    from deepdiff import DeepDiff  # noqa: PLC0415
-
-    diff = DeepDiff(ref_meta, cand_meta, ignore_order=False, verbose_level=2,
-                    exclude_obj_callback=lambda obj, path: bool(VOLATILE_KEYS.search(_last_key(path))))
-    out: list[dict[str, Any]] = []
-    for change, items in diff.to_dict().items():
-        if not isinstance(items, dict):
-            continue
-        for path, value in items.items():
-            entry: dict[str, Any] = {"path": _clean_path(path), "change": change}
-            if isinstance(value, dict) and ("old_value" in value or "new_value" in value):
-                entry["reference"] = _plain(value.get("old_value"))
-                entry["candidate"] = _plain(value.get("new_value"))
-            elif "removed" in change:
-                entry["reference"] = _plain(value)
-                entry["candidate"] = None
-            else:
-                entry["reference"] = None
-                entry["candidate"] = _plain(value)
-            out.append(entry)
-    # Aux-layer settings are shown whole ([3, 31, 59] -> [2, 30, 58]), not item by item.
-    ref_aux, cand_aux = _aux_config(ref_meta), _aux_config(cand_meta)
-    out = [e for e in out if not any(e["path"] == k or e["path"].startswith(k + ".") for k in (*ref_aux, *cand_aux))]
-    for key in sorted(set(ref_aux) | set(cand_aux)):
-        if ref_aux.get(key) != cand_aux.get(key):
-            out.append({"path": key, "change": "values_changed", "reference": _plain(ref_aux.get(key)),
-                        "candidate": _plain(cand_aux.get(key))})
-    out.sort(key=lambda e: (0 if AUX_KEYS.search(e["path"]) else 1, e["path"]))
-    return out
-
-
-def _last_key(path: str) -> str:
-    match = re.findall(r"\['([^']*)'\]", path)
-    return match[-1] if match else path
-
-
-def _clean_path(path: str) -> str:
-    parts = re.findall(r"\[(?:'([^']*)'|(\d+))\]", path)
-    return ".".join(a or f"[{b}]" for a, b in parts) or path
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return str(value)
-
-
-def _sample(pairs: RowPairs, k: int, seed: int) -> np.ndarray:
-    n = len(pairs)
-    if n <= k:
-        return np.arange(n)
-    rng = np.random.default_rng(seed)
-    return np.sort(rng.choice(n, size=k, replace=False))
-
-
-def _read_rows(index: RowIndex, rows: np.ndarray) -> torch.Tensor:
-    width = index.streams[0].width
-    dtype = index.streams[0].dtype
-    buf = _aligned_empty((rows.size, width), VALUE_DTYPES[dtype])
-    reader = _ChunkReader(index, max_chunks=16)  # reads each chunk once whatever the order of rows
-    try:
-        reader.gather(rows, buf)
-    finally:
-        reader.close()
-    return to_float32(buf, dtype)
-
-
-def require_finite_rows(
-    sides: list[tuple[TraceStore, str, torch.Tensor]], size: int, what: str = "compare"
-) -> None:
-    """Refuse (one :class:`CompareError` naming the file) when a side's paired sample has no row free
-    of NaN and Inf: segments are matched on finite rows only, so there would be nothing to decide
-    from, and a report of every segment missing says nothing true. Some non-finite rows are fine:
-    they become ``nonfinite`` findings while the finite rows are compared."""
-    finite = None
-    for store, tap, rows in sides:
-        ok = torch.isfinite(rows).all(dim=1)
-        finite = ok if finite is None else finite & ok
-        if rows.shape[0] and not bool(ok.any()):
-            where = ""
-            if size > 0 and rows.shape[1] % size == 0:
-                bad = (~torch.isfinite(rows.reshape(rows.shape[0], -1, size))).any(dim=2).any(dim=0)
-                where = f" (segments {[int(i) for i in torch.nonzero(bad).flatten()]})"
-            raise CompareError(
-                f"{store.path}: tap {tap} values hold NaN or Inf in every one of the {rows.shape[0]} sampled aligned "
-                f"rows{where}: nothing finite to {what}; find where the non-finite values come from"
-            )
-    if finite is not None and finite.numel() and not bool(finite.any()):
-        (a, ta, _), (b, tb, _) = sides[0], sides[1]
-        raise CompareError(
-            f"{a.path} (tap {ta}) and {b.path} (tap {tb}): no sampled aligned row is free of NaN or Inf on both "
-            f"sides: nothing finite to {what}; find where the non-finite values come from"
-        )
-
-
-def _offset_search(
-    alignment: Alignment, size: int, opts: CompareOptions, base: RowPairs | None = None
-) -> tuple[int, dict[str, float], RowPairs]:
-    """Try label offsets -2..2: the one under which paired rows are most alike wins.
-
-    Score: per candidate segment, the best centred cosine with any reference segment, averaged.
-    An offset other than 0 is taken only if its distance is under half that of offset 0.
-    """
-    results: dict[int, tuple[float, RowPairs]] = {}
-    base = pair_rows(alignment, 0) if base is None else base
-    cand_idx = alignment.candidate
-    ref_idx = alignment.reference
-    for off in OFFSETS:
-        pairs = base if off == 0 else pair_rows(alignment, off)
-        if len(pairs) == 0:
-            continue
-        pick = _sample(pairs, opts.offset_sample_rows, opts.seed)
-        c = _read_rows(cand_idx, pairs.candidate[pick])
-        r = _read_rows(ref_idx, pairs.reference[pick])
-        m = segment_cosine_matrix(c, r, size, centred=True)
-        score = float(np.nanmean(np.nanmax(m, axis=1))) if np.isfinite(m).any() else float("nan")
-        results[off] = (score, pairs)
-    scores = {str(k): v[0] for k, v in sorted(results.items())}
-    if 0 not in results:
-        if not results:
-            return 0, scores, base
-        best = max(results, key=lambda k: results[k][0] if math.isfinite(results[k][0]) else -1)
-        return best, scores, results[best][1]
-    d0 = 1 - results[0][0]
-    best = 0
-    for off, (score, _p) in results.items():
-        d = 1 - score
-        if math.isfinite(d) and d < 0.5 * d0 and d < 1 - results[best][0]:
-            best = off
-    return best, scores, results[best][1]
+__all__ = ["CompareOptions", "compare_stores", "tap_summary"]
 
 
 def compare_stores(reference_path: str | Path, candidate_path: str | Path, opts: CompareOptions | None = None) -> Report:
@@ -280,11 +54,8 @@ def compare_stores(reference_path: str | Path, candidate_path: str | Path, opts:
 
 
 def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions) -> Report:
-    from tracediff.findings import build_findings  # noqa: PLC0415
-
-    rtap, ctap = _pick_taps(ref_store, cand_store, opts)
-    rw, rdt, rsize, rlabels, _ = _stream_layout(ref_store, rtap)
-    cw, cdt, csize, clabels, _ = _stream_layout(cand_store, ctap)
+    rtap, ctap = pick_taps(ref_store, cand_store, opts)
+    rl, cl = stream_layout(ref_store, rtap), stream_layout(cand_store, ctap)
     # The two row indexes load concurrently: reading labels is mostly zarr's per-chunk overhead.
     with ThreadPoolExecutor(2, thread_name_prefix="tracediff-labels") as ex:
         ref_future = ex.submit(RowIndex.load, ref_store, rtap)
@@ -304,63 +75,54 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
             f"inputs (see `tracediff send`)?"
         )
 
-    # -- segment size
-    if opts.segment_size is not None:
-        size, size_source = opts.segment_size, "option"
-        if opts.segment_size <= 0 or rw % size or cw % size:
-            raise CompareError(
-                f"--segment-size {size} does not divide the row widths (reference {rw}, candidate {cw})"
-            )
-    elif rsize and csize and rw % rsize == 0 and cw % csize == 0 and rsize == csize:
-        size, size_source = rsize, "meta"
-    elif (rsize or csize) and rw % (rsize or csize) == 0 and cw % (rsize or csize) == 0:
-        size, size_source = int(rsize or csize), "meta"
-        if rsize and csize and rsize != csize:
-            notes.append(f"segment sizes in meta differ (reference {rsize}, candidate {csize}); used {size}")
-    else:
-        pick = _sample(base_pairs, 256, opts.seed)
-        size, how = infer_segment_size(
-            rw, cw, _read_rows(ref_index, base_pairs.reference[pick]), _read_rows(cand_index, base_pairs.candidate[pick])
-        )
-        size_source = "inferred"
-        notes.append(f"segment size {size} {how}; pass --segment-size to override")
-    if rw % size or cw % size:
-        raise CompareError(f"segment size {size} does not divide the row widths (reference {rw}, candidate {cw})")
+    # -- shapes first: each side's recorded segment size
+    def size_sample() -> tuple[torch.Tensor, torch.Tensor]:
+        pick = sample_pairs(base_pairs, 256, opts.seed)
+        return read_rows(ref_index, base_pairs.reference[pick]), read_rows(cand_index, base_pairs.candidate[pick])
 
-    # -- label offset, then the pairs every later stage uses
-    offset, offset_scores, pairs = _offset_search(alignment, size, opts, base_pairs)
+    sizes = decide_segment_sizes(rl, cl, opts, size_sample)
+    notes += list(sizes.notes)
 
-    # -- segment matching on a sample
-    pick = _sample(pairs, opts.sample_rows, opts.seed + 1)
-    c_sample = _read_rows(cand_index, pairs.candidate[pick])
-    r_sample = _read_rows(ref_index, pairs.reference[pick])
-    require_finite_rows([(ref_store, rtap, r_sample), (cand_store, ctap, c_sample)], size)
-    raw = segment_cosine_matrix(c_sample, r_sample, size)
-    centred = segment_cosine_matrix(c_sample, r_sample, size, centred=True)
-    baseline = mismatched_rows_matrix(c_sample, r_sample, size)
-    floor = noise_floor(r_sample, size, rdt, cdt, seed=opts.seed)
-    decisions = match_segments(centred, baseline, floor)
+    # -- metadata: config diff in one physical layer numbering
+    ref_meta, cand_meta = collect_meta(ref_store, rtap), collect_meta(cand_store, ctap)
+    ref_aux, cand_aux = side_aux_layers(ref_meta), side_aux_layers(cand_meta)
+    same_layers = bool(ref_aux and cand_aux and ref_aux.physical is not None and ref_aux.physical == cand_aux.physical)
+    diff = config_diff(ref_meta, cand_meta, same_physical_layers=same_layers)
+    for aux in (ref_aux, cand_aux):
+        if aux is not None:
+            notes += aux.notes
 
-    kc, kr = cw // size, rw // size
-    rlabels = rlabels if rlabels and len(rlabels) == kr else [f"seg{j}" for j in range(kr)]
-    clabels = clabels if clabels and len(clabels) == kc else [f"seg{i}" for i in range(kc)]
-    segment_map = [_segment_match(d, raw, rlabels, clabels) for d in decisions]
+    segplan: SegmentPlan | None = None
+    pairs, offset, offset_scores = base_pairs, 0, {}
+    stream = StreamResult([], {}, {}, 0)
+    if sizes.comparable:
+        size = sizes.reference
+        # -- label offset, then the pairs every later stage uses
+        offset, offset_scores, pairs = offset_search(alignment, size, opts, base_pairs)
+        # -- segment decisions on a sample
+        pick = sample_pairs(pairs, opts.sample_rows, opts.seed + 1)
+        c_sample = read_rows(cand_index, pairs.candidate[pick])
+        r_sample = read_rows(ref_index, pairs.reference[pick])
+        require_finite_rows([(ref_store, rtap, r_sample), (cand_store, ctap, c_sample)], size)
+        depths = _segment_depths(rl.width // size, ref_aux, cand_aux, ref_meta, cand_meta)
+        segplan = plan_segments(c_sample, r_sample, size, rl.dtype, cl.dtype, depths, seed=opts.seed)
+        # -- the streaming pass
+        matched = [(d.candidate, d.reference) for d in segplan.decisions
+                   if d.reference is not None and d.duplicate_of is None]
+        scales = [(segplan.ref_scales.mean[j], segplan.ref_scales.scale[j]) for _, j in matched]
+        if opts.progress_total is not None:
+            opts.progress_total(len(pairs))
+        stream = stream_metrics(pairs, ref_index, cand_index, matched, size, scales, progress=opts.progress)
 
-    # -- the streaming pass
-    matched = [(d.candidate, d.reference) for d in decisions if d.reference is not None and d.duplicate_of is None]
-    if opts.progress_total is not None:
-        opts.progress_total(len(pairs))
-    stream: StreamResult = stream_metrics(pairs, ref_index, cand_index, matched, size, progress=opts.progress)
-
-    ref_meta = _collect_meta(ref_store, rtap)
-    cand_meta = _collect_meta(cand_store, ctap)
-    diff = config_diff(ref_meta, cand_meta)
+    kr, kc = rl.width // sizes.reference, cl.width // sizes.candidate
+    rlabels = rl.segment_labels if rl.segment_labels and len(rl.segment_labels) == kr else [f"seg{j}" for j in range(kr)]
+    clabels = cl.segment_labels if cl.segment_labels and len(cl.segment_labels) == kc else [f"seg{i}" for i in range(kc)]
     deltas = alignment.delta_histogram()
     plan = Plan(
         tap_reference=rtap,
         tap_candidate=ctap,
-        segment_size=size,
-        segment_size_source=size_source,
+        segment_size=sizes.reference if sizes.comparable else 0,
+        segment_size_source=sizes.source,
         sequences_reference=len(alignment._ref_groups),
         sequences_candidate=len(alignment._cand_groups),
         sequences_aligned=alignment.aligned_sequences,
@@ -372,14 +134,21 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
         candidate_rows_duplicate=pairs.duplicates,
         candidate_rows_invalid=int((~cand_index.valid).sum()),
         reference_rows_uncovered=int(ref_index.valid.sum()) - len(pairs),
-        sample_rows=int(pick.size),
-        noise_floor=floor,
+        sample_rows=segplan.sample_rows if segplan else 0,
+        noise_floor=segplan.floor.distance if segplan else 0.0,
         notes=notes,
+        noise_floor_error=math.sqrt(segplan.floor.error) if segplan else 0.0,
+        numerics_budget=math.sqrt(max(segplan.budgets)) if segplan and segplan.budgets else 0.0,
+        numerics_budgets=[math.sqrt(b) for b in segplan.budgets] if segplan else [],
+        budget_depths=list(segplan.depths) if segplan else [],
+        compute_dtype=segplan.compute_dtype if segplan else "",
+        reference_segment_size=sizes.reference,
+        candidate_segment_size=sizes.candidate,
     )
     sides = []
-    for store, tap, index, width, dtype, labels, meta in (
-        (ref_store, rtap, ref_index, rw, rdt, rlabels, ref_meta),
-        (cand_store, ctap, cand_index, cw, cdt, clabels, cand_meta),
+    for store, tap, index, layout, size_, labels, meta, aux in (
+        (ref_store, rtap, ref_index, rl, sizes.reference, rlabels, ref_meta, ref_aux),
+        (cand_store, ctap, cand_index, cl, sizes.candidate, clabels, cand_meta, cand_aux),
     ):
         sides.append(
             Side(
@@ -389,40 +158,69 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
                 rows=len(index),
                 valid_rows=int(index.valid.sum()),
                 writers=[s.writer for s in index.streams],
-                width=width,
-                dtype=dtype,
-                segment_size=size,
-                segments=width // size,
+                width=layout.width,
+                dtype=layout.dtype,
+                segment_size=size_,
+                segments=layout.width // size_,
                 segment_labels=list(labels),
                 sequences=len(index.group_keys),
                 meta=meta,
-                aux_layer_config=_aux_config(meta),
+                aux_layer_config=aux_config(meta),
+                aux_layers=aux.to_dict() if aux is not None else None,
             )
         )
+    segment_map = ([_segment_match(d, segplan, rlabels, clabels) for d in segplan.decisions] if segplan else [])
     report = Report(
         reference=sides[0],
         candidate=sides[1],
         plan=plan,
         segment_map=segment_map,
-        matrix=[[float(x) for x in row] for row in raw],
+        matrix=[[float(x) for x in row] for row in segplan.raw] if segplan else [],
         metrics=stream.metrics,
         findings=[],
         config_diff=diff,
         tracediff_version=__version__,
+        matrix_standardised=[[float(x) for x in row] for row in segplan.standardised] if segplan else [],
     )
-    report.findings = build_findings(report, alignment, pairs, decisions, stream, centred, baseline)
-    if opts.bank:
-        _name_layers(report, ref_store, cand_store, opts)
+    bank = _identify_with_bank(ref_store, cand_store, report, opts) if opts.bank and segplan else None
+    report.findings = build_findings(report, alignment, pairs, segplan, stream, ref_aux, cand_aux, bank)
+    if bank is not None:
+        _name_layers(report, bank, opts)
     return report
 
 
-def _name_layers(report: Report, ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions) -> None:
-    """With a bank: say which layer each segment is, inside the segment map and the findings."""
+def _segment_depths(kr: int, ref_aux: AuxLayers | None, cand_aux: AuxLayers | None, ref_meta: dict[str, Any],
+                    cand_meta: dict[str, Any]) -> list[int | None]:
+    """Per reference segment, how many decoder layers deep it is: from the reference's recorded
+    layers, else the candidate's for the same slot (the numerics budget grows with depth)."""
+    layers = None
+    for part in (ref_meta, cand_meta):
+        for block in (part.get("writer") or {}, part.get("store") or {}):
+            if isinstance(block.get("num_hidden_layers"), int):
+                layers = layers or block["num_hidden_layers"]
+    out: list[int | None] = [None] * kr
+    for aux in (ref_aux, cand_aux):
+        if aux is None or aux.physical is None or len(aux.physical) != kr:
+            continue
+        for j, p in enumerate(aux.physical):
+            if out[j] is None:
+                out[j] = layers if p == FINAL_NORM else int(p)
+    return [d if d is not None else layers for d in out]
+
+
+def _identify_with_bank(ref_store: TraceStore, cand_store: TraceStore, report: Report, opts: CompareOptions) -> Any:
+    """Both sides' segments named against the bank (``compare --bank``)."""
     from tracediff.identify import identify_segments  # noqa: PLC0415
 
     size = report.plan.segment_size
     ref_id = identify_segments(ref_store.path, opts.bank or "", tap=report.plan.tap_reference, segment_size=size)
     cand_id = identify_segments(cand_store.path, opts.bank or "", tap=report.plan.tap_candidate, segment_size=size)
+    return ref_id, cand_id
+
+
+def _name_layers(report: Report, bank: Any, opts: CompareOptions) -> None:
+    """With a bank: say which layer each segment is, inside the segment map and the findings."""
+    ref_id, cand_id = bank
 
     def name(ident: Any, i: int) -> str:
         seg = ident.segments[i]
@@ -448,16 +246,18 @@ def _name_layers(report: Report, ref_store: TraceStore, cand_store: TraceStore, 
             report.plan.notes.append(f"{side} in config terms: {shown}")
 
 
-def _segment_match(d: SegmentDecision, raw: np.ndarray, rlabels: list[str], clabels: list[str]) -> SegmentMatch:
+def _segment_match(d: SegmentDecision, segplan: SegmentPlan, rlabels: list[str], clabels: list[str]) -> SegmentMatch:
+    rel = segplan.relations.get(d.candidate)
     if d.duplicate_of is not None:
         status = "duplicate"
     elif d.reference is None:
         status = "extra"
-    elif d.tier in ("exact", "near"):
+    elif d.tier in ("exact", "near") or (rel is not None and rel.relation != "other"):
         status = "same" if d.reference == d.candidate else "moved"
     else:
         status = "related"
     ref = d.reference
+    raw, std = segplan.raw, segplan.standardised
     return SegmentMatch(
         candidate=d.candidate,
         reference=ref,
@@ -467,4 +267,8 @@ def _segment_match(d: SegmentDecision, raw: np.ndarray, rlabels: list[str], clab
         runner_up_cosine=float(raw[d.candidate, d.runner_up]) if d.runner_up is not None else None,
         candidate_label=clabels[d.candidate],
         reference_label=rlabels[ref] if ref is not None else None,
+        standardised_cosine=float(std[d.candidate, ref]) if ref is not None else None,
+        relation=rel.relation if rel is not None else None,
+        relative_error=rel.relative_error if rel is not None else None,
+        transform=rel.transform.to_dict() if rel is not None and rel.transform is not None else None,
     )

@@ -94,7 +94,10 @@ class _Accumulator:
     ratio: np.ndarray
     rel_diff: np.ndarray
     max_abs: np.ndarray
+    std_err: np.ndarray  # per row: squared standardised error |(c - r) / s|^2
     sq_err: float = 0.0
+    std_num: float = 0.0  # sum over rows of |(c - r) / s|^2
+    std_den: float = 0.0  # sum over rows of |(r - mean) / s|^2
     sq_ref: float = 0.0
     nonfinite_c: int = 0
     nonfinite_r: int = 0
@@ -143,6 +146,8 @@ class _Buffers:
     dn: torch.Tensor  # [pairs, block] norm of the difference
     mx: torch.Tensor  # [pairs, block] max of the difference
     mn: torch.Tensor  # [pairs, block] min of the difference
+    sn: torch.Tensor  # [pairs, block] norm of the standardised difference
+    sd: torch.Tensor  # [pairs, block] norm of the standardised reference
     views: dict[tuple[int, int], tuple] = field(default_factory=dict)
 
 
@@ -156,13 +161,15 @@ class _BlockResult:
     pair_bad_r: np.ndarray
     sq_err: np.ndarray  # [pairs] float64
     sq_ref: np.ndarray
+    std_num: np.ndarray  # [pairs] float64
+    std_den: np.ndarray
 
 
 class _Pass:
     """The per-block work of :func:`stream_metrics` (run by one or several threads)."""
 
     def __init__(self, pairs: RowPairs, reference: RowIndex, candidate: RowIndex, accs: list[_Accumulator],
-                 segment_size: int, block: int, sub: int) -> None:
+                 segment_size: int, block: int, sub: int, scales: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.pairs, self.reference, self.candidate, self.accs = pairs, reference, candidate, accs
         self.size, self.block, self.sub = segment_size, block, sub
         self.wc, self.wr = candidate.streams[0].width, reference.streams[0].width
@@ -170,6 +177,8 @@ class _Pass:
         self.cdt, self.rdt = candidate.streams[0].dtype, reference.streams[0].dtype
         self.seg_c = np.array([a.cand_seg for a in accs], dtype=np.int64)
         self.seg_r = np.array([a.ref_seg for a in accs], dtype=np.int64)
+        # Per pair: the reference segment's robust mean and 1 / scale (the plan's, float32).
+        self.scales = [(m.float().contiguous(), (1.0 / s.float()).contiguous()) for m, s in scales]
 
     def buffers(self) -> _Buffers:
         p = len(self.accs)
@@ -186,6 +195,8 @@ class _Pass:
             dn=torch.empty(p, self.block),
             mx=torch.empty(p, self.block),
             mn=torch.empty(p, self.block),
+            sn=torch.empty(p, self.block),
+            sd=torch.empty(p, self.block),
         )
 
     def _views(self, w: _Buffers, s0: int, s1: int) -> tuple:
@@ -205,7 +216,8 @@ class _Pass:
             sides.append((widen, rows.view(b, k, size)))
         (cwiden, c3), (rwiden, r3) = sides
         kernels = [
-            (c3[:, acc.cand_seg], r3[:, acc.ref_seg], w.dn[p, s0:s1], w.mx[p, s0:s1], w.mn[p, s0:s1])
+            (c3[:, acc.cand_seg], r3[:, acc.ref_seg], w.dn[p, s0:s1], w.mx[p, s0:s1], w.mn[p, s0:s1],
+             w.sn[p, s0:s1], w.sd[p, s0:s1], *self.scales[p])
             for p, acc in enumerate(self.accs)
         ]
         views = (cwiden, rwiden, c3, r3, w.xc[s0:s1], w.xr[s0:s1], w.d[:b], kernels)
@@ -226,7 +238,7 @@ class _Pass:
         rraw = w.ref.gather(self.pairs.reference[start:stop], w.rraw)
         # Reductions of a sub-block at a time (its float32 rows stay in cache), into reused buffers:
         # the norm of every segment, and per matched pair the norm, max and min of the difference.
-        norm, sub_, amax, amin = torch.linalg.vector_norm, torch.sub, torch.amax, torch.amin
+        norm, sub_, amax, amin, mul = torch.linalg.vector_norm, torch.sub, torch.amax, torch.amin, torch.mul
         for s0 in range(0, m, self.sub):
             cwiden, rwiden, c3, r3, xc, xr, d, kernels = self._views(w, s0, min(m, s0 + self.sub))
             if cwiden is not None:
@@ -235,11 +247,17 @@ class _Pass:
                 rwiden[0].copy_(rwiden[1])
             norm(c3, 2, dim=2, out=xc)
             norm(r3, 2, dim=2, out=xr)
-            for a, b, dn, mx, mn in kernels:
+            for a, b, dn, mx, mn, sn, sd, mean, inv_scale in kernels:
                 sub_(a, b, out=d)
                 norm(d, 2, dim=1, out=dn)
                 amax(d, dim=1, out=mx)
                 amin(d, dim=1, out=mn)
+                # The decision metric: every dimension in units of the reference's robust scale.
+                mul(d, inv_scale, out=d)
+                norm(d, 2, dim=1, out=sn)
+                sub_(b, mean, out=d)
+                mul(d, inv_scale, out=d)
+                norm(d, 2, dim=1, out=sd)
         xc, xr = w.xc[:m].numpy(), w.xr[:m].numpy()
         # A segment with a non-finite value has a non-finite norm; a non-finite norm may also be an
         # overflow of finite values: only those rows are checked value by value.
@@ -263,6 +281,11 @@ class _Pass:
         max_abs = np.where(fast, np.abs(np.maximum(w.mx[:, :m].numpy(), -w.mn[:, :m].numpy())).T, np.nan)  # +0.0, never -0.0
         sq_err = np.where(fast, dd, 0.0).sum(axis=0)
         sq_ref = np.where(fast, nb, 0.0).sum(axis=0)
+        sn2 = w.sn[:, :m].numpy().T.astype(np.float64) ** 2
+        sd2 = w.sd[:, :m].numpy().T.astype(np.float64) ** 2
+        std_ok = ok & np.isfinite(sn2) & np.isfinite(sd2)
+        std_num = np.where(std_ok, sn2, 0.0).sum(axis=0)
+        std_den = np.where(std_ok, sd2, 0.0).sum(axis=0)
         odd_rows, odd_pairs = np.nonzero(ok & ~fast)
         for p in np.unique(odd_pairs).tolist():
             rows = odd_rows[odd_pairs == p]
@@ -279,11 +302,13 @@ class _Pass:
             acc.ratio[sl] = ratio[:, p]
             acc.rel_diff[sl] = rel[:, p]
             acc.max_abs[sl] = max_abs[:, p]
+            acc.std_err[sl] = np.where(std_ok[:, p], sn2[:, p], np.nan)
         return _BlockResult(
             bad_c, bad_r,
             {int(s): start + int(np.argmax(~fin_c[:, s])) for s in np.flatnonzero(bad_c)},
             {int(s): start + int(np.argmax(~fin_r[:, s])) for s in np.flatnonzero(bad_r)},
             (~fin_c[:, self.seg_c]).sum(axis=0), (~fin_r[:, self.seg_r]).sum(axis=0), sq_err, sq_ref,
+            std_num, std_den,
         )
 
     @staticmethod
@@ -319,12 +344,16 @@ def stream_metrics(
     candidate: RowIndex,
     matches: list[tuple[int, int]],
     segment_size: int,
+    scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     *,
     block_bytes: int = 16 << 20,
     progress: Progress | None = None,
     workers: int | None = None,
 ) -> StreamResult:
     """One pass over every aligned row pair: per matched segment pair, every metric of the report.
+
+    ``scales`` holds, per match, the reference segment's robust (mean, scale) from the plan sample
+    (:class:`tracediff.segments.SegmentScales`); without it, every dimension counts at scale 1.
 
     ``workers`` threads (default: torch's thread count) each take whole blocks; for compressed
     stores, one (they share a cache of decoded chunks). Results do not depend on the thread count.
@@ -341,9 +370,11 @@ def stream_metrics(
     # large enough that the per-kernel dispatch cost stays small.
     sub = max(16, min(block, (2 << 20) // max(1, (wc + wr) * 4)))
     accs = [
-        _Accumulator(i, j, *(np.full(n, np.nan, dtype=np.float32) for _ in range(4)))
+        _Accumulator(i, j, *(np.full(n, np.nan, dtype=np.float32) for _ in range(5)))
         for i, j in matches
     ]
+    if scales is None:
+        scales = [(torch.zeros(size), torch.ones(size)) for _ in matches]
     nf_c = np.zeros(kc, dtype=np.int64)
     nf_r = np.zeros(kr, dtype=np.int64)
     first_c: dict[int, int] = {}
@@ -353,7 +384,7 @@ def stream_metrics(
     if workers is None:
         workers = torch.get_num_threads() if direct else 1
     workers = max(1, min(int(workers), len(spans)))
-    job = _Pass(pairs, reference, candidate, accs, size, block, sub)
+    job = _Pass(pairs, reference, candidate, accs, size, block, sub, scales)
     pool: queue.SimpleQueue = queue.SimpleQueue()
     made = [job.buffers() for _ in range(workers)]
     for bufs in made:
@@ -372,6 +403,8 @@ def stream_metrics(
             acc.nonfinite_r += int(res.pair_bad_r[p])
             acc.sq_err += float(res.sq_err[p])
             acc.sq_ref += float(res.sq_ref[p])
+            acc.std_num += float(res.std_num[p])
+            acc.std_den += float(res.std_den[p])
         if progress is not None:
             progress(rows)
 
@@ -421,13 +454,19 @@ def _finish(acc: _Accumulator, pairs: RowPairs, reference: RowIndex, candidate: 
     cos = acc.cos
     finite = np.isfinite(cos)
     rows = int(finite.sum())
+    # Per-row error relative to the pair's mean reference size: one bad row stands out whatever its
+    # own norm (a row near the mean would blow up a per-row ratio).
+    mean_den = acc.std_den / max(1, int(np.isfinite(acc.std_err).sum()))
+    row_err = np.sqrt(acc.std_err / mean_den) if mean_den > 0 else np.full_like(acc.std_err, np.nan)
     worst_rows = []
     if rows:
-        order = np.argsort(np.where(finite, cos, np.inf))[: min(5, rows)]
+        rank = np.where(np.isfinite(row_err), -row_err, np.inf)
+        order = np.argsort(rank, kind="stable")[: min(5, rows)]
         for k in order:
             worst_rows.append(
                 {
                     "cosine": float(cos[k]),
+                    "std_error": float(row_err[k]),
                     "norm_ratio": float(acc.ratio[k]),
                     "candidate": row_ref(candidate, pairs.candidate[k]).__dict__,
                     "reference": row_ref(reference, pairs.reference[k]).__dict__,
@@ -480,4 +519,8 @@ def _finish(acc: _Accumulator, pairs: RowPairs, reference: RowIndex, candidate: 
         worst_rows=worst_rows,
         cos_by_position=by_pos,
         norm_ratio_hist=hist,
+        std_rel_error=math.sqrt(acc.std_num / acc.std_den) if acc.std_den > 0 else float("nan"),
+        std_row_error_p50=_quantile(row_err, 0.5),
+        std_row_error_p99=_quantile(row_err, 0.99),
+        std_row_error_max=float(np.nanmax(row_err)) if np.isfinite(row_err).any() else float("nan"),
     )

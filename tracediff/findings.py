@@ -9,37 +9,44 @@ from typing import Any
 
 import numpy as np
 
+from tracediff.adapters.conventions import AuxLayers, format_layers
 from tracediff.align import Alignment, RowPairs
 from tracediff.diagnose import StreamResult, row_ref
-from tracediff.results import Finding, Report, SegmentMetrics
-from tracediff.segments import EXACT_FACTOR, SegmentDecision, scale_tolerance
-
-
-def _seg(label: str | None, index: int | None) -> str:
-    if index is None:
-        return "none"
-    return f"{index} ({label})" if label and label != f"seg{index}" else str(index)
-
-
-def _ordinal_slots(n: int) -> str:
-    return "one slot" if abs(n) == 1 else f"{abs(n)} slots"
+from tracediff.metadata import is_aux_key
+from tracediff.plan import SegmentPlan
+from tracediff.results import Finding, Report
+from tracediff.segment_findings import seg_name, segment_findings
 
 
 def build_findings(
     report: Report,
     alignment: Alignment,
     pairs: RowPairs,
-    decisions: list[SegmentDecision],
+    segplan: SegmentPlan | None,
     stream: StreamResult,
-    centred: np.ndarray,
-    baseline: np.ndarray,
+    ref_aux: AuxLayers | None = None,
+    cand_aux: AuxLayers | None = None,
+    bank: Any = None,
 ) -> list[Finding]:
+    """Every finding of a compare. ``segplan`` is None when the segments could not be compared at
+    all (two hidden sizes): then only layout, sequence and config findings are made."""
     ref, cand, plan = report.reference, report.candidate, report.plan
     out: list[Finding] = []
     aux = {"reference": ref.aux_layer_config, "candidate": cand.aux_layer_config}
 
     # -- layout
-    if ref.width != cand.width:
+    if segplan is None:
+        out.append(Finding(
+            "shape", "error",
+            f"The two sides have different hidden sizes: reference segments are {ref.segment_size} wide "
+            f"({ref.width} = {ref.segments} x {ref.segment_size}), candidate segments {cand.segment_size} "
+            f"({cand.width} = {cand.segments} x {cand.segment_size}): another target model, or a truncated transfer; "
+            f"no segment was compared. Record both sides with the same target model.",
+            {"reference_segment_size": ref.segment_size, "candidate_segment_size": cand.segment_size,
+             "reference_width": ref.width, "candidate_width": cand.width,
+             "reference_segments": ref.segments, "candidate_segments": cand.segments},
+        ))
+    elif ref.width != cand.width:
         out.append(Finding(
             "shape", "error",
             f"Candidate rows are {cand.width} wide ({cand.segments} segments of {plan.segment_size}) but reference rows "
@@ -52,8 +59,10 @@ def build_findings(
         out.append(Finding(
             "dtype", "info",
             f"Reference rows are {ref.dtype} and candidate rows {cand.dtype}; values are compared in float32 and "
-            f"the storage noise floor (1 - cos = {plan.noise_floor:.1e}) is allowed for.",
-            {"reference": ref.dtype, "candidate": cand.dtype, "noise_floor": plan.noise_floor},
+            f"numerics up to a standardised relative error of {plan.numerics_budget:.2g} ({plan.compute_dtype} "
+            f"compute) are allowed for.",
+            {"reference": ref.dtype, "candidate": cand.dtype, "noise_floor": plan.noise_floor,
+             "numerics_budget": plan.numerics_budget},
         ))
 
     # -- sequences
@@ -116,32 +125,9 @@ def build_findings(
             {"offset": o, "scores": plan.offset_scores},
         ))
 
-    # -- segment wiring
-    out += _segment_findings(report, decisions, centred, baseline, aux)
-
-    # -- values of matched segments
-    context = next((f for f in out if f.kind == "sequence_prefix"), None)
-    by_pair = {(m.candidate, m.reference): m for m in stream.metrics}
-    for d in decisions:
-        if d.reference is None or d.duplicate_of is not None:
-            continue
-        m = by_pair.get((d.candidate, d.reference))
-        if m is None or m.rows == 0:
-            continue
-        found = _value_findings(report, d, m)
-        if context is not None and found:
-            # A different context changes every hidden state after it: report the consequence as such,
-            # not as a second root cause.
-            f = found[0]
-            found = [Finding(
-                "segment_value", "warning",
-                f"Candidate segment {_seg(cand.segment_labels[d.candidate], d.candidate)} differs from reference "
-                f"segment {_seg(ref.segment_labels[d.reference], d.reference)} (cosine {m.cos_mean:.4f}, norm ratio "
-                f"median {m.norm_ratio_p50:.3g}); expected while the sequences differ (see sequence_prefix): fix "
-                f"that first and compare again.",
-                {**f.evidence, "explained_by": "sequence_prefix"},
-            )]
-        out += found
+    if segplan is not None:
+        out += segment_findings(report, segplan, stream, ref_aux, cand_aux, bank,
+                                next((f for f in out if f.kind == "sequence_prefix"), None))
 
     # -- non-finite values
     for side_name, side, nonfinite, index, rows in (
@@ -152,7 +138,7 @@ def build_findings(
             where = row_ref(index, rows[first]).__dict__ if first is not None else None
             out.append(Finding(
                 "nonfinite", "error",
-                f"{side_name.capitalize()} segment {_seg(side.segment_labels[seg], seg)} has NaN or Inf in {count} of "
+                f"{side_name.capitalize()} segment {seg_name(side.segment_labels[seg], seg)} has NaN or Inf in {count} of "
                 f"{len(pairs)} aligned rows (first at sequence {where['seq']}, position {where['position']}); "
                 f"those rows are left out of the cosine statistics.",
                 {"side": side_name, "segment": seg, "rows": count, "first_row": where},
@@ -176,14 +162,31 @@ def build_findings(
         ))
 
     # -- config
-    aux_diffs = [d for d in report.config_diff if _is_aux(d["path"])]
-    other = [d for d in report.config_diff if not _is_aux(d["path"])]
-    if aux_diffs:
+    out += _config_findings(report, ref_aux, cand_aux)
+    return out
+
+
+def _config_findings(report: Report, ref_aux: AuxLayers | None, cand_aux: AuxLayers | None) -> list[Finding]:
+    out: list[Finding] = []
+    aux_diffs = [d for d in report.config_diff if is_aux_key(d["path"])]
+    other = [d for d in report.config_diff if not is_aux_key(d["path"])]
+    layers = {"reference": ref_aux.to_dict() if ref_aux else None, "candidate": cand_aux.to_dict() if cand_aux else None}
+    if aux_diffs and ref_aux is not None and cand_aux is not None and all(d.get("equivalent") for d in aux_diffs):
+        out.append(Finding(
+            "config", "info",
+            f"The aux-layer settings are recorded in different numberings ({_numbering(ref_aux)} vs "
+            f"{_numbering(cand_aux)}) but name the same physical layers {format_layers(ref_aux.physical)} "
+            f"(HF hidden_states numbering, L = last layer before the final norm).",
+            {"differences": aux_diffs, "aux_layers": layers},
+        ))
+    elif aux_diffs:
         shown = "; ".join(f"{d['path']}: {d['reference']} -> {d['candidate']}" for d in aux_diffs[:4])
+        phys = (f"; physical layers {format_layers(ref_aux.physical if ref_aux else None)} vs "
+                f"{format_layers(cand_aux.physical if cand_aux else None)}")
         out.append(Finding(
             "config", "warning",
-            f"The recorded aux-layer configuration differs between the two sides ({shown}).",
-            {"differences": aux_diffs},
+            f"The recorded aux-layer configuration differs between the two sides ({shown}{phys}).",
+            {"differences": aux_diffs, "aux_layers": layers},
         ))
     if other:
         out.append(Finding(
@@ -194,10 +197,8 @@ def build_findings(
     return out
 
 
-def _is_aux(path: str) -> bool:
-    from tracediff.compare import AUX_KEYS  # noqa: PLC0415
-
-    return bool(AUX_KEYS.search(path))
+def _numbering(aux: AuxLayers) -> str:
+    return f"{aux.field} = {aux.recorded} ({aux.convention or 'unknown'} numbering)"
 
 
 def _reference_prefix(alignment: Alignment, neg: dict[int, int]) -> dict[str, Any] | None:
@@ -219,134 +220,3 @@ def _reference_prefix(alignment: Alignment, neg: dict[int, int]) -> dict[str, An
         return None
     return {"length": lengths[0] if len(set(lengths)) == 1 else sorted(set(lengths)), "tokens": example,
             "sequences": len(lengths)}
-
-
-def _segment_findings(report: Report, decisions: list[SegmentDecision], centred: np.ndarray,
-                      baseline: np.ndarray, aux: dict[str, Any]) -> list[Finding]:
-    ref, cand = report.reference, report.candidate
-    out: list[Finding] = []
-    matched = [d for d in decisions if d.reference is not None and d.duplicate_of is None]
-    moved = [d for d in matched if d.reference != d.candidate]
-    rlab, clab = ref.segment_labels, cand.segment_labels
-    # The segment map, matrix and aux-layer config are in the report itself; evidence keeps what is
-    # specific to each finding (the segment_order finding repeats the config: it is the fix).
-    evidence_base: dict[str, Any] = {}
-    if moved:
-        shifts = {d.reference - d.candidate for d in matched}
-        pairs_text = ", ".join(
-            f"candidate segment {_seg(clab[d.candidate], d.candidate)} = reference segment "
-            f"{_seg(rlab[d.reference], d.reference)}" for d in matched
-        )
-        if len(shifts) == 1:
-            s = next(iter(shifts))
-            how = (f"the candidate's segments are the reference's shifted by {_ordinal_slots(s)} (the candidate "
-                   f"starts {_ordinal_slots(s)} {'later' if s > 0 else 'earlier'})")
-            kind_detail = {"pattern": "shift", "shift": s}
-        else:
-            how = "the candidate concatenates the same hidden states in a different order"
-            kind_detail = {"pattern": "permutation"}
-        out.append(Finding(
-            "segment_order", "error",
-            f"Segments are wired differently: {pairs_text}; {how}. Fix the aux layer ids (or their order) on the "
-            f"server to match training (reference {_fmt_aux(aux['reference'])}, candidate {_fmt_aux(aux['candidate'])}).",
-            {"aux_layer_config": aux, **kind_detail,
-             "pairs": [{"candidate": d.candidate, "reference": d.reference} for d in matched]},
-        ))
-    taken = {d.reference for d in matched}
-    for j in range(ref.segments):
-        if j in taken:
-            continue
-        col = centred[:, j] if centred.size else np.array([])
-        best = int(np.nanargmax(col)) if col.size and np.isfinite(col).any() else None
-        out.append(Finding(
-            "segment_missing", "error",
-            f"Reference segment {_seg(rlab[j], j)} is missing from the candidate: no candidate segment carries it "
-            f"(closest: candidate segment {best}, centred cosine {col[best]:.3f}); the draft was trained with this "
-            f"hidden state and the server does not feed it."
-            if best is not None else
-            f"Reference segment {_seg(rlab[j], j)} is missing from the candidate.",
-            {**evidence_base, "reference_segment": j, "closest_candidate": best,
-             "closest_centred_cosine": float(col[best]) if best is not None else None},
-        ))
-    for d in decisions:
-        if d.duplicate_of is not None:
-            out.append(Finding(
-                "segment_duplicate", "error",
-                f"Candidate segments {d.duplicate_of} and {d.candidate} both carry reference segment "
-                f"{_seg(rlab[d.reference], d.reference)}: the server feeds the same hidden state twice.",
-                {**evidence_base, "candidate_segments": [d.duplicate_of, d.candidate], "reference_segment": d.reference},
-            ))
-        elif d.reference is None:
-            closest = d.runner_up
-            out.append(Finding(
-                "segment_extra", "error",
-                f"Candidate segment {_seg(clab[d.candidate], d.candidate)} has no counterpart in the reference "
-                f"(closest: reference segment {_seg(rlab[closest], closest) if closest is not None else 'none'}, "
-                f"centred cosine {1 - d.distance:.3f}, not clearly above the other segments): the server feeds a "
-                f"hidden state the draft never saw in training; use --bank to name its layer.",
-                {**evidence_base, "candidate_segment": d.candidate, "closest_reference": closest,
-                 "closest_centred_cosine": 1 - d.distance},
-            ))
-    return out
-
-
-def _fmt_aux(cfg: dict[str, Any]) -> str:
-    if not cfg:
-        return "not recorded"
-    key, value = next(iter(cfg.items()))
-    return f"{key}={value}"
-
-
-def _value_findings(report: Report, d: SegmentDecision, m: SegmentMetrics) -> list[Finding]:
-    ref, cand, plan = report.reference, report.candidate, report.plan
-    label = f"candidate segment {_seg(cand.segment_labels[d.candidate], d.candidate)}"
-    rlabel = f"reference segment {_seg(ref.segment_labels[d.reference], d.reference)}"
-    floor = plan.noise_floor
-    ratio_tol = scale_tolerance(floor)
-    p50, p1, p99 = m.norm_ratio_p50, m.norm_ratio_p1, m.norm_ratio_p99
-    scaled = math.isfinite(p50) and abs(math.log(max(p50, 1e-30))) > ratio_tol
-    evidence = {"candidate_segment": d.candidate, "reference_segment": d.reference, "cos_mean": m.cos_mean,
-                "cos_p1": m.cos_p1, "cos_min": m.cos_min, "norm_ratio_p1": p1, "norm_ratio_p50": p50,
-                "norm_ratio_p99": p99, "rel_l2": m.rel_l2, "worst_rows": m.worst_rows[:3],
-                "centred_distance": d.distance, "runner_up_distance": d.runner_up_distance}
-    out: list[Finding] = []
-    spread = (p99 / p1) if (math.isfinite(p1) and p1 > 0 and math.isfinite(p99)) else float("inf")
-    constant = spread < 1 + 2 * ratio_tol
-    if scaled:
-        if constant:
-            msg = (f"{label} is {rlabel} times a constant {p50:.4g} (norm ratio p1 {p1:.4g}, p99 {p99:.4g}, cosine "
-                   f"{m.cos_mean:.4f}): a scale factor is applied on one side only (a multiplier, a normaliser's "
-                   f"weight, a dtype cast with scaling).")
-        else:
-            msg = (f"{label} matches {rlabel} in direction (cosine {m.cos_mean:.4f}) but not in size: the norm ratio "
-                   f"varies per row (p1 {p1:.4g}, median {p50:.4g}, p99 {p99:.4g}), the signature of a normalisation "
-                   f"(e.g. the final RMSNorm) applied on one side only: pre-norm vs post-norm hidden states.")
-        out.append(Finding("segment_scale", "error", msg, {**evidence, "constant_scale": constant}))
-        return out
-    exact_d = floor * EXACT_FACTOR
-    one_minus = 1 - m.cos_mean if math.isfinite(m.cos_mean) else float("nan")
-    if d.tier == "related":
-        out.append(Finding(
-            "segment_value", "error",
-            f"{label} resembles {rlabel} but its values differ beyond numerics (cosine mean {m.cos_mean:.4f}, p1 "
-            f"{m.cos_p1:.4f}, relative L2 {m.rel_l2:.3g}); it is computed differently: another layer close to it, "
-            f"another context, or a transformation on one side. Worst row: {_worst(m)}.",
-            evidence,
-        ))
-    elif math.isfinite(one_minus) and one_minus > max(exact_d, 1e-7) and (d.tier == "near" or m.cos_p1 < 1 - 100 * max(exact_d, 1e-6)):
-        out.append(Finding(
-            "precision", "warning",
-            f"{label} is {rlabel} up to numerics, but further apart than storage rounding explains (1 - cos "
-            f"{one_minus:.2e} vs floor {floor:.1e}; p1 cosine {m.cos_p1:.5f}): different kernels or compute dtype "
-            f"on the two sides. Worst row: {_worst(m)}.",
-            evidence,
-        ))
-    return out
-
-
-def _worst(m: SegmentMetrics) -> str:
-    if not m.worst_rows:
-        return "none"
-    w = m.worst_rows[0]
-    c = w["candidate"]
-    return f"sequence {c['seq']} position {c['position']} token {c['token_id']} (cosine {w['cosine']:.4f})"

@@ -3,7 +3,7 @@
 The bank is a trace recorded with ``--adapter hf`` (tap ``bank``: the embedding, every decoder
 layer's output, the final layer before and after the final norm, for the same token sequences).
 Rows are aligned by token content like compare does; each segment is then ranked against every bank
-column by centred cosine (direction) and relative L2 (size), and the winner must beat the runner-up
+column by standardised cosine (where it comes from) and the identity / transform fits (how), and the winner must beat the runner-up
 by the same rank-and-margin rule compare uses, or the answer is "no layer matches".
 """
 
@@ -18,9 +18,18 @@ import numpy as np
 import torch
 
 from tracediff.align import RowIndex, align_sequences
-from tracediff.compare import CompareOptions, _offset_search, _read_rows, _sample, require_finite_rows, tap_summary
+from tracediff.plan import DEFAULT_DEPTH, CompareOptions, numerics_budget, offset_search, read_rows, require_finite_rows, sample_pairs, tap_summary
 from tracediff.errors import CompareError
-from tracediff.segments import _tier, noise_floor, scale_tolerance, segment_cosine_matrix, split
+from tracediff.segments import (
+    _tier,
+    noise_floor,
+    relative_error,
+    segment_cosine_matrix,
+    segment_scales,
+    split,
+    standardised_cosine_matrix,
+)
+from tracediff.transforms import best_transform, fit_transforms
 from tracediff.store import TraceStore, open_store
 
 
@@ -44,7 +53,7 @@ class SegmentIdentity:
     verdict: str  # match | scaled | closest | none
     best: LayerName | None
     cosine: float | None  # raw cosine with the best bank column
-    centred_cosine: float | None
+    centred_cosine: float | None  # the standardised cosine (each dimension in robust units)
     rel_l2: float | None
     norm_ratio: float | None
     runner_up: LayerName | None
@@ -146,59 +155,74 @@ def _identify(store: TraceStore, bank: TraceStore, tap: str | None, bank_tap: st
     cand_index = RowIndex.load(store, tap)
     alignment = align_sequences(ref_index, cand_index)
     opts = CompareOptions(sample_rows=sample_rows, seed=seed)
-    offset, _scores, pairs = _offset_search(alignment, size, opts)
+    offset, _scores, pairs = offset_search(alignment, size, opts)
     if len(pairs) == 0:
         raise CompareError(
             f"{bank.path}: the bank holds none of the token sequences of {store.path}; record the bank on the same "
             f"inputs (tracediff record --adapter hf ... on the same token ids)"
         )
-    pick = _sample(pairs, sample_rows, seed + 1)
-    c = _read_rows(cand_index, pairs.candidate[pick])
-    b = _read_rows(ref_index, pairs.reference[pick])
+    pick = sample_pairs(pairs, sample_rows, seed + 1)
+    c = read_rows(cand_index, pairs.candidate[pick])
+    b = read_rows(ref_index, pairs.reference[pick])
     require_finite_rows([(bank, btap, b), (store, tap, c)], size, what="identify")
     raw = segment_cosine_matrix(c, b, size)
-    centred = segment_cosine_matrix(c, b, size, centred=True)
-    floor = noise_floor(b, size, bfirst.dtype, first.dtype, seed=seed)
+    keep = torch.isfinite(c).all(dim=1) & torch.isfinite(b).all(dim=1)
+    c, b = c[keep], b[keep]
+    c_scales, b_scales = segment_scales(c, size), segment_scales(b, size)
+    std = standardised_cosine_matrix(c, b, c_scales, b_scales)
+    floor = noise_floor(b, size, bfirst.dtype, first.dtype, b_scales, seed=seed)
     names = _bank_names(bfirst.attrs, bfirst.width // size)
+    layers = max((n.hf_index for n in names if n.hf_index is not None), default=DEFAULT_DEPTH)
+    budgets = [numerics_budget(floor.errors[j] if j < len(floor.errors) else floor.error, bfirst.dtype, first.dtype,
+                               n.hf_index if n.hf_index is not None else layers)[0] for j, n in enumerate(names)]
+    compute = numerics_budget(0.0, bfirst.dtype, first.dtype, 0)[1]
     cs, bs = split(c, size), split(b, size)
-    keep = torch.isfinite(cs).all(dim=(1, 2)) & torch.isfinite(bs).all(dim=(1, 2))
-    cs, bs = cs[keep], bs[keep]
     labels = first.segment_labels or [f"seg{i}" for i in range(first.width // size)]
     segments = []
     for i in range(first.width // size):
-        dist = 1.0 - centred[i]
+        dist = 1.0 - std[i]
         order = [int(j) for j in np.argsort(np.where(np.isfinite(dist), dist, np.inf))]
-        j1 = order[0]
-        j2 = order[1] if len(order) > 1 else None
+        # Standardised cosines say where a segment comes from, not how it was transformed: the final
+        # layer before and after the final norm can tie. Among the close columns, the one the
+        # segment equals (identity within the numerics budget) wins.
+        close = [j for j in order[:4] if _tier(float(dist[j]), float("inf"), floor.distance) == "exact"
+                 or dist[j] <= 2 * dist[order[0]] + 1e-12]
+        errors = {j: relative_error(cs[:, i], bs[:, j], b_scales.mean[j], b_scales.scale[j]) for j in close}
+        equal = sorted((e, j) for j, e in errors.items() if math.isfinite(e) and e <= budgets[j])
+        j1 = equal[0][1] if equal else order[0]
+        rest = [j for j in order if j != j1]
+        j2 = rest[0] if rest else None
         d1 = float(dist[j1])
         d2 = float(dist[j2]) if j2 is not None else float("inf")
-        tier = _tier(d1, d2, floor)
+        tier = "exact" if equal else _tier(d1, d2, floor.distance)
+        fits = fit_transforms(cs[:, i], bs[:, j1], c_scales.mean[i], c_scales.scale[i], b_scales.mean[j1],
+                              b_scales.scale[j1])
+        fit = None if equal else best_transform(fits, budgets[j1])
         ci, bj = cs[:, i], bs[:, j1]
         rel_l2 = float(((ci - bj).norm() / bj.norm().clamp_min(1e-30)).item()) if ci.numel() else float("nan")
         ratio = float((ci.norm(dim=1) / bj.norm(dim=1).clamp_min(1e-30)).median().item()) if ci.numel() else float("nan")
-        scaled = math.isfinite(ratio) and abs(math.log(max(ratio, 1e-30))) > scale_tolerance(floor)
         best, runner = names[j1], (names[j2] if j2 is not None else None)
         label = labels[i] if i < len(labels) else f"seg{i}"
-        if tier in ("exact", "near") and not scaled:
+        if equal:
             verdict = "match"
-            message = f"segment {i} ({label}) is {best.text} (cosine {raw[i, j1]:.6f}, relative L2 {rel_l2:.2e})"
-        elif tier in ("exact", "near"):
+            message = (f"segment {i} ({label}) is {best.text} (standardised error {math.sqrt(equal[0][0]):.2g} within "
+                       f"{compute} numerics; cosine {raw[i, j1]:.6f})")
+        elif fit is not None and tier != "none":
             verdict = "scaled"
-            message = (f"segment {i} ({label}) points the same way as {best.text} but is {ratio:.4g}x its size "
-                       f"(cosine {raw[i, j1]:.6f})")
-        elif tier == "related":
+            message = f"segment {i} ({label}) is {best.text} {fit.describe()} (cosine {raw[i, j1]:.6f})"
+        elif tier != "none":
             verdict = "closest"
-            message = (f"segment {i} ({label}): no layer matches within the noise floor; closest is {best.text} "
-                       f"(cosine {raw[i, j1]:.4f}, runner-up {runner.text if runner else '-'} "
-                       f"{raw[i, j2]:.4f})" if j2 is not None else f"segment {i}: closest is {best.text}")
+            message = (f"segment {i} ({label}): no layer matches within numerics; closest is {best.text} "
+                       f"(standardised cosine {std[i, j1]:.4f}, raw {raw[i, j1]:.4f}; runner-up "
+                       f"{runner.text if runner else '-'} {std[i, j2] if j2 is not None else float('nan'):.4f})")
         else:
             verdict = "none"
-            message = (f"segment {i} ({label}): no layer matches (best {best.text} at cosine {raw[i, j1]:.4f}, "
-                       f"not clearly above {runner.text if runner else '-'})")
+            message = (f"segment {i} ({label}): no layer matches (best {best.text} at standardised cosine "
+                       f"{std[i, j1]:.4f}, not clearly above {runner.text if runner else '-'})")
         segments.append(SegmentIdentity(
             segment=i, label=label, verdict=verdict,
             best=best if verdict != "none" else None,
-            cosine=float(raw[i, j1]), centred_cosine=float(centred[i, j1]), rel_l2=rel_l2, norm_ratio=ratio,
+            cosine=float(raw[i, j1]), centred_cosine=float(std[i, j1]), rel_l2=rel_l2, norm_ratio=ratio,
             runner_up=runner, runner_up_cosine=float(raw[i, j2]) if j2 is not None else None,
             margin=(d2 / d1) if d1 > 0 else float("inf"), message=message,
         ))

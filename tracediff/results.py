@@ -69,6 +69,9 @@ class Side:
     sequences: int
     meta: dict[str, Any]
     aux_layer_config: dict[str, Any]
+    # The aux layers this side says it feeds, as recorded and in the physical numbering (HF
+    # hidden_states index, L = last layer before the final norm, "final_norm"); None if unknown.
+    aux_layers: dict[str, Any] | None = None
 
 
 @dataclass
@@ -93,6 +96,10 @@ class SegmentMatch:
     candidate_label: str
     reference_label: str | None
     bank_layer: str | None = None  # filled when compare ran with --bank
+    standardised_cosine: float | None = None  # what the decision used (each dimension in robust units)
+    relation: str | None = None  # same | transformed | other (matched segments)
+    relative_error: float | None = None  # standardised relative error of the identity on the plan sample
+    transform: dict[str, Any] | None = None  # the fitted transform, for "transformed"
 
 
 @dataclass
@@ -119,6 +126,13 @@ class SegmentMetrics:
     worst_rows: list[dict[str, Any]]
     cos_by_position: list[list[float]]  # [[position bucket start, mean cosine, rows], ...]
     norm_ratio_hist: dict[str, list[float]]  # {"edges": [...], "counts": [...]} on log2 scale
+    # The decision metric: relative error with every dimension in units of the reference segment's
+    # robust scale (massive activations cannot dominate it). Whole pair, and per row (row error
+    # over the pair's mean reference size) at the median, p99 and max.
+    std_rel_error: float = float("nan")
+    std_row_error_p50: float = float("nan")
+    std_row_error_p99: float = float("nan")
+    std_row_error_max: float = float("nan")
 
 
 @dataclass
@@ -141,8 +155,15 @@ class Plan:
     candidate_rows_invalid: int
     reference_rows_uncovered: int
     sample_rows: int
-    noise_floor: float  # expected 1 - cosine from storage precision alone
+    noise_floor: float  # expected standardised 1 - cosine from storage precision alone
     notes: list[str] = field(default_factory=list)
+    noise_floor_error: float = 0.0  # expected standardised relative error from storage precision alone
+    numerics_budget: float = 0.0  # the largest of numerics_budgets
+    numerics_budgets: list[float] = field(default_factory=list)  # per reference segment: what numerics explain
+    budget_depths: list[int | None] = field(default_factory=list)  # per reference segment: the depth assumed
+    compute_dtype: str = ""  # the coarser dtype, whose rounding bounds the compute noise
+    reference_segment_size: int = 0
+    candidate_segment_size: int = 0
 
 
 @dataclass
@@ -159,6 +180,7 @@ class Report:
     config_diff: list[dict[str, Any]]
     tracediff_version: str
     schema_version: int = REPORT_SCHEMA_VERSION
+    matrix_standardised: list[list[float]] = field(default_factory=list)  # what segment matching decided on
 
     @property
     def verdict(self) -> str:

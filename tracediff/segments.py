@@ -50,11 +50,57 @@ def _finite_rows(*tensors: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+#: No serving engine resolves a dimension finer than bf16 does: a dimension's scale is its variation
+#: over tokens, but never less than this fraction of its magnitude (a near-constant massive
+#: activation would otherwise turn rounding into a huge standardised error).
+RESOLUTION = 2.0**-8
+
+
+@dataclass(frozen=True)
+class SegmentScales:
+    """Per segment and dimension, from a plan sample: the mean and the robust scale ([K, H] each).
+
+    The scale is the median absolute deviation over rows (x 1.4826, so it equals the standard
+    deviation for Gaussian data), combined with the dimension's bf16 resolution. Dividing by it
+    makes every dimension count the same: a few massive activations (100-1000x the median, nearly
+    constant over tokens, the same in every layer after an early one) can then no longer dominate a
+    cosine, a noise floor or a relative error.
+    """
+
+    mean: torch.Tensor
+    scale: torch.Tensor
+
+    def standardise(self, rows: torch.Tensor) -> torch.Tensor:
+        """[n, K*H] -> [n, K, H], centred and divided by the scale."""
+        return (split(rows, self.mean.shape[1]) - self.mean) / self.scale
+
+
+def segment_scales(rows: torch.Tensor, size: int) -> SegmentScales:
+    """Robust per-dimension location and scale of each segment of ``rows`` (finite rows only)."""
+    x = split(rows[_finite_rows(rows)], size)
+    k = rows.shape[1] // size
+    if x.shape[0] == 0:
+        return SegmentScales(torch.zeros(k, size), torch.ones(k, size))
+    med = x.median(dim=0).values
+    mad = (x - med).abs().median(dim=0).values * 1.4826
+    rms = x.pow(2).mean(dim=0).sqrt()
+    scale = (mad.pow(2) + (RESOLUTION * rms).pow(2)).sqrt()
+    # A dimension that never varies and is zero (padding) must not divide by zero.
+    typical = scale.median(dim=1, keepdim=True).values.clamp_min(1e-30)
+    scale = torch.maximum(scale, 1e-6 * typical).clamp_min(1e-30)
+    return SegmentScales(x.mean(dim=0), scale)
+
+
+def _unit(z: torch.Tensor) -> torch.Tensor:
+    return z / z.norm(dim=2, keepdim=True).clamp_min(1e-30)
+
+
 def segment_cosine_matrix(cand: torch.Tensor, ref: torch.Tensor, size: int, *, centred: bool = False) -> np.ndarray:
-    """Mean over rows of cos(candidate segment i, reference segment j): a [Kc, Kr] matrix.
+    """Mean over rows of the raw cos(candidate segment i, reference segment j): a [Kc, Kr] matrix.
 
     ``cand`` and ``ref`` are paired rows ([n, Wc], [n, Wr], float32). Rows with a non-finite value
-    on either side are left out. ``centred`` subtracts each segment's mean row first.
+    on either side are left out. ``centred`` subtracts each segment's mean row first. Reported for
+    users (it is the number they know); decisions use :func:`standardised_cosine_matrix`.
     """
     keep = _finite_rows(cand, ref)
     c, r = split(cand[keep], size), split(ref[keep], size)
@@ -63,41 +109,75 @@ def segment_cosine_matrix(cand: torch.Tensor, ref: torch.Tensor, size: int, *, c
     if centred:
         c = c - c.mean(dim=0, keepdim=True)
         r = r - r.mean(dim=0, keepdim=True)
-    c = c / c.norm(dim=2, keepdim=True).clamp_min(1e-30)
-    r = r / r.norm(dim=2, keepdim=True).clamp_min(1e-30)
     # [n, Kc, H] x [n, H, Kr] -> [n, Kc, Kr], averaged over rows.
+    return torch.bmm(_unit(c), _unit(r).transpose(1, 2)).mean(dim=0).double().numpy()
+
+
+def standardised_cosine_matrix(cand: torch.Tensor, ref: torch.Tensor, cand_scales: SegmentScales,
+                               ref_scales: SegmentScales) -> np.ndarray:
+    """Mean over rows of cos(z_c[i], z_r[j]), each side standardised by its own segment scales.
+
+    Invariant to a per-dimension affine map on either side (a norm weight, a constant factor, an
+    offset), so it says which tensor a segment *comes from*; how it was transformed is decided
+    afterwards by fitting (:mod:`tracediff.transforms`).
+    """
+    size = ref_scales.mean.shape[1]
+    keep = _finite_rows(cand, ref)
+    if not bool(keep.any()):
+        return np.full((cand.shape[1] // size, ref.shape[1] // size), np.nan)
+    c = _unit(cand_scales.standardise(cand[keep]))
+    r = _unit(ref_scales.standardise(ref[keep]))
     return torch.bmm(c, r.transpose(1, 2)).mean(dim=0).double().numpy()
 
 
-def mismatched_rows_matrix(cand: torch.Tensor, ref: torch.Tensor, size: int) -> np.ndarray:
-    """The same centred matrix on deliberately mismatched rows: what 'unrelated' looks like here."""
+def mismatched_rows_matrix(cand: torch.Tensor, ref: torch.Tensor, cand_scales: SegmentScales,
+                           ref_scales: SegmentScales) -> np.ndarray:
+    """The same standardised matrix on deliberately mismatched rows: what 'unrelated' looks like here."""
     n = cand.shape[0]
+    size = ref_scales.mean.shape[1]
     if n < 2:
         return np.full((cand.shape[1] // size, ref.shape[1] // size), np.nan)
-    return segment_cosine_matrix(cand, torch.roll(ref, shifts=n // 2, dims=0), size, centred=True)
+    return standardised_cosine_matrix(cand, torch.roll(ref, shifts=n // 2, dims=0), cand_scales, ref_scales)
 
 
-def noise_floor(ref: torch.Tensor, size: int, dtype_ref: str, dtype_cand: str, seed: int = 0) -> float:
-    """Expected centred ``1 - cos`` between two copies of the same rows stored in these dtypes.
+def relative_error(cand_seg: torch.Tensor, ref_seg: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor) -> float:
+    """Squared relative error of ``cand_seg`` against ``ref_seg`` ([n, H] each), every dimension in
+    units of the reference's robust scale: sum |(c - r) / s|^2 / sum |(r - mean) / s|^2."""
+    keep = torch.isfinite(cand_seg).all(dim=1) & torch.isfinite(ref_seg).all(dim=1)
+    if not bool(keep.any()):
+        return float("nan")
+    num = (((cand_seg[keep] - ref_seg[keep]) / scale) ** 2).sum(dtype=torch.float64)
+    den = (((ref_seg[keep] - mean) / scale) ** 2).sum(dtype=torch.float64)
+    return float(num / den) if float(den) > 0 else float("nan")
 
-    Measured, not assumed: the sample rows are perturbed by a relative rounding error of each
-    dtype's half-ulp (uniform), and the distance is measured the way matching measures it.
-    """
-    if ref.shape[0] == 0:
-        return 0.0
-    gen = torch.Generator().manual_seed(seed)
-    rel = 0.0
-    for dt in (dtype_ref, dtype_cand):
-        bits = MANTISSA_BITS.get(dt, 23)
-        rel += 2.0 ** -(bits + 1)
+
+@dataclass(frozen=True)
+class NoiseFloor:
+    """What storage rounding alone costs, measured the way decisions measure: the standardised
+    ``1 - cos`` (segment matching) and the squared standardised relative error (value checks)."""
+
+    distance: float
+    error: float  # the largest over the segments
+    errors: tuple[float, ...] = ()  # per reference segment
+
+
+def noise_floor(ref: torch.Tensor, size: int, dtype_ref: str, dtype_cand: str, scales: SegmentScales,
+                seed: int = 0) -> NoiseFloor:
+    """Measured, not assumed: the sample rows are perturbed by a relative rounding error of each
+    dtype's half-ulp (uniform), and the distance is measured the way matching measures it."""
     keep = _finite_rows(ref)
     x = ref[keep][:512]
     if x.shape[0] == 0:
-        return 0.0
-    noise = (torch.rand(x.shape, generator=gen) * 2 - 1) * rel
-    noisy = x * (1 + noise)
-    m = segment_cosine_matrix(noisy, x, size, centred=True)
-    return float(max(0.0, 1.0 - float(np.nanmean(np.diag(m)))))
+        return NoiseFloor(0.0, 0.0, tuple(0.0 for _ in range(ref.shape[1] // size)))
+    gen = torch.Generator().manual_seed(seed)
+    rel = sum(2.0 ** -(MANTISSA_BITS.get(dt, 23) + 1) for dt in (dtype_ref, dtype_cand))
+    noisy = x * (1 + (torch.rand(x.shape, generator=gen) * 2 - 1) * rel)
+    m = standardised_cosine_matrix(noisy, x, scales, scales)
+    errors = [relative_error(split(noisy, size)[:, j], split(x, size)[:, j], scales.mean[j], scales.scale[j])
+              for j in range(x.shape[1] // size)]
+    errors = [e if math.isfinite(e) else 0.0 for e in errors]
+    return NoiseFloor(float(max(0.0, 1.0 - float(np.nanmean(np.diag(m))))), float(max(errors, default=0.0)),
+                      tuple(float(e) for e in errors))
 
 
 @dataclass

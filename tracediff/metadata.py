@@ -1,0 +1,115 @@
+"""What the two sides say about themselves: the config diff and each side's aux layers.
+
+Step 1 of the plan (DESIGN.md §5): a deepdiff over the recorded ``meta`` with volatile keys (pids,
+hosts, times, command lines) left out, and the aux-layer settings of both sides translated into one
+physical numbering (:mod:`tracediff.adapters.conventions`), so that two sides that read the same
+layers under two numberings are not reported as different. Metadata only: no values, no I/O beyond
+what the open stores already hold.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from tracediff.adapters.conventions import AuxLayers, aux_layers_from_meta
+
+VOLATILE_KEYS = re.compile(
+    r"(^|_)(pid|host|hostname|started|updated|time|timestamp|argv|python|recorded_by|record|limits|injected)$"
+)
+AUX_KEYS = re.compile(
+    r"layer_ids|layers_to_capture|aux_hidden_state|eagle_aux|aux_layer|aux_layers|segment_labels|hf_hidden_states",
+    re.I,
+)
+
+
+def is_aux_key(path: str) -> bool:
+    return bool(AUX_KEYS.search(path))
+
+
+def aux_config(meta: Any, prefix: str = "") -> dict[str, Any]:
+    """Every aux-layer setting in ``meta``, flattened: ``{"store.aux_layers": {...}, ...}``."""
+    out: dict[str, Any] = {}
+    if isinstance(meta, dict):
+        for k, v in meta.items():
+            path = f"{prefix}.{k}" if prefix else str(k)
+            if AUX_KEYS.search(str(k)):
+                out[path] = v
+            elif isinstance(v, dict):
+                out.update(aux_config(v, path))
+    return out
+
+
+def side_aux_layers(meta: dict[str, Any]) -> AuxLayers | None:
+    """One side's aux layers from its collected meta (``{"store", "writer", "tap"}``), the writer's
+    own meta first (it is what that process really had), then the store's."""
+    num_layers = None
+    for part in ("writer", "store"):
+        block = meta.get(part) or {}
+        for key in ("num_hidden_layers", "num_layers"):
+            if isinstance(block.get(key), int):
+                num_layers = block[key]
+    for part in ("writer", "store"):
+        found = aux_layers_from_meta(meta.get(part) or {}, num_layers)
+        if found is not None:
+            found.field = f"{part}.{found.field}"
+            return found
+    return None
+
+
+def config_diff(ref_meta: dict[str, Any], cand_meta: dict[str, Any], *, same_physical_layers: bool = False
+                ) -> list[dict[str, Any]]:
+    """deepdiff of the two metas, volatile keys left out; aux-layer settings shown whole
+    (``[3, 31, 59] -> [2, 30, 58]``). With ``same_physical_layers`` (both sides read the same
+    layers, whatever numbering each recorded), aux-layer entries are marked ``"equivalent": True``."""
+    from deepdiff import DeepDiff  # noqa: PLC0415
+
+    diff = DeepDiff(ref_meta, cand_meta, ignore_order=False, verbose_level=2,
+                    exclude_obj_callback=lambda obj, path: bool(VOLATILE_KEYS.search(_last_key(path))))
+    out: list[dict[str, Any]] = []
+    for change, items in diff.to_dict().items():
+        if not isinstance(items, dict):
+            continue
+        for path, value in items.items():
+            entry: dict[str, Any] = {"path": _clean_path(path), "change": change}
+            if isinstance(value, dict) and ("old_value" in value or "new_value" in value):
+                entry["reference"] = _plain(value.get("old_value"))
+                entry["candidate"] = _plain(value.get("new_value"))
+            elif "removed" in change:
+                entry["reference"] = _plain(value)
+                entry["candidate"] = None
+            else:
+                entry["reference"] = None
+                entry["candidate"] = _plain(value)
+            out.append(entry)
+    ref_aux, cand_aux = aux_config(ref_meta), aux_config(cand_meta)
+    out = [e for e in out if not any(e["path"] == k or e["path"].startswith(k + ".") for k in (*ref_aux, *cand_aux))]
+    for key in sorted(set(ref_aux) | set(cand_aux)):
+        if ref_aux.get(key) != cand_aux.get(key):
+            entry = {"path": key, "change": "values_changed", "reference": _plain(ref_aux.get(key)),
+                     "candidate": _plain(cand_aux.get(key))}
+            if same_physical_layers:
+                entry["equivalent"] = True
+            out.append(entry)
+    out.sort(key=lambda e: (0 if AUX_KEYS.search(e["path"]) else 1, e["path"]))
+    return out
+
+
+def _last_key(path: str) -> str:
+    match = re.findall(r"\['([^']*)'\]", path)
+    return match[-1] if match else path
+
+
+def _clean_path(path: str) -> str:
+    parts = re.findall(r"\[(?:'([^']*)'|(\d+))\]", path)
+    return ".".join(a or f"[{b}]" for a, b in parts) or path
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value)

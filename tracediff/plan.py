@@ -1,0 +1,385 @@
+"""The plan: everything decided before the streaming pass, from metadata and a small sample.
+
+Used by compare and identify alike. In order (DESIGN.md §5): taps, each side's row layout and
+segment size (shapes first: two hidden sizes are a ``shape`` error, never re-cut into more
+segments), sequence alignment by token content, the label-offset search, the plan sample, and the
+segment decisions: which reference segment each candidate segment comes from (standardised cosines,
+ranked against the runner-up and the data's own noise floor) and how the two relate (fitted
+transforms, :mod:`tracediff.transforms`). The result is a frozen :class:`SegmentPlan` that the
+streaming pass and the findings read; nothing here reads more than the sample.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tracediff.align import Alignment, RowIndex, RowPairs, pair_rows
+from tracediff.diagnose import _aligned_empty, _ChunkReader
+from tracediff.errors import CompareError
+from tracediff.segments import (
+    EXACT_FACTOR,
+    MANTISSA_BITS,
+    NoiseFloor,
+    SegmentDecision,
+    SegmentScales,
+    infer_segment_size,
+    match_segments,
+    mismatched_rows_matrix,
+    noise_floor,
+    segment_cosine_matrix,
+    segment_scales,
+    split,
+    standardised_cosine_matrix,
+    to_float32,
+)
+from tracediff.store import VALUE_DTYPES, TraceStore
+from tracediff.transforms import TransformFit, best_transform, fit_transforms
+
+OFFSETS = (-2, -1, 0, 1, 2)
+
+# Tap names that hold the same fc input (reference name, candidate name), tried in order when the
+# stores share no tap: a server in capture-only mode records the target's packed aux states only.
+FC_INPUT_EQUIVALENTS = (("fc_in", "aux_hidden"), ("aux_hidden", "fc_in"), ("fc_in", "fc_in_raw"), ("fc_in_raw", "fc_in"))
+
+#: Compute noise between two correct implementations of a forward pass (other kernels, reduction
+#: orders, KV cache vs a full forward) grows with depth: about 1.5 units of the compute dtype's
+#: rounding per decoder layer in the standardised metric (measured on tiny Llama, Qwen3, Mistral and
+#: DeepSeek-V3 models with massive activations, a bf16 engine against an fp32 trainer: 1.4-1.8 per
+#: layer; FP8-rounded weights give 5-7). The budget allows twice that.
+COMPUTE_UNITS_PER_LAYER = 3.0
+#: A pair this many times beyond its budget is no longer drift of the same tensor but other data.
+DRIFT_FACTOR = 3.0
+#: Depth assumed for a segment whose layer no side records.
+DEFAULT_DEPTH = 16
+
+
+@dataclass
+class CompareOptions:
+    tap: str | None = None
+    reference_tap: str | None = None
+    candidate_tap: str | None = None
+    segment_size: int | None = None
+    sample_rows: int = 2048
+    offset_sample_rows: int = 512
+    seed: int = 0
+    progress: Callable[[int], None] | None = None
+    progress_total: Callable[[int], None] | None = None
+    bank: str | None = None
+    extra_notes: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------ taps
+def pick_taps(ref: TraceStore, cand: TraceStore, opts: CompareOptions) -> tuple[str, str]:
+    if opts.reference_tap or opts.candidate_tap:
+        rt = opts.reference_tap or opts.tap or opts.candidate_tap
+        ct = opts.candidate_tap or opts.tap or opts.reference_tap
+        assert rt is not None and ct is not None
+        ref.tap_streams(rt)
+        cand.tap_streams(ct)
+        return rt, ct
+    if opts.tap:
+        ref.tap_streams(opts.tap)
+        cand.tap_streams(opts.tap)
+        return opts.tap, opts.tap
+    common = [t for t in ref.taps if t in cand.taps and ref.rows(t) and cand.rows(t)]
+    if not common:
+        for rt, ct in FC_INPUT_EQUIVALENTS:
+            if rt in ref.taps and ct in cand.taps and ref.rows(rt) and cand.rows(ct):
+                opts.extra_notes.append(f"no common tap: compared reference {rt} with candidate {ct} "
+                                        f"(both are the fc input); choose others with --ref-tap/--cand-tap")
+                return rt, ct
+        raise CompareError(
+            f"no common tap with rows: {ref.path} has {tap_summary(ref)}, {cand.path} has {tap_summary(cand)}; "
+            f"choose with --tap, or --ref-tap/--cand-tap"
+        )
+    preferred = [t for t in common if t == "fc_in"] or [t for t in common if not t.startswith("bank")] or common
+    return preferred[0], preferred[0]
+
+
+def tap_summary(store: TraceStore) -> str:
+    """'bank (0 rows), fc_in (1937 rows)' or 'no taps': what a store holds, for error messages."""
+    return ", ".join(f"{t} ({store.rows(t)} rows)" for t in store.taps) or "no taps"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One side's row layout as its writers recorded it."""
+
+    width: int
+    dtype: str
+    segment_size: int | None
+    segment_labels: list[str] | None
+    attrs: dict[str, Any]
+
+
+def stream_layout(store: TraceStore, tap: str) -> Layout:
+    streams = store.tap_streams(tap)
+    with_rows = [s for s in streams if s.rows] or streams
+    widths = {s.width for s in with_rows}
+    dtypes = {s.dtype for s in with_rows}
+    if len(widths) > 1 or len(dtypes) > 1:
+        raise CompareError(
+            f"{store.path}/{tap}: writers disagree on the row layout (widths {sorted(widths)}, dtypes {sorted(dtypes)}); "
+            f"compare one process at a time"
+        )
+    first = with_rows[0]
+    return Layout(first.width, first.dtype, first.segment_size, first.segment_labels, first.attrs)
+
+
+def collect_meta(store: TraceStore, tap: str) -> dict[str, Any]:
+    attrs = stream_layout(store, tap).attrs
+    tap_meta = {k: v for k, v in attrs.items() if k not in ("commit", "source", "meta", "limits", "phases", "rank",
+                                                            "world_size", "tap")}
+    # The in-process recorder writes its meta both at the root and per writer: keep each key once.
+    writer_meta = {k: v for k, v in (attrs.get("meta") or {}).items() if store.meta.get(k) != v}
+    return {"store": store.meta, "writer": writer_meta, "tap": tap_meta}
+
+
+# ---------------------------------------------------------------------------------- rows, samples
+def sample_pairs(pairs: RowPairs, k: int, seed: int) -> np.ndarray:
+    n = len(pairs)
+    if n <= k:
+        return np.arange(n)
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(n, size=k, replace=False))
+
+
+def read_rows(index: RowIndex, rows: np.ndarray) -> torch.Tensor:
+    width = index.streams[0].width
+    dtype = index.streams[0].dtype
+    buf = _aligned_empty((rows.size, width), VALUE_DTYPES[dtype])
+    reader = _ChunkReader(index, max_chunks=16)  # reads each chunk once whatever the order of rows
+    try:
+        reader.gather(rows, buf)
+    finally:
+        reader.close()
+    return to_float32(buf, dtype)
+
+
+def require_finite_rows(
+    sides: list[tuple[TraceStore, str, torch.Tensor]], size: int, what: str = "compare"
+) -> None:
+    """Refuse (one :class:`CompareError` naming the file) when a side's paired sample has no row free
+    of NaN and Inf: segments are matched on finite rows only, so there would be nothing to decide
+    from. Some non-finite rows are fine: they become ``nonfinite`` findings."""
+    finite = None
+    for store, tap, rows in sides:
+        ok = torch.isfinite(rows).all(dim=1)
+        finite = ok if finite is None else finite & ok
+        if rows.shape[0] and not bool(ok.any()):
+            where = ""
+            if size > 0 and rows.shape[1] % size == 0:
+                bad = (~torch.isfinite(rows.reshape(rows.shape[0], -1, size))).any(dim=2).any(dim=0)
+                where = f" (segments {[int(i) for i in torch.nonzero(bad).flatten()]})"
+            raise CompareError(
+                f"{store.path}: tap {tap} values hold NaN or Inf in every one of the {rows.shape[0]} sampled aligned "
+                f"rows{where}: nothing finite to {what}; find where the non-finite values come from"
+            )
+    if finite is not None and finite.numel() and not bool(finite.any()):
+        (a, ta, _), (b, tb, _) = sides[0], sides[1]
+        raise CompareError(
+            f"{a.path} (tap {ta}) and {b.path} (tap {tb}): no sampled aligned row is free of NaN or Inf on both "
+            f"sides: nothing finite to {what}; find where the non-finite values come from"
+        )
+
+
+# ----------------------------------------------------------------------------------- label offset
+def offset_search(
+    alignment: Alignment, size: int, opts: CompareOptions, base: RowPairs | None = None
+) -> tuple[int, dict[str, float], RowPairs]:
+    """Try label offsets -2..2: the one under which paired rows are most alike wins.
+
+    Score: per candidate segment, the best standardised cosine with any reference segment, averaged
+    (standardised so that massive activations, alike in every row, cannot make every offset look
+    equally good). An offset other than 0 is taken only if its distance is under half that of 0.
+    """
+    results: dict[int, tuple[float, RowPairs]] = {}
+    base = pair_rows(alignment, 0) if base is None else base
+    for off in OFFSETS:
+        pairs = base if off == 0 else pair_rows(alignment, off)
+        if len(pairs) == 0:
+            continue
+        pick = sample_pairs(pairs, opts.offset_sample_rows, opts.seed)
+        c = read_rows(alignment.candidate, pairs.candidate[pick])
+        r = read_rows(alignment.reference, pairs.reference[pick])
+        m = standardised_cosine_matrix(c, r, segment_scales(c, size), segment_scales(r, size))
+        score = float(np.nanmean(np.nanmax(m, axis=1))) if np.isfinite(m).any() else float("nan")
+        results[off] = (score, pairs)
+    scores = {str(k): v[0] for k, v in sorted(results.items())}
+    if 0 not in results:
+        if not results:
+            return 0, scores, base
+        best = max(results, key=lambda k: results[k][0] if math.isfinite(results[k][0]) else -1)
+        return best, scores, results[best][1]
+    d0 = 1 - results[0][0]
+    best = 0
+    for off, (score, _p) in results.items():
+        d = 1 - score
+        if math.isfinite(d) and d < 0.5 * d0 and d < 1 - results[best][0]:
+            best = off
+    return best, scores, results[best][1]
+
+
+# ------------------------------------------------------------------------------------ segment size
+@dataclass(frozen=True)
+class SegmentSizes:
+    """The segment size each side is cut into, and how it was decided."""
+
+    reference: int
+    candidate: int
+    source: str  # option | meta | inferred | mixed
+    notes: tuple[str, ...] = ()
+
+    @property
+    def comparable(self) -> bool:
+        return self.reference == self.candidate
+
+
+def decide_segment_sizes(ref: Layout, cand: Layout, opts: CompareOptions,
+                         sample: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> SegmentSizes:
+    """Each side's recorded ``segment_size`` first; infer only for a side that recorded none.
+
+    Two recorded sizes that differ are two hidden sizes (two target models, or a truncated
+    transfer): returned as they are, for a ``shape`` error; never re-cut into a common divisor.
+    """
+    rw, cw = ref.width, cand.width
+    if opts.segment_size is not None:
+        size = opts.segment_size
+        if size <= 0 or rw % size or cw % size:
+            raise CompareError(f"--segment-size {size} does not divide the row widths (reference {rw}, candidate {cw})")
+        return SegmentSizes(size, size, "option")
+    rs, cs = ref.segment_size, cand.segment_size
+    for side, s, w in (("reference", rs, rw), ("candidate", cs, cw)):
+        if s is not None and (s <= 0 or w % s):
+            raise CompareError(f"{side} segment size {s} does not divide its row width {w}")
+    if rs and cs:
+        return SegmentSizes(rs, cs, "meta")
+    if rs or cs:
+        known, width, side = (rs, cw, "candidate") if rs else (cs, rw, "reference")
+        assert known is not None
+        if width % known == 0:
+            return SegmentSizes(known, known, "mixed", (
+                f"the {side} recorded no segment size: took the other side's {known} "
+                f"({width} = {width // known} x {known}); pass --segment-size to override",))
+        r_rows, c_rows = sample()
+        own, how = infer_segment_size(width, width, *((r_rows, r_rows) if side == "reference" else (c_rows, c_rows)))
+        sizes = (own, known) if side == "reference" else (known, own)
+        return SegmentSizes(*sizes, "mixed", (
+            f"the {side} recorded no segment size and its width {width} is not a multiple of the other side's "
+            f"{known}: its size {own} was {how}",))
+    r_rows, c_rows = sample()
+    size, how = infer_segment_size(rw, cw, r_rows, c_rows)
+    if rw % size or cw % size:
+        raise CompareError(f"segment size {size} does not divide the row widths (reference {rw}, candidate {cw})")
+    return SegmentSizes(size, size, "inferred", (f"segment size {size} {how}; pass --segment-size to override",))
+
+
+# --------------------------------------------------------------------------------- segment decisions
+@dataclass
+class Relation:
+    """How one matched candidate segment relates to its reference segment."""
+
+    candidate: int
+    reference: int
+    relation: str  # same | transformed | drift (same tensor, beyond numerics) | other
+    error: float  # squared standardised relative error of the identity
+    transform: TransformFit | None  # the fitted transform for "transformed" (and the identity for "same")
+    fits: list[TransformFit]
+
+    @property
+    def relative_error(self) -> float:
+        return math.sqrt(self.error) if math.isfinite(self.error) and self.error >= 0 else float("nan")
+
+
+@dataclass
+class SegmentPlan:
+    """The segment decisions of a compare, from the plan sample (read by the pass and the findings)."""
+
+    size: int
+    sample_rows: int
+    raw: np.ndarray  # [Kc, Kr] mean raw cosine (shown to users)
+    standardised: np.ndarray  # [Kc, Kr] mean standardised cosine (decides)
+    baseline: np.ndarray  # the standardised matrix on mismatched rows
+    floor: NoiseFloor
+    budgets: list[float]  # per reference segment: squared standardised relative error numerics explain
+    depths: list[int]  # per reference segment: the depth its budget assumed
+    compute_dtype: str
+    decisions: list[SegmentDecision]
+    relations: dict[int, Relation]  # candidate segment -> its relation, for matched segments
+    ref_scales: SegmentScales
+    cand_scales: SegmentScales
+
+
+def numerics_budget(floor_error: float, dtype_ref: str, dtype_cand: str, depth: int) -> tuple[float, str]:
+    """The squared standardised relative error that numerics alone explain for one segment, and the
+    dtype behind it.
+
+    Storage rounding is measured on the sample (``floor_error``, allowed twice over: the simulation
+    draws uniform errors, real roundings are smaller on average). Compute noise is not in the
+    stores: it is bounded by the coarser of the two dtypes (an engine stores the dtype it computes
+    in; fp32 counts as TF32, what GPU matmuls run by default), :data:`COMPUTE_UNITS_PER_LAYER`
+    units of its rounding per decoder layer up to the segment's ``depth``.
+    """
+    bits = min(MANTISSA_BITS.get(dtype_ref, 23), MANTISSA_BITS.get(dtype_cand, 23), 10)
+    coarse = min((dtype_ref, dtype_cand), key=lambda d: MANTISSA_BITS.get(d, 23))
+    unit = 2.0 ** -(bits + 1)
+    storage = 2.0 * math.sqrt(max(floor_error, 0.0))
+    compute = COMPUTE_UNITS_PER_LAYER * unit * max(0, depth)
+    return max(storage, compute, 1e-6) ** 2, coarse
+
+
+def plan_segments(cand: torch.Tensor, ref: torch.Tensor, size: int, dtype_ref: str, dtype_cand: str,
+                  depths: list[int | None] | None = None, seed: int = 0) -> SegmentPlan:
+    """Decide, on paired sample rows ([n, Wc], [n, Wr] float32), what every candidate segment is.
+
+    ``depths``: per reference segment, how many decoder layers deep it is (its physical layer), when
+    a side records it; :data:`DEFAULT_DEPTH` otherwise.
+    """
+    finite = torch.isfinite(cand).all(dim=1) & torch.isfinite(ref).all(dim=1)
+    c, r = cand[finite], ref[finite]
+    cs, rs = segment_scales(c, size), segment_scales(r, size)
+    raw = segment_cosine_matrix(cand, ref, size)
+    std = standardised_cosine_matrix(c, r, cs, rs)
+    baseline = mismatched_rows_matrix(c, r, cs, rs)
+    floor = noise_floor(r, size, dtype_ref, dtype_cand, rs, seed=seed)
+    kr = ref.shape[1] // size
+    depth = [d if d is not None else DEFAULT_DEPTH for d in (depths or [None] * kr)]
+    budgets = [numerics_budget(floor.errors[j] if j < len(floor.errors) else floor.error, dtype_ref, dtype_cand,
+                               depth[j])[0] for j in range(kr)]
+    compute = numerics_budget(0.0, dtype_ref, dtype_cand, 0)[1]
+    decisions = match_segments(std, baseline, floor.distance)
+    c3, r3 = split(c, size), split(r, size)
+    relations: dict[int, Relation] = {}
+    for d in decisions:
+        if d.reference is None or d.duplicate_of is not None:
+            continue
+        i, j = d.candidate, d.reference
+        fits = fit_transforms(c3[:, i], r3[:, j], cs.mean[i], cs.scale[i], rs.mean[j], rs.scale[j])
+        best = best_transform(fits, budgets[j])
+        if best is None:
+            # Beyond the budget: drift of the same tensor (quantised weights, other kernels) while
+            # within a few budgets, other data beyond.
+            kind = "drift" if fits[0].error <= DRIFT_FACTOR**2 * budgets[j] else "other"
+        else:
+            kind = "same" if best.kind == "identity" else "transformed"
+        relations[i] = Relation(i, j, kind, fits[0].error, best, fits)
+    for d in decisions:
+        rel = relations.get(d.candidate)
+        if rel is not None and rel.relation == "other" and d.tier == "related" and d.reference != d.candidate:
+            # In another slot and only alike, through no transform: another tensor, not this one moved
+            # (the missing reference segment and this extra one are reported, the look-alike as context).
+            d.runner_up, d.reference, d.tier = d.reference, None, "none"
+            del relations[d.candidate]
+    return SegmentPlan(size, int(c.shape[0]), raw, std, baseline, floor, budgets, depth, compute, decisions,
+                       relations, rs, cs)
+
+
+__all__ = ["FC_INPUT_EQUIVALENTS", "OFFSETS", "CompareOptions", "Layout", "Relation", "SegmentPlan", "SegmentSizes",
+           "collect_meta", "decide_segment_sizes", "numerics_budget", "offset_search", "pick_taps", "plan_segments",
+           "read_rows", "require_finite_rows", "sample_pairs", "stream_layout", "tap_summary"]

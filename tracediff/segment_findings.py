@@ -1,0 +1,219 @@
+"""Findings about the segments: wiring (order, missing, extra, duplicate) and values (scale, value,
+precision), each resting on the plan's structural decisions, plus the fix in the candidate's words.
+
+A segment pair's relation comes from fitted transforms (:mod:`tracediff.transforms`), never from a
+norm ratio alone: a neighbouring layer differs in norm too, and calling it a normalisation would
+send an engineer to the wrong place. Every number a decision used is in the evidence.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tracediff.adapters.conventions import AuxLayers, engine_of
+from tracediff.diagnose import StreamResult
+from tracediff.plan import Relation, SegmentPlan
+from tracediff.remedy import Fix, propose_fix
+from tracediff.results import Finding, Report, SegmentMetrics
+from tracediff.segments import SegmentDecision
+
+
+def seg_name(label: str | None, index: int | None) -> str:
+    if index is None:
+        return "none"
+    return f"{index} ({label})" if label and label != f"seg{index}" else str(index)
+
+
+def _slots(n: int) -> str:
+    return "one slot" if abs(n) == 1 else f"{abs(n)} slots"
+
+
+def segment_findings(report: Report, segplan: SegmentPlan, stream: StreamResult, ref_aux: AuxLayers | None,
+                     cand_aux: AuxLayers | None, bank: Any, context: Finding | None) -> list[Finding]:
+    """Wiring first (root causes), then the values of matched pairs (consequences)."""
+    decisions = segplan.decisions
+    wiring = _wiring_findings(report, segplan)
+    values = _value_findings(report, segplan, stream, context)
+    wrong_layer = [f for f in values if f.kind == "segment_value" and f.evidence.get("explained_by") is None]
+    if wiring or wrong_layer:
+        engine = engine_of(report.candidate.meta.get("store") or {}, None) or engine_of(
+            report.candidate.meta.get("writer") or {}, None)
+        fix = propose_fix(decisions, report.reference.segments, ref_aux, cand_aux, engine, bank)
+        _attach_fix((wiring or wrong_layer)[0], fix)
+    return wiring + values
+
+
+def _attach_fix(finding: Finding, fix: Fix) -> None:
+    finding.evidence["fix"] = fix.to_dict()
+    finding.message = finding.message.rstrip() + " " + fix.sentence()
+
+
+def _wiring_findings(report: Report, segplan: SegmentPlan) -> list[Finding]:
+    ref, cand = report.reference, report.candidate
+    decisions = segplan.decisions
+    rlab, clab = ref.segment_labels, cand.segment_labels
+    out: list[Finding] = []
+    matched = [d for d in decisions if d.reference is not None and d.duplicate_of is None]
+    moved = [d for d in matched if d.reference != d.candidate]
+    if moved:
+        shifts = {d.reference - d.candidate for d in matched}
+        pairs_text = ", ".join(
+            f"candidate segment {seg_name(clab[d.candidate], d.candidate)} = reference segment "
+            f"{seg_name(rlab[d.reference], d.reference)}" for d in matched
+        )
+        if len(shifts) == 1:
+            s = next(iter(shifts))
+            how = (f"the candidate's segments are the reference's shifted by {_slots(s)} (the candidate starts "
+                   f"{_slots(s)} {'later' if s > 0 else 'earlier'})")
+            detail: dict[str, Any] = {"pattern": "shift", "shift": s}
+        else:
+            how = "the candidate concatenates the same hidden states in a different order"
+            detail = {"pattern": "permutation"}
+        out.append(Finding(
+            "segment_order", "error",
+            f"Segments are wired differently: {pairs_text}; {how}.",
+            {**detail, "pairs": [{"candidate": d.candidate, "reference": d.reference} for d in matched]},
+        ))
+    taken = {d.reference for d in matched}
+    std = segplan.standardised
+    for j in range(ref.segments):
+        if j in taken:
+            continue
+        col = std[:, j]
+        finite = [(float(col[i]), i) for i in range(col.size) if math.isfinite(col[i])]
+        best = max(finite)[1] if finite else None
+        text = (f" (closest: candidate segment {seg_name(clab[best], best)}, standardised cosine {col[best]:.3f}, "
+                f"raw {segplan.raw[best, j]:.4f}: alike, but no transform makes it this segment)"
+                if best is not None else "")
+        out.append(Finding(
+            "segment_missing", "error",
+            f"Reference segment {seg_name(rlab[j], j)} is missing from the candidate{text}; the draft was trained with "
+            f"this hidden state and the server does not feed it.",
+            {"reference_segment": j, "closest_candidate": best,
+             "closest_standardised_cosine": float(col[best]) if best is not None else None,
+             "closest_cosine": float(segplan.raw[best, j]) if best is not None else None},
+        ))
+    for d in decisions:
+        if d.duplicate_of is not None:
+            out.append(Finding(
+                "segment_duplicate", "error",
+                f"Candidate segments {d.duplicate_of} and {d.candidate} both carry reference segment "
+                f"{seg_name(rlab[d.reference], d.reference)}: the server feeds the same hidden state twice.",
+                {"candidate_segments": [d.duplicate_of, d.candidate], "reference_segment": d.reference},
+            ))
+        elif d.reference is None:
+            closest = d.runner_up
+            near = (f"closest: reference segment {seg_name(rlab[closest], closest)}, standardised cosine "
+                    f"{std[d.candidate, closest]:.3f}, raw {segplan.raw[d.candidate, closest]:.4f}"
+                    if closest is not None else "no reference segment is close")
+            out.append(Finding(
+                "segment_extra", "error",
+                f"Candidate segment {seg_name(clab[d.candidate], d.candidate)} has no counterpart in the reference "
+                f"({near}; not the same tensor under any transform): the server feeds a hidden state the draft "
+                f"never saw in training; use --bank to name its layer.",
+                {"candidate_segment": d.candidate, "closest_reference": closest,
+                 "closest_standardised_cosine": float(std[d.candidate, closest]) if closest is not None else None,
+                 "closest_cosine": float(segplan.raw[d.candidate, closest]) if closest is not None else None},
+            ))
+    return out
+
+
+def _value_findings(report: Report, segplan: SegmentPlan, stream: StreamResult,
+                    context: Finding | None) -> list[Finding]:
+    out: list[Finding] = []
+    by_pair = {(m.candidate, m.reference): m for m in stream.metrics}
+    for d in segplan.decisions:
+        rel = segplan.relations.get(d.candidate)
+        if d.reference is None or d.duplicate_of is not None or rel is None:
+            continue
+        m = by_pair.get((d.candidate, d.reference))
+        if m is None or m.rows == 0:
+            continue
+        found = _pair_findings(report, segplan, d, rel, m)
+        if context is not None and found:
+            # A different context changes every hidden state after it: report the consequence as such,
+            # not as a second root cause.
+            f = found[0]
+            found = [Finding(
+                "segment_value", "warning",
+                f"Candidate segment {_cand(report, d)} differs from reference segment {_ref(report, d)} (standardised "
+                f"relative error {m.std_rel_error:.3g}, cosine {m.cos_mean:.4f}); expected while the sequences differ "
+                f"(see sequence_prefix): fix that first and compare again.",
+                {**f.evidence, "explained_by": "sequence_prefix"},
+            )]
+        out += found
+    return out
+
+
+def _cand(report: Report, d: SegmentDecision) -> str:
+    return seg_name(report.candidate.segment_labels[d.candidate], d.candidate)
+
+
+def _ref(report: Report, d: SegmentDecision) -> str:
+    assert d.reference is not None
+    return seg_name(report.reference.segment_labels[d.reference], d.reference)
+
+
+def _pair_findings(report: Report, segplan: SegmentPlan, d: SegmentDecision, rel: Relation,
+                   m: SegmentMetrics) -> list[Finding]:
+    assert d.reference is not None
+    budget = math.sqrt(segplan.budgets[d.reference])
+    label, rlabel = f"candidate segment {_cand(report, d)}", f"reference segment {_ref(report, d)}"
+    evidence: dict[str, Any] = {
+        "candidate_segment": d.candidate, "reference_segment": d.reference, "relation": rel.relation,
+        "std_rel_error": m.std_rel_error, "std_row_error_p99": m.std_row_error_p99,
+        "std_row_error_max": m.std_row_error_max, "numerics_budget": budget,
+        "budget_depth": segplan.depths[d.reference],
+        "plan_std_rel_error": rel.relative_error,
+        "fits": [f.to_dict() for f in rel.fits],
+        "cos_mean": m.cos_mean, "cos_p1": m.cos_p1, "cos_min": m.cos_min, "norm_ratio_p1": m.norm_ratio_p1,
+        "norm_ratio_p50": m.norm_ratio_p50, "norm_ratio_p99": m.norm_ratio_p99, "rel_l2": m.rel_l2,
+        "worst_rows": m.worst_rows[:3], "standardised_distance": d.distance,
+        "runner_up_distance": d.runner_up_distance,
+    }
+    if rel.relation == "transformed" and rel.transform is not None:
+        t = rel.transform
+        evidence["transform"] = t.to_dict()
+        evidence["constant_scale"] = t.kind == "constant"
+        what = {"constant": "a scale factor is applied on one side only (a multiplier, a cast with scaling)",
+                "rmsnorm": "one side feeds normalised states: pre-norm vs post-norm hidden states (the final norm, "
+                           "norm_before_fc or fc_norm on one side only)",
+                "layernorm": "one side feeds LayerNorm-ed states (a norm on one side only)"}[t.kind]
+        return [Finding(
+            "segment_scale", "error",
+            f"{label} is {rlabel} {t.describe()}, within numerics (held-out standardised error "
+            f"{t.relative_error:.2g} vs budget {budget:.2g}; norm ratio median {m.norm_ratio_p50:.4g}): {what}.",
+            evidence,
+        )]
+    if rel.relation == "other" and d.reference == d.candidate:
+        fits = ", ".join(f"{f.kind}{'' if f.side in (None, 'candidate') else ' (reference side)'} "
+                         f"{f.relative_error:.2g}" for f in rel.fits)
+        return [Finding(
+            "segment_value", "error",
+            f"{label} resembles {rlabel} but is other data (standardised relative error {m.std_rel_error:.3g}, "
+            f"{m.std_rel_error / budget:.0f}x what numerics explain; raw cosine {m.cos_mean:.4f}); no transform fits "
+            f"(held-out errors: {fits}): probably a neighbouring layer, or another context.",
+            evidence,
+        )]
+    err = m.std_rel_error if math.isfinite(m.std_rel_error) else rel.relative_error
+    if math.isfinite(err) and err > budget:
+        return [Finding(
+            "precision", "warning",
+            f"{label} is {rlabel} (it matches no other segment nearly as well), but differs by a standardised relative "
+            f"error of {err:.3g}, {err / budget:.1f}x what {segplan.compute_dtype} numerics explain at depth "
+            f"{segplan.depths[d.reference]} ({budget:.2g}; "
+            f"raw cosine {m.cos_mean:.5f}): other kernels, quantised weights (FP8/INT8) or another compute dtype on "
+            f"one side. Worst row: {_worst(m)}.",
+            evidence,
+        )]
+    return []
+
+
+def _worst(m: SegmentMetrics) -> str:
+    if not m.worst_rows:
+        return "none"
+    w = m.worst_rows[0]
+    c = w["candidate"]
+    return (f"sequence {c['seq']} position {c['position']} token {c['token_id']} (standardised error "
+            f"{w.get('std_error', float('nan')):.3g}, cosine {w['cosine']:.4f})")

@@ -1,0 +1,172 @@
+"""How a candidate segment relates to the reference segment it comes from: fitted transforms.
+
+Segment matching (:mod:`tracediff.segments`) says which reference tensor a candidate segment comes
+from, invariant to per-dimension scale. This module says *how* the two relate, by fitting what real
+pipelines do and testing each fit on rows it was not fitted on (two-fold cross-validation), in units
+of the target's robust per-dimension scale (:class:`tracediff.segments.SegmentScales`):
+
+* ``identity``: the same data (up to numerics);
+* ``constant``: ``cand = c * ref`` (a multiplier, a scaled cast);
+* ``rmsnorm``: ``cand = w * ref / rms(ref)`` with a per-dimension weight ``w``, or the other way
+  round (the norm is on the reference's side): the final norm, ``norm_before_fc``, ``fc_norm``;
+* ``layernorm``: ``cand = w * (ref - mean) / std + b``, either side.
+
+A norm ratio that is not 1 proves nothing: the residual stream grows with depth, so a neighbouring
+layer differs in norm too. Only a fit whose held-out error is within the numerics budget names a
+transform; a pair that fits none is another computation (a different layer, another context).
+
+Pure torch on the plan sample; no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+#: Simplest first: the first fit within the budget is the one reported.
+KINDS = ("identity", "constant", "rmsnorm", "layernorm")
+
+
+@dataclass
+class TransformFit:
+    """One fitted relation: ``kind`` applied on ``side`` (``candidate``: cand = T(ref); ``reference``:
+    ref = T(cand)), its held-out squared relative error, and its parameters."""
+
+    kind: str
+    side: str | None
+    error: float
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def relative_error(self) -> float:
+        return math.sqrt(self.error) if math.isfinite(self.error) and self.error >= 0 else float("nan")
+
+    def describe(self) -> str:
+        if self.kind == "identity":
+            return "the same data"
+        if self.kind == "constant":
+            return f"times a constant {self.params['factor']:.4g}"
+        w = self.params.get("weight", {})
+        norm = "an RMSNorm" if self.kind == "rmsnorm" else "a LayerNorm"
+        on = "the candidate" if self.side == "candidate" else "the reference"
+        return (f"{norm} applied on {on}'s side only (fitted weight mean {w.get('mean', float('nan')):.3g}, "
+                f"range {w.get('min', float('nan')):.3g}..{w.get('max', float('nan')):.3g})")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["relative_error"] = self.relative_error
+        return out
+
+
+def _halves(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = torch.arange(n)
+    return idx[0::2], idx[1::2]
+
+
+def _error(target: torch.Tensor, pred: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor) -> float:
+    num = (((target - pred) / scale) ** 2).sum(dtype=torch.float64)
+    den = (((target - mean) / scale) ** 2).sum(dtype=torch.float64)
+    return float(num / den) if float(den) > 0 else float("nan")
+
+
+def _rms_unit(x: torch.Tensor) -> torch.Tensor:
+    return x / x.pow(2).mean(dim=1, keepdim=True).sqrt().clamp_min(1e-30)
+
+
+def _ln_unit(x: torch.Tensor) -> torch.Tensor:
+    c = x - x.mean(dim=1, keepdim=True)
+    return c / c.pow(2).mean(dim=1, keepdim=True).sqrt().clamp_min(1e-30)
+
+
+def _weight_summary(w: torch.Tensor) -> dict[str, Any]:
+    w64 = w.double()
+    return {"mean": float(w64.mean()), "std": float(w64.std()) if w64.numel() > 1 else 0.0,
+            "min": float(w64.min()), "max": float(w64.max()),
+            "first": [round(float(v), 6) for v in w64[:8]]}
+
+
+def _cross_validated(source: torch.Tensor, target: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor,
+                     fit: Any) -> tuple[float, dict[str, Any]]:
+    """Fit on one half of the rows and score on the other, both ways; parameters from all rows."""
+    a, b = _halves(source.shape[0])
+    errs = []
+    for train, test in ((a, b), (b, a)):
+        if train.numel() == 0 or test.numel() == 0:
+            continue
+        predict, _ = fit(source[train], target[train])
+        errs.append(_error(target[test], predict(source[test]), mean, scale))
+    _, params = fit(source, target)
+    finite = [e for e in errs if math.isfinite(e)]
+    return (sum(finite) / len(finite) if finite else float("nan")), params
+
+
+def _fit_constant(scale: torch.Tensor) -> Any:
+    def fit(src: torch.Tensor, tgt: torch.Tensor) -> tuple[Any, dict[str, Any]]:
+        s, t = src / scale, tgt / scale
+        den = float((s * s).sum(dtype=torch.float64))
+        c = float((s * t).sum(dtype=torch.float64)) / den if den > 0 else 1.0
+        return (lambda x: c * x), {"factor": c}
+    return fit
+
+
+def _fit_norm(unit: Any) -> Any:
+    centred = unit is _ln_unit
+
+    def fit(src: torch.Tensor, tgt: torch.Tensor) -> tuple[Any, dict[str, Any]]:
+        u = unit(src)
+        if centred:  # per-dimension least squares with an intercept
+            um, tm = u.mean(dim=0), tgt.mean(dim=0)
+            du, dt = u - um, tgt - tm
+            w = (du * dt).sum(dim=0) / (du * du).sum(dim=0).clamp_min(1e-30)
+            b = tm - w * um
+        else:
+            w = (u * tgt).sum(dim=0) / (u * u).sum(dim=0).clamp_min(1e-30)
+            b = torch.zeros_like(w)
+        params: dict[str, Any] = {"weight": _weight_summary(w)}
+        if centred:
+            params["bias"] = _weight_summary(b)
+        return (lambda x: unit(x) * w + b), params
+    return fit
+
+
+def fit_transforms(cand: torch.Tensor, ref: torch.Tensor, cand_mean: torch.Tensor, cand_scale: torch.Tensor,
+                   ref_mean: torch.Tensor, ref_scale: torch.Tensor) -> list[TransformFit]:
+    """Every transform of :data:`KINDS` fitted to one segment pair ([n, H] rows each, finite rows
+    only), simplest first. The identity is scored in the reference's scale (as the noise floor is);
+    a transform that predicts the candidate in the candidate's, one that predicts the reference in
+    the reference's."""
+    keep = torch.isfinite(cand).all(dim=1) & torch.isfinite(ref).all(dim=1)
+    c, r = cand[keep].double(), ref[keep].double()
+    cm, cs, rm, rs = cand_mean.double(), cand_scale.double(), ref_mean.double(), ref_scale.double()
+    if c.shape[0] < 4:
+        return [TransformFit("identity", None, float("nan"))]
+    fits = [TransformFit("identity", None, _error(c, r, rm, rs))]
+    err, params = _cross_validated(r, c, cm, cs, _fit_constant(cs))
+    fits.append(TransformFit("constant", "candidate", err, params))
+    for kind, unit in (("rmsnorm", _rms_unit), ("layernorm", _ln_unit)):
+        for side, (src, tgt, mean, scale) in (("candidate", (r, c, cm, cs)), ("reference", (c, r, rm, rs))):
+            err, params = _cross_validated(src, tgt, mean, scale, _fit_norm(unit))
+            fits.append(TransformFit(kind, side, err, params))
+    return fits
+
+
+def best_transform(fits: list[TransformFit], budget: float) -> TransformFit | None:
+    """The simplest fit within ``budget`` (squared relative error), or None when none fits.
+
+    A transform other than the identity must also explain clearly more than the identity does
+    (a quarter of its error at most): a norm fitted to two copies of the same data is no finding.
+    """
+    identity = fits[0]
+    for f in fits:
+        if not math.isfinite(f.error) or f.error > budget:
+            continue
+        if f.kind != "identity" and math.isfinite(identity.error) and f.error > 0.25 * identity.error:
+            continue
+        return f
+    return None
+
+
+__all__ = ["KINDS", "TransformFit", "best_transform", "fit_transforms"]
