@@ -124,8 +124,14 @@ def fmt_mapping(mapping: dict[str, Any] | None, empty: str = "-") -> str:
 
 
 def aux_config_text(side: Side) -> str:
-    """The aux-layer-id config a side was recorded with, or a note that it is unknown."""
-    return fmt_mapping(side.aux_layer_config, empty="not recorded")
+    """The aux layers a side feeds in the physical numbering, then the config as recorded."""
+    recorded = fmt_mapping(side.aux_layer_config, empty="not recorded")
+    aux = side.aux_layers
+    if not aux or aux.get("physical") is None:
+        return recorded
+    physical = "[" + ", ".join(str(p) for p in aux["physical"]) + "]"
+    return (f"physical {physical} (HF hidden_states numbering; from {aux.get('field')}, "
+            f"{aux.get('convention')} numbering {fmt_value(aux.get('recorded'))}); {recorded}")
 
 
 def segment_name(index: int | None, label: str | None, role: str) -> str:
@@ -200,7 +206,13 @@ def _match_sentence(m: SegmentMatch) -> str:
         "related": "related only, not the same data",
     }.get(m.status, m.status)
     sign = "~" if m.status == "related" else "="
-    return f"{cand} {sign} {ref} (cos {fmt_cos(m.cosine)}, {what}{runner}{bank})"
+    how = ""
+    if m.relation == "transformed" and m.transform:
+        how = f", {m.transform.get('kind')} on the {m.transform.get('side') or 'candidate'} side"
+    elif m.relation in ("drift", "other"):
+        how = f", {m.relation}: standardised error {fmt_num(m.relative_error, 3)}"
+    std = f", standardised {fmt_cos(m.standardised_cosine, 4)}" if m.standardised_cosine is not None else ""
+    return f"{cand} {sign} {ref} (cos {fmt_cos(m.cosine)}{std}, {what}{how}{runner}{bank})"
 
 
 def plan_items(report: Report) -> list[tuple[str, str]]:
@@ -232,7 +244,12 @@ def plan_items(report: Report) -> list[tuple[str, str]]:
             f"{p.candidate_rows_invalid} invalid",
         ),
         ("reference rows", f"{p.reference_rows_uncovered} not covered by the candidate"),
-        ("noise floor", f"1 - cos = {fmt_num(p.noise_floor)} expected from storage precision alone"),
+        ("noise floor", f"standardised 1 - cos = {fmt_num(p.noise_floor)}, relative error "
+                        f"{fmt_num(p.noise_floor_error, 3)} expected from storage precision alone"),
+        ("numerics budget", "standardised relative error per reference segment "
+                            + ", ".join(f"{fmt_num(b, 3)} (depth {d})" for b, d in zip(p.numerics_budgets,
+                                                                                       p.budget_depths, strict=False))
+                            + f" ({p.compute_dtype or '-'} compute)" if p.numerics_budgets else "not computed"),
     ]
 
 

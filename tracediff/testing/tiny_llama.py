@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
 
 __all__ = [
     "ENGINE_RID_BASE",
@@ -49,6 +49,7 @@ __all__ = [
     "DraftHead",
     "TinyLlama",
     "build_tiny_llama",
+    "instantiate_model",
     "layer_states",
     "make_sequences",
     "new_cache",
@@ -78,18 +79,20 @@ class TinyLlama:
     """A tiny random-weight Llama target model and the facts the helpers need about it.
 
     ``model`` is in eval mode; its dtype is the one given to :func:`build_tiny_llama` (fp32 by
-    default, so that cached and uncached forwards agree to ~1e-6).
+    default, so that cached and uncached forwards agree to ~1e-6). Any Hugging Face decoder-only
+    causal LM with the Llama layout (``model.model.embed_tokens``, ``.layers``, ``.norm``) works
+    here; :mod:`tracediff.testing.models` builds other architectures into this class.
     """
 
-    model: LlamaForCausalLM
+    model: PreTrainedModel
     hidden_size: int
     num_layers: int
     vocab_size: int = 512
     seed: int = 0
 
     @property
-    def config(self) -> LlamaConfig:
-        """The model's ``LlamaConfig`` (handy to build a ``DynamicCache(config=...)``)."""
+    def config(self) -> PretrainedConfig:
+        """The model's config, e.g. a ``LlamaConfig`` (handy to build a ``DynamicCache(config=...)``)."""
         return self.model.config
 
     @property
@@ -142,10 +145,27 @@ def build_tiny_llama(
     # sdpa is HF's default on CPU; pinned so that results do not depend on what happens to be
     # installed (flash/flex kernels would change the numerics of cached vs uncached forwards).
     config._attn_implementation = "sdpa"
+    model = instantiate_model(LlamaForCausalLM, config, seed, dtype, norm_weight_range=norm_weight_range)
+    return TinyLlama(model=model, hidden_size=hidden_size, num_layers=num_layers, vocab_size=vocab_size, seed=seed)
+
+
+def instantiate_model(
+    model_class: type[PreTrainedModel],
+    config: PretrainedConfig,
+    seed: int,
+    dtype: torch.dtype,
+    *,
+    norm_weight_range: tuple[float, float],
+) -> PreTrainedModel:
+    """``model_class(config)`` with seeded random weights, every RMSNorm weight redrawn, eval mode.
+
+    Each RMSNorm weight is redrawn uniformly in ``norm_weight_range`` per channel (see
+    :func:`build_tiny_llama` for why). Runs under ``fork_rng``: the global torch RNG is untouched.
+    """
+    low, high = norm_weight_range
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-        low, high = norm_weight_range
+        model = model_class(config)
         gen = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
             for module in model.modules():
@@ -154,7 +174,7 @@ def build_tiny_llama(
                     weight.copy_(torch.empty(weight.shape).uniform_(low, high, generator=gen))
     model = model.to(dtype).eval()
     model.requires_grad_(False)
-    return TinyLlama(model=model, hidden_size=hidden_size, num_layers=num_layers, vocab_size=vocab_size, seed=seed)
+    return model
 
 
 def new_cache(tl: TinyLlama) -> DynamicCache:
