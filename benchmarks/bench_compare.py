@@ -292,10 +292,12 @@ def child_peer(ref_dir: str, cand_dir: str, segments: int = SEGMENTS) -> dict:
             "cos_min": cos.amin(dim=0).tolist()}
 
 
-def run_child(kind: str, a: str, b: str) -> dict:
-    """Run one measured program in a fresh interpreter; its own peak RSS comes from wait4."""
+def run_child(kind: str, a: str, b: str, tree: Path = REPO) -> dict:
+    """Run one measured program in a fresh interpreter (with the tracediff of source ``tree``); its
+    own peak RSS comes from wait4."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, __file__, "--child", kind, a, b], stdout=subprocess.PIPE, cwd=REPO)
+    script = tree / "benchmarks" / "bench_compare.py"
+    proc = subprocess.Popen([sys.executable, str(script), "--child", kind, a, b], stdout=subprocess.PIPE, cwd=tree)
     out = proc.stdout.read()
     _pid, status, usage = os.wait4(proc.pid, 0)
     process_seconds = time.perf_counter() - t0
@@ -337,7 +339,7 @@ def _median(xs: list[float]) -> float:
 
 
 def section(args, cmd: str, info: dict, data: dict, ours: list[dict], peer: list[dict], wall: float,
-            probe: dict, loads: list[float]) -> str:
+            probe: dict, loads: list[float], base: list[dict] | None = None) -> str:
     both = data["reference"]["value_bytes"] + data["candidate"]["value_bytes"]
     gb = 1e9
 
@@ -397,9 +399,18 @@ def section(args, cmd: str, info: dict, data: dict, ours: list[dict], peer: list
         row("`tracediff compare` (`compare_stores`)", ours,
             data["reference"]["store_bytes"] + data["candidate"]["store_bytes"]),
     ]
+    if base:
+        lines.append(row(f"`tracediff compare` of `{args.against}` ({_revision(args.against)})", base,
+                         data["reference"]["store_bytes"] + data["candidate"]["store_bytes"]))
     if peer:
         lines.append(row("peer: `.pt` per step, `torch.load`, compare whole", peer,
                          data["reference"]["peer_bytes"] + data["candidate"]["peer_bytes"]))
+    if base:
+        t_base = _median([r["seconds"] for r in base])
+        lines += ["", f"This tree ({_revision(REPO)}) against `{args.against}`, runs interleaved in the same "
+                      f"process tree: time ratio {t_ours / t_base:.2f} (medians), CPU time ratio "
+                      f"{_median([r['cpu_seconds'] for r in ours]) / _median([r['cpu_seconds'] for r in base]):.2f}, "
+                      f"peak RSS ratio {rss_ours / max(r['peak_rss_bytes'] for r in base):.2f}."]
     lines += [
         "",
         "Targets: at least 2 GB/s from page cache on 2 cores: "
@@ -420,6 +431,18 @@ def section(args, cmd: str, info: dict, data: dict, ours: list[dict], peer: list
         "",
     ]
     return "\n".join(lines)
+
+
+def _revision(tree: Path) -> str:
+    """The git commit of a source tree (short), or 'unknown'."""
+    try:
+        out = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + (" + local changes" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def write_section(path: Path, text: str) -> None:
@@ -448,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, default=HERE / "_data", help="scratch folder (git-ignored)")
     p.add_argument("--repeat", type=int, default=None, help="measured runs of each approach (default 3; --quick 1)")
     p.add_argument("--no-peer", action="store_true", help="skip the peer approach")
+    p.add_argument("--against", type=Path, default=None,
+                   help="another tracediff source tree (e.g. a git worktree of an older commit): its compare is "
+                        "measured on the same stores, interleaved with this tree's, for a same-run ratio")
     p.add_argument("--keep", action="store_true", help="keep the data (for profiling)")
     p.add_argument("--quick", action="store_true", help="small stores, one run: a smoke test")
     p.add_argument("--child", nargs=3, metavar=("KIND", "A", "B"), help=argparse.SUPPRESS)
@@ -484,11 +510,17 @@ def main(argv: list[str] | None = None) -> int:
         loads = [os.getloadavg()[0]]
         t = warm(Path(ref["store"]), Path(cand["store"]))
         print(f"  stores warmed in {t:.1f} s", file=sys.stderr, flush=True)
+        base: list[dict] = []
         for _ in range(repeat):
             ours.append(run_child("compare", ref["store"], cand["store"]))
             r = ours[-1]
             print(f"  compare: {r['seconds']:.2f} s, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB, "
                   f"{r['verdict']}, cos {r['cos_mean']}", file=sys.stderr, flush=True)
+            if args.against is not None:
+                base.append(run_child("compare", ref["store"], cand["store"], tree=args.against))
+                r = base[-1]
+                print(f"  compare of {args.against}: {r['seconds']:.2f} s, peak RSS "
+                      f"{r['peak_rss_bytes'] / 2**20:.0f} MiB, {r['verdict']}", file=sys.stderr, flush=True)
         if not args.no_peer:
             t = warm(Path(ref["peer"]), Path(cand["peer"]))
             print(f"  peer files warmed in {t:.1f} s", file=sys.stderr, flush=True)
@@ -507,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         probe = {"rows": small["rows"], "peak_rss_bytes": _median([r["peak_rss_bytes"] for r in probes])}
         print(f"  probe ({gib / 8:g} GiB a store): peak RSS {probe['peak_rss_bytes'] / 2**20:.0f} MiB (median)",
               file=sys.stderr, flush=True)
-        text = section(args, cmd, machine(), data, ours, peer, time.perf_counter() - t_start, probe, loads)
+        text = section(args, cmd, machine(), data, ours, peer, time.perf_counter() - t_start, probe, loads, base)
         print(text)
         if out is not None:
             write_section(out, text)
