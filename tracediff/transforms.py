@@ -28,6 +28,8 @@ import torch
 
 #: Simplest first: the first fit within the budget is the one reported.
 KINDS = ("identity", "constant", "rmsnorm", "layernorm")
+#: Rows of the plan sample the fits use.
+FIT_ROWS = 1024
 
 
 @dataclass
@@ -120,10 +122,10 @@ def _fit_norm(unit: Any) -> Any:
         if centred:  # per-dimension least squares with an intercept
             um, tm = u.mean(dim=0), tgt.mean(dim=0)
             du, dt = u - um, tgt - tm
-            w = (du * dt).sum(dim=0) / (du * du).sum(dim=0).clamp_min(1e-30)
+            w = ((du * dt).sum(dim=0, dtype=torch.float64) / (du * du).sum(dim=0, dtype=torch.float64).clamp_min(1e-30)).float()
             b = tm - w * um
         else:
-            w = (u * tgt).sum(dim=0) / (u * u).sum(dim=0).clamp_min(1e-30)
+            w = ((u * tgt).sum(dim=0, dtype=torch.float64) / (u * u).sum(dim=0, dtype=torch.float64).clamp_min(1e-30)).float()
             b = torch.zeros_like(w)
         params: dict[str, Any] = {"weight": _weight_summary(w)}
         if centred:
@@ -139,8 +141,11 @@ def fit_transforms(cand: torch.Tensor, ref: torch.Tensor, cand_mean: torch.Tenso
     a transform that predicts the candidate in the candidate's, one that predicts the reference in
     the reference's."""
     keep = torch.isfinite(cand).all(dim=1) & torch.isfinite(ref).all(dim=1)
-    c, r = cand[keep].double(), ref[keep].double()
-    cm, cs, rm, rs = cand_mean.double(), cand_scale.double(), ref_mean.double(), ref_scale.double()
+    # float32 with float64 sums, on at most FIT_ROWS rows: one parameter per dimension is fitted from
+    # hundreds of rows, and fresh float64 temporaries of a 2048 x 8192 segment would cost more than
+    # the whole streaming pass.
+    c, r = cand[keep][:FIT_ROWS].float(), ref[keep][:FIT_ROWS].float()
+    cm, cs, rm, rs = cand_mean.float(), cand_scale.float(), ref_mean.float(), ref_scale.float()
     if c.shape[0] < 4:
         return [TransformFit("identity", None, float("nan"))]
     fits = [TransformFit("identity", None, _error(c, r, rm, rs))]
