@@ -54,6 +54,8 @@ def _finite_rows(*tensors: torch.Tensor) -> torch.Tensor:
 #: over tokens, but never less than this fraction of its magnitude (a near-constant massive
 #: activation would otherwise turn rounding into a huge standardised error).
 RESOLUTION = 2.0**-8
+#: Rows the robust scale is estimated from.
+SCALE_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,11 @@ def segment_scales(rows: torch.Tensor, size: int) -> SegmentScales:
     k = rows.shape[1] // size
     if x.shape[0] == 0:
         return SegmentScales(torch.zeros(k, size), torch.ones(k, size))
-    med = x.median(dim=0).values
-    mad = (x - med).abs().median(dim=0).values * 1.4826
+    # The median and MAD of a few hundred rows are as good a scale as of thousands, at a fraction of
+    # the sort's cost (the plan's largest one).
+    head = x[:SCALE_ROWS]
+    med = head.median(dim=0).values
+    mad = (head - med).abs().median(dim=0).values * 1.4826
     rms = x.pow(2).mean(dim=0).sqrt()
     scale = (mad.pow(2) + (RESOLUTION * rms).pow(2)).sqrt()
     # A dimension that never varies and is zero (padding) must not divide by zero.
