@@ -123,7 +123,7 @@ def test_each_architecture_is_its_real_transformers_class_with_sane_heads(tm: Ti
     norms = [m.weight for m in tm.model.modules() if type(m).__name__.endswith("RMSNorm")]
     assert len(norms) >= 2 * LAYERS + 1
     for w in norms:
-        assert 0.5 <= float(w.min()) and float(w.max()) <= 2.0 and float(w.std()) > 0.1
+        assert float(w.min()) >= 0.5 and float(w.max()) <= 2.0 and float(w.std()) > 0.1
 
 
 def test_building_twice_with_a_seed_gives_identical_weights_and_leaves_the_global_rng(tm: TinyModel) -> None:

@@ -20,7 +20,7 @@ from tracediff.align import RowIndex, align_sequences, pair_rows
 from tracediff.diagnose import StreamResult, stream_metrics
 from tracediff.errors import CompareError
 from tracediff.findings import build_findings
-from tracediff.metadata import aux_config, config_diff, side_aux_layers
+from tracediff.metadata import aux_config, config_diff, num_layers, side_aux_layers
 from tracediff.plan import (
     CompareOptions,
     SegmentPlan,
@@ -193,11 +193,7 @@ def _segment_depths(kr: int, ref_aux: AuxLayers | None, cand_aux: AuxLayers | No
                     cand_meta: dict[str, Any]) -> list[int | None]:
     """Per reference segment, how many decoder layers deep it is: from the reference's recorded
     layers, else the candidate's for the same slot (the numerics budget grows with depth)."""
-    layers = None
-    for part in (ref_meta, cand_meta):
-        for block in (part.get("writer") or {}, part.get("store") or {}):
-            if isinstance(block.get("num_hidden_layers"), int):
-                layers = layers or block["num_hidden_layers"]
+    layers = num_layers(ref_meta) or num_layers(cand_meta)
     out: list[int | None] = [None] * kr
     for aux in (ref_aux, cand_aux):
         if aux is None or aux.physical is None or len(aux.physical) != kr:

@@ -4,10 +4,7 @@ segment wiring), consequences after (values, precision, coverage, config)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
-
-import numpy as np
 
 from tracediff.adapters.conventions import AuxLayers, format_layers
 from tracediff.align import Alignment, RowPairs

@@ -18,8 +18,17 @@ import numpy as np
 import torch
 
 from tracediff.align import RowIndex, align_sequences
-from tracediff.plan import DEFAULT_DEPTH, CompareOptions, numerics_budget, offset_search, read_rows, require_finite_rows, sample_pairs, tap_summary
 from tracediff.errors import CompareError
+from tracediff.plan import (
+    DEFAULT_DEPTH,
+    CompareOptions,
+    numerics_budget,
+    offset_search,
+    read_rows,
+    require_finite_rows,
+    sample_pairs,
+    tap_summary,
+)
 from tracediff.segments import (
     _tier,
     noise_floor,
@@ -29,8 +38,8 @@ from tracediff.segments import (
     split,
     standardised_cosine_matrix,
 )
-from tracediff.transforms import best_transform, fit_transforms
 from tracediff.store import TraceStore, open_store
+from tracediff.transforms import best_transform, fit_transforms
 
 
 @dataclass

@@ -40,17 +40,23 @@ def aux_config(meta: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def side_aux_layers(meta: dict[str, Any]) -> AuxLayers | None:
-    """One side's aux layers from its collected meta (``{"store", "writer", "tap"}``), the writer's
-    own meta first (it is what that process really had), then the store's."""
-    num_layers = None
+def num_layers(meta: dict[str, Any]) -> int | None:
+    """The target's decoder layer count, if a side's collected meta records it (writer first)."""
     for part in ("writer", "store"):
         block = meta.get(part) or {}
         for key in ("num_hidden_layers", "num_layers"):
-            if isinstance(block.get(key), int):
-                num_layers = block[key]
+            value = block.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def side_aux_layers(meta: dict[str, Any]) -> AuxLayers | None:
+    """One side's aux layers from its collected meta (``{"store", "writer", "tap"}``), the writer's
+    own meta first (it is what that process really had), then the store's."""
+    layers = num_layers(meta)
     for part in ("writer", "store"):
-        found = aux_layers_from_meta(meta.get(part) or {}, num_layers)
+        found = aux_layers_from_meta(meta.get(part) or {}, layers)
         if found is not None:
             found.field = f"{part}.{found.field}"
             return found

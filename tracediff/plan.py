@@ -23,7 +23,6 @@ from tracediff.align import Alignment, RowIndex, RowPairs, pair_rows
 from tracediff.diagnose import _aligned_empty, _ChunkReader
 from tracediff.errors import CompareError
 from tracediff.segments import (
-    EXACT_FACTOR,
     MANTISSA_BITS,
     NoiseFloor,
     SegmentDecision,

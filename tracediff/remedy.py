@@ -59,7 +59,8 @@ def _bank_physical(ident: Any, j: int) -> PhysicalLayer | None:
 
 
 def propose_fix(decisions: list[SegmentDecision], ref_segments: int, ref_aux: AuxLayers | None,
-                cand_aux: AuxLayers | None, candidate_engine: str | None, bank: Any = None) -> Fix:
+                cand_aux: AuxLayers | None, candidate_engine: str | None, bank: Any = None,
+                num_layers: int | None = None) -> Fix:
     """The fix for a wiring mismatch (call it only when the segments are not wired the same)."""
     target: list[PhysicalLayer | None] = [None] * ref_segments
     source = ""
@@ -96,9 +97,9 @@ def propose_fix(decisions: list[SegmentDecision], ref_segments: int, ref_aux: Au
         fix.reasons.append(
             f"The reference fed physical layers {format_layers(target)} (HF hidden_states numbering, L = last layer "
             f"before the final norm); the candidate's engine and numbering are not recorded, so in each engine's "
-            f"words: " + "; ".join(_in_words(target, CONVENTIONS[n]) for n in ("sglang", "vllm")) + ".")
+            f"words: " + "; ".join(_in_words(target, CONVENTIONS[n], num_layers) for n in ("sglang", "vllm")) + ".")
         return fix
-    value, problems = from_physical(list(target), conv)  # type: ignore[arg-type]
+    value, problems = from_physical(list(target), conv, num_layers)  # type: ignore[arg-type]
     fix.value = value
     fix.config_can_fix = value is not None and not problems
     if problems:
@@ -107,8 +108,8 @@ def propose_fix(decisions: list[SegmentDecision], ref_segments: int, ref_aux: Au
     return fix
 
 
-def _in_words(target: list[PhysicalLayer | None], conv: Any) -> str:
-    value, problems = from_physical(list(target), conv)  # type: ignore[arg-type]
+def _in_words(target: list[PhysicalLayer | None], conv: Any, num_layers: int | None) -> str:
+    value, problems = from_physical(list(target), conv, num_layers)  # type: ignore[arg-type]
     if value is None or problems:
         return f"{conv.name}: not expressible ({'; '.join(problems)})"
     return f"{conv.name} {conv.field} = {value}"

@@ -13,6 +13,7 @@ from typing import Any
 
 from tracediff.adapters.conventions import AuxLayers, engine_of
 from tracediff.diagnose import StreamResult
+from tracediff.metadata import num_layers
 from tracediff.plan import Relation, SegmentPlan
 from tracediff.remedy import Fix, propose_fix
 from tracediff.results import Finding, Report, SegmentMetrics
@@ -39,7 +40,8 @@ def segment_findings(report: Report, segplan: SegmentPlan, stream: StreamResult,
     if wiring or wrong_layer:
         engine = engine_of(report.candidate.meta.get("store") or {}, None) or engine_of(
             report.candidate.meta.get("writer") or {}, None)
-        fix = propose_fix(decisions, report.reference.segments, ref_aux, cand_aux, engine, bank)
+        layers = num_layers(report.reference.meta) or num_layers(report.candidate.meta)
+        fix = propose_fix(decisions, report.reference.segments, ref_aux, cand_aux, engine, bank, layers)
         _attach_fix((wiring or wrong_layer)[0], fix)
     return wiring + values
 

@@ -198,14 +198,6 @@ class SegmentDecision:
     duplicate_of: int | None = None  # another candidate segment carrying the same reference segment
 
 
-def scale_tolerance(floor: float) -> float:
-    """How far |log(norm ratio)| may drift from 0 before two matched segments count as scaled.
-
-    Rounding alone moves a norm by about sqrt(2 * floor); real kernels add more, hence at least 1%.
-    """
-    return max(0.01, 10 * math.sqrt(2 * max(floor, 0.0)))
-
-
 def _tier(d1: float, d2: float, floor: float) -> str:
     if not math.isfinite(d1):
         return "none"
@@ -252,7 +244,7 @@ def match_segments(centred: np.ndarray, baseline: np.ndarray, floor: float) -> l
     options.sort()
     decisions: dict[int, SegmentDecision] = {}
     ref_taken: dict[int, int] = {}
-    for ratio, i, j, tier, d2, runner in options:
+    for _ratio, i, j, tier, d2, runner in options:
         if i in decisions:
             continue
         if j in ref_taken:
@@ -318,7 +310,7 @@ def infer_segment_size(width_ref: int, width_cand: int, ref: torch.Tensor, cand:
     is close to the best one. Returns (size, how it was decided).
     """
     common = math.gcd(width_ref, width_cand)
-    sizes = [s for s in range(1, common + 1) if common % s == 0 and 8 <= s and width_ref // s <= 16 and width_cand // s <= 16]
+    sizes = [s for s in range(1, common + 1) if common % s == 0 and s >= 8 and width_ref // s <= 16 and width_cand // s <= 16]
     if not sizes:
         return common, f"gcd of the widths ({common})"
     profiles = []

@@ -159,18 +159,18 @@ def fit_transforms(cand: torch.Tensor, ref: torch.Tensor, cand_mean: torch.Tenso
 
 
 def best_transform(fits: list[TransformFit], budget: float) -> TransformFit | None:
-    """The simplest fit within ``budget`` (squared relative error), or None when none fits.
+    """The simplest kind of fit within ``budget`` (squared relative error), the better side of it
+    when both sides fit, or None when none fits.
 
     A transform other than the identity must also explain clearly more than the identity does
     (a quarter of its error at most): a norm fitted to two copies of the same data is no finding.
     """
     identity = fits[0]
-    for f in fits:
-        if not math.isfinite(f.error) or f.error > budget:
-            continue
-        if f.kind != "identity" and math.isfinite(identity.error) and f.error > 0.25 * identity.error:
-            continue
-        return f
+    for kind in KINDS:
+        ok = [f for f in fits if f.kind == kind and math.isfinite(f.error) and f.error <= budget
+              and (kind == "identity" or not math.isfinite(identity.error) or f.error <= 0.25 * identity.error)]
+        if ok:
+            return min(ok, key=lambda f: f.error)
     return None
 
 

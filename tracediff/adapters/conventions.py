@@ -93,11 +93,17 @@ def to_physical(ids: list[int], conv: Convention, num_layers: int | None = None)
     return _ordered(out, conv.order)
 
 
-def from_physical(layers: list[PhysicalLayer], conv: Convention) -> tuple[list[int] | None, list[str]]:
-    """Physical layers -> the ids to write in ``conv``, and why that cannot reproduce them (if so)."""
+def from_physical(layers: list[PhysicalLayer], conv: Convention,
+                  num_layers: int | None = None) -> tuple[list[int] | None, list[str]]:
+    """Physical layers -> the ids to write in ``conv``, and why that cannot reproduce them (if so).
+    With ``num_layers``, the last layer's pre-norm output is checked for reachability too."""
     problems: list[str] = []
     ids: list[int] = []
     for p in layers:
+        if num_layers is not None and p == num_layers and not conv.last_layer_reachable:
+            problems.append(f"the last layer's output before the final norm (physical {p}) is not capturable in "
+                            f"{conv.name}")
+            continue
         if p == FINAL_NORM:
             if conv.final_norm_id is None:
                 problems.append(f"the final norm's output is not capturable in {conv.name} (it feeds pre-norm states)")
