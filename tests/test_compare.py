@@ -58,6 +58,11 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         x[..., :2, 2 * h + 5] = float("nan")
         return x
 
+    def nan_segment(x: torch.Tensor, states) -> torch.Tensor:
+        x = x.clone()
+        x[..., 2 * h :] = float("nan")
+        return x
+
     record("ref", run_trainer, REF)
     record("ref_fp32", run_trainer, REF, dtype=torch.float32)
     record("seed", run_engine, ["hs3", "hs6", "pre_norm"])
@@ -71,6 +76,7 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     record("ref_pre_norm", run_trainer, ["hs0", "hs3", "pre_norm"])
     record("post_norm", run_engine, ["hs0", "hs3", f"hs{L}"])
     record("nan", run_engine, REF, transform=nan_rows)
+    record("nan_segment", run_engine, REF, transform=nan_segment)
     record("two", run_engine, ["hs3", "hs6"])
     record("dup", run_engine, ["hs0", "hs3", "hs3"])
     return out
@@ -394,3 +400,16 @@ def test_an_unknown_numbering_says_what_to_record(traces, tmp_path):
     order = next(f for f in report.findings if f.kind == "segment_order")
     # The reference's labels give its layers; the candidate's engine is unknown: both engines' words.
     assert "sglang" in order.message and "vllm" in order.message
+
+
+def test_a_segment_nan_on_every_row_is_reported_and_the_others_are_compared(traces):
+    """Per-segment non-finite: segment 2 is NaN on every candidate row; 0 and 1 are still compared."""
+    report = compare_stores(traces["ref"], traces["nan_segment"])
+    nonfinite = [f for f in report.findings if f.kind == "nonfinite"]
+    assert [(f.evidence["side"], f.evidence["segment"]) for f in nonfinite] == [("candidate", 2)]
+    assert nonfinite[0].evidence["rows"] == report.plan.pairs
+    assert seg_map(report)[:2] == [(0, 0, "same"), (1, 1, "same")]
+    assert all(m.cos_min > 0.999 for m in report.metrics if m.candidate < 2)
+    # The dead slot is a non-finite finding, not wiring: nothing is "missing" or "extra".
+    assert not {"segment_missing", "segment_extra", "segment_order"} & kinds(report)
+    assert report.verdict == "mismatch"

@@ -175,8 +175,6 @@ def _identify(store: TraceStore, bank: TraceStore, tap: str | None, bank_tap: st
     b = read_rows(ref_index, pairs.reference[pick])
     require_finite_rows([(bank, btap, b), (store, tap, c)], size, what="identify")
     raw = segment_cosine_matrix(c, b, size)
-    keep = torch.isfinite(c).all(dim=1) & torch.isfinite(b).all(dim=1)
-    c, b = c[keep], b[keep]
     c_scales, b_scales = segment_scales(c, size), segment_scales(b, size)
     std = standardised_cosine_matrix(c, b, c_scales, b_scales)
     floor = noise_floor(b, size, bfirst.dtype, first.dtype, b_scales, seed=seed)

@@ -32,6 +32,7 @@ from tracediff.segments import (
     mismatched_rows_matrix,
     noise_floor,
     segment_cosine_matrix,
+    segment_finite,
     segment_scales,
     split,
     standardised_cosine_matrix,
@@ -164,28 +165,29 @@ def read_rows(index: RowIndex, rows: np.ndarray) -> torch.Tensor:
 def require_finite_rows(
     sides: list[tuple[TraceStore, str, torch.Tensor]], size: int, what: str = "compare"
 ) -> None:
-    """Refuse (one :class:`CompareError` naming the file) when a side's paired sample has no row free
-    of NaN and Inf: segments are matched on finite rows only, so there would be nothing to decide
-    from. Some non-finite rows are fine: they become ``nonfinite`` findings."""
-    finite = None
+    """Refuse (one :class:`CompareError` naming the file) when there is nothing finite to decide
+    from: a side whose every segment holds NaN or Inf on every sampled aligned row, or no pair of
+    segments finite on a common row. Anything less is compared: rows or whole segments that are
+    non-finite become ``nonfinite`` findings while the rest is compared."""
+    masks = []
     for store, tap, rows in sides:
-        ok = torch.isfinite(rows).all(dim=1)
-        finite = ok if finite is None else finite & ok
-        if rows.shape[0] and not bool(ok.any()):
-            where = ""
-            if size > 0 and rows.shape[1] % size == 0:
-                bad = (~torch.isfinite(rows.reshape(rows.shape[0], -1, size))).any(dim=2).any(dim=0)
-                where = f" (segments {[int(i) for i in torch.nonzero(bad).flatten()]})"
+        k_ok = size > 0 and rows.shape[1] % size == 0
+        fin = segment_finite(rows, size) if k_ok else torch.isfinite(rows).all(dim=1, keepdim=True)
+        masks.append(fin)
+        if rows.shape[0] and not bool(fin.any()):
             raise CompareError(
-                f"{store.path}: tap {tap} values hold NaN or Inf in every one of the {rows.shape[0]} sampled aligned "
-                f"rows{where}: nothing finite to {what}; find where the non-finite values come from"
+                f"{store.path}: tap {tap} values hold NaN or Inf in every segment of every one of the "
+                f"{rows.shape[0]} sampled aligned rows: nothing finite to {what}; find where the non-finite values "
+                f"come from"
             )
-    if finite is not None and finite.numel() and not bool(finite.any()):
-        (a, ta, _), (b, tb, _) = sides[0], sides[1]
-        raise CompareError(
-            f"{a.path} (tap {ta}) and {b.path} (tap {tb}): no sampled aligned row is free of NaN or Inf on both "
-            f"sides: nothing finite to {what}; find where the non-finite values come from"
-        )
+    if len(masks) == 2 and masks[0].numel() and masks[1].numel():
+        common = (masks[1].double().T @ masks[0].double()) > 0  # [Kc, Kr]: a row where both are finite
+        if not bool(common.any()):
+            (a, ta, _), (b, tb, _) = sides[0], sides[1]
+            raise CompareError(
+                f"{a.path} (tap {ta}) and {b.path} (tap {tb}): no sampled aligned row has a finite segment on both "
+                f"sides: nothing finite to {what}; find where the non-finite values come from"
+            )
 
 
 # ----------------------------------------------------------------------------------- label offset
@@ -208,7 +210,8 @@ def offset_search(
         c = read_rows(alignment.candidate, pairs.candidate[pick])
         r = read_rows(alignment.reference, pairs.reference[pick])
         m = standardised_cosine_matrix(c, r, segment_scales(c, size), segment_scales(r, size))
-        score = float(np.nanmean(np.nanmax(m, axis=1))) if np.isfinite(m).any() else float("nan")
+        best_each = [float(np.nanmax(row)) for row in m if np.isfinite(row).any()]  # an all-NaN segment casts none
+        score = float(np.mean(best_each)) if best_each else float("nan")
         results[off] = (score, pairs)
     scores = {str(k): v[0] for k, v in sorted(results.items())}
     if 0 not in results:
@@ -313,6 +316,9 @@ class SegmentPlan:
     relations: dict[int, Relation]  # candidate segment -> its relation, for matched segments
     ref_scales: SegmentScales
     cand_scales: SegmentScales
+    # Segments with no finite value on any sampled row: reported as non-finite, never as wiring.
+    dead_candidate: frozenset[int] = frozenset()
+    dead_reference: frozenset[int] = frozenset()
 
 
 def numerics_budget(floor_error: float, dtype_ref: str, dtype_cand: str, depth: int) -> tuple[float, str]:
@@ -340,8 +346,7 @@ def plan_segments(cand: torch.Tensor, ref: torch.Tensor, size: int, dtype_ref: s
     ``depths``: per reference segment, how many decoder layers deep it is (its physical layer), when
     a side records it; :data:`DEFAULT_DEPTH` otherwise.
     """
-    finite = torch.isfinite(cand).all(dim=1) & torch.isfinite(ref).all(dim=1)
-    c, r = cand[finite], ref[finite]
+    c, r = cand, ref  # non-finite segments of a row are left out pair by pair, never whole rows
     cs, rs = segment_scales(c, size), segment_scales(r, size)
     raw = segment_cosine_matrix(cand, ref, size)
     std = standardised_cosine_matrix(c, r, cs, rs)
@@ -375,8 +380,10 @@ def plan_segments(cand: torch.Tensor, ref: torch.Tensor, size: int, dtype_ref: s
             # (the missing reference segment and this extra one are reported, the look-alike as context).
             d.runner_up, d.reference, d.tier = d.reference, None, "none"
             del relations[d.candidate]
+    dead_c = frozenset(int(i) for i in torch.nonzero(~segment_finite(c, size).any(dim=0)).flatten())
+    dead_r = frozenset(int(j) for j in torch.nonzero(~segment_finite(r, size).any(dim=0)).flatten())
     return SegmentPlan(size, int(c.shape[0]), raw, std, baseline, floor, budgets, depth, compute, decisions,
-                       relations, rs, cs)
+                       relations, rs, cs, dead_c, dead_r)
 
 
 __all__ = ["FC_INPUT_EQUIVALENTS", "OFFSETS", "CompareOptions", "Layout", "Relation", "SegmentPlan", "SegmentSizes",

@@ -80,7 +80,9 @@ def _wiring_findings(report: Report, segplan: SegmentPlan) -> list[Finding]:
     taken = {d.reference for d in matched}
     std = segplan.standardised
     for j in range(ref.segments):
-        if j in taken:
+        # A reference slot whose candidate counterpart is all NaN (or that is all NaN itself) is a
+        # nonfinite finding, not a wiring one: nothing says what that slot would hold.
+        if j in taken or j in segplan.dead_reference or (j in segplan.dead_candidate and j < cand.segments):
             continue
         col = std[:, j]
         finite = [(float(col[i]), i) for i in range(col.size) if math.isfinite(col[i])]
@@ -104,6 +106,8 @@ def _wiring_findings(report: Report, segplan: SegmentPlan) -> list[Finding]:
                 f"{seg_name(rlab[d.reference], d.reference)}: the server feeds the same hidden state twice.",
                 {"candidate_segments": [d.duplicate_of, d.candidate], "reference_segment": d.reference},
             ))
+        elif d.reference is None and d.candidate in segplan.dead_candidate:
+            continue
         elif d.reference is None:
             closest = d.runner_up
             near = (f"closest: reference segment {seg_name(rlab[closest], closest)}, standardised cosine "

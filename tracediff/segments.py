@@ -77,62 +77,79 @@ class SegmentScales:
         return (split(rows, self.mean.shape[1]) - self.mean) / self.scale
 
 
+def segment_finite(rows: torch.Tensor, size: int) -> torch.Tensor:
+    """[n, K] bool: which segments of which rows hold only finite values."""
+    return torch.isfinite(split(rows, size)).all(dim=2)
+
+
 def segment_scales(rows: torch.Tensor, size: int) -> SegmentScales:
-    """Robust per-dimension location and scale of each segment of ``rows`` (finite rows only)."""
-    x = split(rows[_finite_rows(rows)], size)
-    k = rows.shape[1] // size
-    if x.shape[0] == 0:
-        return SegmentScales(torch.zeros(k, size), torch.ones(k, size))
-    # The median and MAD of a few hundred rows are as good a scale as of thousands, at a fraction of
-    # the sort's cost (the plan's largest one).
-    head = x[:SCALE_ROWS]
-    med = head.median(dim=0).values
-    mad = (head - med).abs().median(dim=0).values * 1.4826
-    rms = x.pow(2).mean(dim=0).sqrt()
-    scale = (mad.pow(2) + (RESOLUTION * rms).pow(2)).sqrt()
-    # A dimension that never varies and is zero (padding) must not divide by zero.
-    typical = scale.median(dim=1, keepdim=True).values.clamp_min(1e-30)
-    scale = torch.maximum(scale, 1e-6 * typical).clamp_min(1e-30)
-    return SegmentScales(x.mean(dim=0), scale)
+    """Robust per-dimension location and scale of each segment of ``rows``, each segment over the
+    rows where it is finite (a segment that is NaN on every row gets location 0, scale 1)."""
+    x = split(rows, size)
+    fin = segment_finite(rows, size)
+    k = x.shape[1]
+    means, scales = torch.zeros(k, size), torch.ones(k, size)
+    for j in range(k):
+        xj = x[fin[:, j], j]
+        if xj.shape[0] == 0:
+            continue
+        # The median and MAD of a few hundred rows are as good a scale as of thousands, at a
+        # fraction of the sort's cost (the plan's largest one).
+        head = xj[:SCALE_ROWS]
+        med = head.median(dim=0).values
+        mad = (head - med).abs().median(dim=0).values * 1.4826
+        rms = xj.pow(2).mean(dim=0).sqrt()
+        scale = (mad.pow(2) + (RESOLUTION * rms).pow(2)).sqrt()
+        # A dimension that never varies and is zero (padding) must not divide by zero.
+        typical = scale.median().clamp_min(1e-30)
+        scales[j] = torch.maximum(scale, 1e-6 * typical).clamp_min(1e-30)
+        means[j] = xj.mean(dim=0)
+    return SegmentScales(means, scales)
 
 
 def _unit(z: torch.Tensor) -> torch.Tensor:
     return z / z.norm(dim=2, keepdim=True).clamp_min(1e-30)
 
 
+def _masked_mean_cosines(c: torch.Tensor, mc: torch.Tensor, r: torch.Tensor, mr: torch.Tensor) -> np.ndarray:
+    """Mean over rows of cos(c[:, i], r[:, j]) ([n, Kc, H], [n, Kr, H]), each (i, j) over the rows
+    where both segments are finite (masks [n, Kc], [n, Kr]); NaN where there is none."""
+    cu = torch.where(mc[:, :, None], _unit(torch.where(mc[:, :, None], c, 0.0)), 0.0)
+    ru = torch.where(mr[:, :, None], _unit(torch.where(mr[:, :, None], r, 0.0)), 0.0)
+    # [n, Kc, H] x [n, H, Kr] -> [n, Kc, Kr], summed over rows, over the rows both are finite.
+    sums = torch.bmm(cu, ru.transpose(1, 2)).sum(dim=0).double()
+    counts = (mc.double().T @ mr.double())
+    out = torch.where(counts > 0, sums / counts.clamp_min(1), torch.full_like(sums, float("nan")))
+    return out.numpy()
+
+
 def segment_cosine_matrix(cand: torch.Tensor, ref: torch.Tensor, size: int, *, centred: bool = False) -> np.ndarray:
     """Mean over rows of the raw cos(candidate segment i, reference segment j): a [Kc, Kr] matrix.
 
-    ``cand`` and ``ref`` are paired rows ([n, Wc], [n, Wr], float32). Rows with a non-finite value
-    on either side are left out. ``centred`` subtracts each segment's mean row first. Reported for
+    ``cand`` and ``ref`` are paired rows ([n, Wc], [n, Wr], float32); each entry uses the rows where
+    both segments are finite. ``centred`` subtracts each segment's mean row first. Reported for
     users (it is the number they know); decisions use :func:`standardised_cosine_matrix`.
     """
-    keep = _finite_rows(cand, ref)
-    c, r = split(cand[keep], size), split(ref[keep], size)
-    if c.shape[0] == 0:
-        return np.full((cand.shape[1] // size, ref.shape[1] // size), np.nan)
+    c, r = split(cand, size), split(ref, size)
+    mc, mr = segment_finite(cand, size), segment_finite(ref, size)
     if centred:
-        c = c - c.mean(dim=0, keepdim=True)
-        r = r - r.mean(dim=0, keepdim=True)
-    # [n, Kc, H] x [n, H, Kr] -> [n, Kc, Kr], averaged over rows.
-    return torch.bmm(_unit(c), _unit(r).transpose(1, 2)).mean(dim=0).double().numpy()
+        c = c - (torch.where(mc[:, :, None], c, 0.0).sum(0) / mc.sum(0).clamp_min(1)[:, None])
+        r = r - (torch.where(mr[:, :, None], r, 0.0).sum(0) / mr.sum(0).clamp_min(1)[:, None])
+    return _masked_mean_cosines(c, mc, r, mr)
 
 
 def standardised_cosine_matrix(cand: torch.Tensor, ref: torch.Tensor, cand_scales: SegmentScales,
                                ref_scales: SegmentScales) -> np.ndarray:
-    """Mean over rows of cos(z_c[i], z_r[j]), each side standardised by its own segment scales.
+    """Mean over rows of cos(z_c[i], z_r[j]), each side standardised by its own segment scales,
+    each entry over the rows where both segments are finite.
 
     Invariant to a per-dimension affine map on either side (a norm weight, a constant factor, an
     offset), so it says which tensor a segment *comes from*; how it was transformed is decided
     afterwards by fitting (:mod:`tracediff.transforms`).
     """
     size = ref_scales.mean.shape[1]
-    keep = _finite_rows(cand, ref)
-    if not bool(keep.any()):
-        return np.full((cand.shape[1] // size, ref.shape[1] // size), np.nan)
-    c = _unit(cand_scales.standardise(cand[keep]))
-    r = _unit(ref_scales.standardise(ref[keep]))
-    return torch.bmm(c, r.transpose(1, 2)).mean(dim=0).double().numpy()
+    return _masked_mean_cosines(cand_scales.standardise(cand), segment_finite(cand, size),
+                                ref_scales.standardise(ref), segment_finite(ref, size))
 
 
 def mismatched_rows_matrix(cand: torch.Tensor, ref: torch.Tensor, cand_scales: SegmentScales,
@@ -170,8 +187,7 @@ def noise_floor(ref: torch.Tensor, size: int, dtype_ref: str, dtype_cand: str, s
                 seed: int = 0) -> NoiseFloor:
     """Measured, not assumed: the sample rows are perturbed by a relative rounding error of each
     dtype's half-ulp (uniform), and the distance is measured the way matching measures it."""
-    keep = _finite_rows(ref)
-    x = ref[keep][:512]
+    x = ref[:512]
     if x.shape[0] == 0:
         return NoiseFloor(0.0, 0.0, tuple(0.0 for _ in range(ref.shape[1] // size)))
     gen = torch.Generator().manual_seed(seed)
@@ -181,7 +197,9 @@ def noise_floor(ref: torch.Tensor, size: int, dtype_ref: str, dtype_cand: str, s
     errors = [relative_error(split(noisy, size)[:, j], split(x, size)[:, j], scales.mean[j], scales.scale[j])
               for j in range(x.shape[1] // size)]
     errors = [e if math.isfinite(e) else 0.0 for e in errors]
-    return NoiseFloor(float(max(0.0, 1.0 - float(np.nanmean(np.diag(m))))), float(max(errors, default=0.0)),
+    diag = np.diag(m)
+    distance = 1.0 - float(np.nanmean(diag)) if np.isfinite(diag).any() else 0.0
+    return NoiseFloor(float(max(0.0, distance)), float(max(errors, default=0.0)),
                       tuple(float(e) for e in errors))
 
 
