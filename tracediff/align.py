@@ -20,9 +20,10 @@ from tracediff.store import TraceStore, TraceStream
 _NGRAM = 4
 _MAX_HASH_REPEAT = 64  # an n-gram seen more often than this in the reference (padding...) casts no vote
 _MAX_ALIGNMENTS = 4  # alternative (reference sequence, delta) hypotheses kept per candidate sequence
-_INDEX_FIELDS = ("seq", "position", "token_id", "next_token_id", "phase", "valid")
+_INDEX_FIELDS = ("seq", "position", "token_id", "next_token_id", "step", "phase", "valid")
+_OPTIONAL_FIELDS = ("step",)  # label sets built in memory may leave these out (0 then)
 _INDEX_DTYPES = {"seq": np.int64, "position": np.int64, "token_id": np.int64, "next_token_id": np.int64,
-                 "phase": np.int8, "valid": np.bool_}
+                 "step": np.int64, "phase": np.int8, "valid": np.bool_}
 
 
 def _sequence_groups(stream: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
@@ -56,6 +57,7 @@ class RowIndex:
     position: np.ndarray
     token_id: np.ndarray
     next_token_id: np.ndarray
+    step: np.ndarray
     phase: np.ndarray
     valid: np.ndarray
     group_keys: list[str]
@@ -76,10 +78,12 @@ class RowIndex:
         cols: dict[str, list[np.ndarray]] = {k: [] for k in _INDEX_FIELDS}
         stream_ids, rows = [], []
         for i, (s, columns) in enumerate(zip(streams, labels, strict=True)):
-            missing = [k for k in _INDEX_FIELDS if k not in columns]
+            missing = [k for k in _INDEX_FIELDS if k not in columns and k not in _OPTIONAL_FIELDS]
             if missing:
                 raise UsageError(f"{store.path}/{tap}/{s.writer}: label columns {missing} are missing")
-            arrays = {k: np.asarray(columns[k]).reshape(-1) for k in _INDEX_FIELDS}
+            n_rows = np.asarray(columns["seq"]).reshape(-1).shape[0]
+            arrays = {k: np.asarray(columns[k]).reshape(-1) if k in columns else np.zeros(n_rows, dtype=np.int64)
+                      for k in _INDEX_FIELDS}
             lengths = {k: a.shape[0] for k, a in arrays.items()}
             if len(set(lengths.values())) != 1:
                 raise UsageError(f"{store.path}/{tap}/{s.writer}: label columns differ in length {lengths}")
@@ -110,6 +114,7 @@ class RowIndex:
             position=cat["position"],
             token_id=cat["token_id"],
             next_token_id=cat["next_token_id"],
+            step=cat["step"],
             phase=cat["phase"],
             valid=cat["valid"],
             group_keys=keys,

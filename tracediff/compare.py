@@ -21,6 +21,7 @@ from tracediff.diagnose import StreamResult, stream_metrics
 from tracediff.errors import CompareError
 from tracediff.findings import build_findings
 from tracediff.metadata import aux_config, config_diff, num_layers, side_aux_layers
+from tracediff.pairing import check_token_pairing
 from tracediff.plan import (
     CompareOptions,
     SegmentPlan,
@@ -114,6 +115,10 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
             opts.progress_total(len(pairs))
         stream = stream_metrics(pairs, ref_index, cand_index, matched, size, scales, progress=opts.progress)
 
+    pairing = check_token_pairing(pairs, ref_index, cand_index)
+    if pairing.unknown:
+        notes.append(f"draft input tokens (next_token_id) compared on {pairing.compared} aligned rows; "
+                     f"{pairing.unknown} rows where a side does not know the next token are not compared")
     kr, kc = rl.width // sizes.reference, cl.width // sizes.candidate
     rlabels = rl.segment_labels if rl.segment_labels and len(rl.segment_labels) == kr else [f"seg{j}" for j in range(kr)]
     clabels = cl.segment_labels if cl.segment_labels and len(cl.segment_labels) == kc else [f"seg{i}" for i in range(kc)]
@@ -144,6 +149,7 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
         compute_dtype=segplan.compute_dtype if segplan else "",
         reference_segment_size=sizes.reference,
         candidate_segment_size=sizes.candidate,
+        token_pairing=pairing.to_dict(),
     )
     sides = []
     for store, tap, index, layout, size_, labels, meta, aux in (

@@ -122,6 +122,20 @@ def build_findings(
             {"offset": o, "scores": plan.offset_scores},
         ))
 
+    pairing = plan.token_pairing
+    if pairing.get("mismatched") and plan.label_offset == 0:
+        ex = pairing["examples"][0]
+        where = pairing.get("pattern") or "no single label pattern explains them"
+        out.append(Finding(
+            "token_pairing", "error",
+            f"{pairing['mismatched']} of {pairing['compared']} aligned rows feed the draft another input token than the "
+            f"reference (next_token_id), e.g. sequence {ex['seq']} position {ex['position']}: reference "
+            f"{ex['reference_next_token_id']}, candidate {ex['candidate_next_token_id']}; the rows: {where}. The hidden "
+            f"state is paired with the wrong token: fix how the server builds the draft's input ids.",
+            {"rows": pairing["mismatched"], "compared": pairing["compared"], "unknown": pairing["unknown"],
+             "examples": pairing["examples"], "pattern": pairing.get("pattern_evidence") or None},
+        ))
+
     if segplan is not None:
         out += segment_findings(report, segplan, stream, ref_aux, cand_aux, bank,
                                 next((f for f in out if f.kind == "sequence_prefix"), None))

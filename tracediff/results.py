@@ -31,6 +31,8 @@ FINDING_KINDS: tuple[str, ...] = (
     "nonfinite",
     "config",
     "precision",
+    "token_pairing",
+    "segment_subset",
 )
 SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
 
@@ -164,6 +166,7 @@ class Plan:
     compute_dtype: str = ""  # the coarser dtype, whose rounding bounds the compute noise
     reference_segment_size: int = 0
     candidate_segment_size: int = 0
+    token_pairing: dict[str, Any] = field(default_factory=dict)  # next-token agreement (tracediff.pairing)
 
 
 @dataclass

@@ -1,0 +1,90 @@
+"""compare localises partial mismatches and checks the draft's token input.
+
+Real serving bugs hit a subset of rows: the last row of each prefill chunk, small decode batches,
+one phase. Traces are recorded from tiny real transformers models with massive activations (Qwen3
+and Llama), an fp32 trainer against a bf16 engine in engine row order (chunked prefill, KV-cache
+decode, interleaved requests).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tracediff
+from tracediff.compare import compare_stores
+from tracediff.testing.models import build_tiny_model, server_model
+from tracediff.testing.tiny_llama import DraftHead, make_sequences, run_engine, run_trainer
+
+REF = ["hs2", "hs4", "hs6"]
+CHUNK, PROMPT = 7, 20
+
+
+def _wrong_next_token_at_chunk_ends(labels: dict) -> dict:
+    """The chunked-prefill bug: the last row of a non-final prefill chunk is paired with another
+    token (as if the sampled one) instead of the next prompt token."""
+    if labels["phase"] != "prefill":
+        return labels
+    labels = dict(labels)
+    pos = labels["position"]
+    hit = ((pos + 1) % CHUNK == 0) & (pos + 1 < PROMPT)
+    labels["next_token_id"] = np.where(hit, (labels["next_token_id"] + 1) % 512, labels["next_token_id"])
+    return labels
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def traces(request, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp(f"subsets-{request.param}")
+    trainer = build_tiny_model(request.param, hidden_size=64, num_layers=8)
+    bf16 = server_model(trainer, "bf16")
+    seqs = make_sequences(n_seqs=4, min_len=24, max_len=34, seed=5)
+    out: dict[str, Path] = {}
+
+    def record(name, runner, model, relabel=None, dtype=torch.bfloat16, **kw) -> None:
+        draft = DraftHead(64, 3)
+        path = root / f"{name}.zarr"
+        with tracediff.record(path, role=name) as rec:
+            rec.tap(draft.fc, "fc_in", segment_size=64)
+            runner(model, draft, seqs, REF, dtype=dtype,
+                   on_batch=lambda lab: rec.labels(**(relabel(lab) if relabel else lab)), **kw)
+        assert rec.error is None
+        out[name] = path
+
+    chunked = {"chunk_size": CHUNK, "max_running": 1, "prefill_len": PROMPT}
+    record("ref", run_trainer, trainer, dtype=torch.float32)
+    record("clean_chunked", run_engine, bf16, **chunked)
+    record("clean_interleaved", run_engine, bf16, max_running=3)
+    record("chunk_end_token", run_engine, bf16, relabel=_wrong_next_token_at_chunk_ends, **chunked)
+    return out
+
+
+def kinds(report, severity: str | None = None) -> set[str]:
+    return {f.kind for f in report.findings if severity is None or f.severity == severity}
+
+
+@pytest.mark.parametrize("candidate", ["clean_chunked", "clean_interleaved"])
+def test_clean_engine_order_pairs_stay_a_match_with_no_subset_or_token_finding(traces, candidate):
+    report = compare_stores(traces["ref"], traces[candidate])
+    assert report.verdict == "match", [f.message for f in report.findings]
+    assert kinds(report, "warning") == set()
+    assert not kinds(report) & {"token_pairing", "segment_subset"}
+    pairing = report.plan.token_pairing
+    assert pairing["mismatched"] == 0 and pairing["compared"] == report.plan.pairs - pairing["unknown"]
+    assert pairing["unknown"] == 4  # the last position of each sequence has no next token on either side
+
+
+def test_a_wrong_next_token_on_chunk_boundary_rows_is_a_token_pairing_error(traces):
+    report = compare_stores(traces["ref"], traces["chunk_end_token"])
+    finding = next(f for f in report.findings if f.kind == "token_pairing")
+    assert finding.severity == "error"
+    # Positions 6 and 13 of each of the 4 sequences: the two non-final chunk ends of a 20-token prompt.
+    assert finding.evidence["rows"] == 8
+    assert finding.evidence["pattern"]["pattern"] == "chunk_end"
+    assert finding.evidence["pattern"]["chunk_size"] == CHUNK
+    assert "non-final prefill chunk" in finding.message
+    assert {e["position"] for e in finding.evidence["examples"]} <= {6, 13}
+    # The hidden states themselves are right: no segment finding.
+    assert not kinds(report) & {"segment_order", "segment_value", "segment_scale", "precision"}

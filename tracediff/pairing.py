@@ -1,0 +1,118 @@
+"""Token pairing: does every aligned row feed the draft the same input token on both sides?
+
+At the row of position ``p`` the draft reads ``fc(aux(h_p))`` together with the embedding of its
+input token ``next_token_id`` = x_{p+1} (DESIGN.md §3). A server that pairs a row with another
+token (chunked prefill pairing the last row of a chunk with the sampled token instead of the next
+prompt token is the known case) feeds the draft a wrong input even when every hidden state is right.
+Labels only: no values are read here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tracediff.align import RowIndex, RowPairs
+from tracediff.store import PHASES
+
+#: A pattern names the mismatched rows when at least this share of them has it.
+PATTERN_SHARE = 0.9
+
+
+@dataclass
+class TokenPairing:
+    """Next-token agreement over the aligned rows."""
+
+    compared: int  # rows where both sides know the next token
+    mismatched: int
+    unknown: int  # rows where one side (or both) does not know it (-1): not errors
+    examples: list[dict[str, Any]] = field(default_factory=list)
+    pattern: str | None = None  # a sentence naming the rows, when one explains them
+    pattern_evidence: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _last_in_step(index: RowIndex) -> np.ndarray:
+    """Per row of ``index``: is it its sequence's last row in its step (writer, step, sequence)?"""
+    n = len(index)
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    keys = np.stack([index.group, index.step, index.stream.astype(np.int64)], axis=1)
+    _, inverse = np.unique(keys, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    top = np.full(int(inverse.max()) + 1, np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(top, inverse, index.position)
+    return index.position == top[inverse]
+
+
+def _continues(index: RowIndex) -> np.ndarray:
+    """Per row: does its sequence have a later position (the row is not the sequence's last)?"""
+    n = len(index)
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    top = np.full(int(index.group.max()) + 1, np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(top, index.group, index.position)
+    return index.position < top[index.group]
+
+
+def check_token_pairing(pairs: RowPairs, reference: RowIndex, candidate: RowIndex) -> TokenPairing:
+    """Compare ``next_token_id`` over the aligned rows, and name the pattern of the rows that differ."""
+    ref_next = reference.next_token_id[pairs.reference]
+    cand_next = candidate.next_token_id[pairs.candidate]
+    known = (ref_next >= 0) & (cand_next >= 0)
+    bad = known & (ref_next != cand_next)
+    result = TokenPairing(int(known.sum()), int(bad.sum()), int((~known).sum()))
+    if not bad.any():
+        return result
+    rows = pairs.candidate[bad]
+    for k in np.flatnonzero(bad)[:5].tolist():
+        c = int(pairs.candidate[k])
+        result.examples.append({
+            "seq": candidate.group_keys[int(candidate.group[c])], "position": int(candidate.position[c]),
+            "token_id": int(candidate.token_id[c]), "phase": _phase(candidate.phase[c]),
+            "step": int(candidate.step[c]),
+            "reference_next_token_id": int(ref_next[k]), "candidate_next_token_id": int(cand_next[k]),
+        })
+    result.pattern, result.pattern_evidence = _pattern(pairs, candidate, bad, rows)
+    return result
+
+
+def _phase(code: Any) -> str:
+    code = int(code)
+    return PHASES[code] if 0 <= code < len(PHASES) else str(code)
+
+
+def _pattern(pairs: RowPairs, candidate: RowIndex, bad: np.ndarray, rows: np.ndarray) -> tuple[str | None, dict]:
+    last = _last_in_step(candidate)
+    cont = _continues(candidate)
+    prefill = candidate.phase == PHASES.index("prefill") if "prefill" in PHASES else np.zeros(len(candidate), bool)
+    paired = pairs.candidate
+    chunk_end = last & cont & prefill  # the last row of a prefill chunk whose sequence goes on
+    share = float(chunk_end[rows].mean())
+    if share >= PATTERN_SHARE:
+        eligible = int(chunk_end[paired].sum())
+        gcd = 0
+        for p in (candidate.position[rows] + 1).tolist():
+            gcd = math.gcd(gcd, int(p))
+        chunk = f" (position + 1 is a multiple of {gcd}: a chunk size of {gcd})" if gcd > 1 else ""
+        return (f"the last row of each non-final prefill chunk{chunk}: {int(bad.sum())} of the {eligible} such rows; "
+                f"the server pairs it with another token (e.g. the sampled one) instead of the next prompt token",
+                {"pattern": "chunk_end", "share": share, "eligible_rows": eligible, "chunk_size": gcd or None})
+    share_last = float(last[rows].mean())
+    if share_last >= PATTERN_SHARE:
+        return (f"the last row of a sequence in a step ({int(bad.sum())} rows)",
+                {"pattern": "step_end", "share": share_last})
+    phases = {_phase(p) for p in candidate.phase[rows].tolist()}
+    if len(phases) == 1:
+        phase = next(iter(phases))
+        total = int((candidate.phase[paired] == candidate.phase[rows[0]]).sum())
+        return (f"{phase} rows only ({int(bad.sum())} of {total})", {"pattern": "phase", "phase": phase})
+    return None, {}
+
+
+__all__ = ["TokenPairing", "check_token_pairing"]
