@@ -53,11 +53,39 @@ def traces(request, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
         assert rec.error is None
         out[name] = path
 
+    h = 64
+
+    def default_layers_on_small_batches(x: torch.Tensor, states) -> torch.Tensor:
+        """A CUDA-graph-like path: batches of <= 2 rows (decode only here) read another layer in slot 0."""
+        if x.shape[1] > 2:
+            return x
+        x = x.clone()
+        x[..., :h] = states["hs1"].to(x.dtype)
+        return x
+
+    def zeros_on_decode(x: torch.Tensor, states) -> torch.Tensor:
+        if x.shape[1] > 3:  # prefill batches hold >= 6 rows here
+            return x
+        x = x.clone()
+        x[..., h:] = 0
+        return x
+
+    def other_request_rows(x: torch.Tensor, states) -> torch.Tensor:
+        if x.shape[1] > 3 or x.shape[1] < 2:
+            return x
+        x = x.clone()
+        x[..., 2 * h :] = torch.roll(x[..., 2 * h :], shifts=1, dims=1)
+        return x
+
     chunked = {"chunk_size": CHUNK, "max_running": 1, "prefill_len": PROMPT}
+    prompt = {"max_running": 3, "prefill_len": lambda i, seq: 8}
     record("ref", run_trainer, trainer, dtype=torch.float32)
     record("clean_chunked", run_engine, bf16, **chunked)
     record("clean_interleaved", run_engine, bf16, max_running=3)
     record("chunk_end_token", run_engine, bf16, relabel=_wrong_next_token_at_chunk_ends, **chunked)
+    record("small_batch_layers", run_engine, bf16, transform=default_layers_on_small_batches, **prompt)
+    record("decode_zeros", run_engine, bf16, transform=zeros_on_decode, **prompt)
+    record("other_request", run_engine, bf16, transform=other_request_rows, **prompt)
     return out
 
 
@@ -88,3 +116,38 @@ def test_a_wrong_next_token_on_chunk_boundary_rows_is_a_token_pairing_error(trac
     assert {e["position"] for e in finding.evidence["examples"]} <= {6, 13}
     # The hidden states themselves are right: no segment finding.
     assert not kinds(report) & {"segment_order", "segment_value", "segment_scale", "precision"}
+
+
+def subset_findings(report) -> list:
+    return [f for f in report.findings if f.kind == "segment_subset"]
+
+
+def test_another_layer_on_small_decode_batches_is_a_subset_of_rows(traces):
+    report = compare_stores(traces["ref"], traces["small_batch_layers"])
+    found = subset_findings(report)
+    assert [f.evidence["candidate_segment"] for f in found] == [0], [f.message for f in report.findings]
+    subset = found[0].evidence["subset"]
+    assert subset["dimension"] == "rows_per_step" and "<= 2 rows" in subset["description"]
+    assert subset["description"].startswith("decode rows")
+    assert found[0].evidence["content"] in ("unknown", "reference_segment")
+    # Segments 1 and 2 are fine; nothing else is blamed.
+    assert not {"segment_missing", "segment_extra", "segment_scale"} & kinds(report)
+    assert len(found[0].evidence["groups"]) == 2
+
+
+def test_zeros_in_two_segments_on_decode_rows_only(traces):
+    report = compare_stores(traces["ref"], traces["decode_zeros"])
+    found = subset_findings(report)
+    assert sorted(f.evidence["candidate_segment"] for f in found) == [1, 2], [f.message for f in report.findings]
+    for f in found:
+        assert f.evidence["content"] == "zeros" and "zeros" in f.message
+        assert f.evidence["subset"]["description"].startswith("decode rows")
+    assert not {"segment_missing", "segment_extra", "segment_scale", "segment_value"} & kinds(report)
+
+
+def test_rows_of_another_request_in_multi_request_steps(traces):
+    report = compare_stores(traces["ref"], traces["other_request"])
+    found = subset_findings(report)
+    assert [f.evidence["candidate_segment"] for f in found] == [2], [f.message for f in report.findings]
+    assert found[0].evidence["content"] == "other_request"
+    assert "another request" in found[0].message

@@ -23,6 +23,7 @@ from tracediff.findings import build_findings
 from tracediff.metadata import aux_config, config_diff, num_layers, side_aux_layers
 from tracediff.pairing import check_token_pairing
 from tracediff.plan import (
+    DRIFT_FACTOR,
     CompareOptions,
     SegmentPlan,
     collect_meta,
@@ -39,6 +40,7 @@ from tracediff.plan import (
 from tracediff.results import Plan, Report, SegmentMatch, Side
 from tracediff.segments import SegmentDecision
 from tracediff.store import TraceStore, open_store
+from tracediff.subsets import describe_subset, find_subset
 
 __all__ = ["CompareOptions", "compare_stores", "tap_summary"]
 
@@ -94,6 +96,7 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
             notes += aux.notes
 
     segplan: SegmentPlan | None = None
+    subsets: dict = {}
     pairs, offset, offset_scores = base_pairs, 0, {}
     stream = StreamResult([], {}, {}, 0)
     if sizes.comparable:
@@ -110,18 +113,23 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
         # -- the streaming pass
         matched = [(d.candidate, d.reference) for d in segplan.decisions
                    if d.reference is not None and d.duplicate_of is None]
-        scales = [(segplan.ref_scales.mean[j], segplan.ref_scales.scale[j]) for _, j in matched]
+        # Same-slot pairs the plan left unmatched are measured too: their rows may be right on all
+        # but a subset (a bug on most decode rows can hide the match in the sample).
+        probes = _same_slot_probes(segplan, matched, rl.width // size, cl.width // size)
+        pass_pairs = matched + probes
+        scales = [(segplan.ref_scales.mean[j], segplan.ref_scales.scale[j]) for _, j in pass_pairs]
         if opts.progress_total is not None:
             opts.progress_total(len(pairs))
-        stream = stream_metrics(pairs, ref_index, cand_index, matched, size, scales, progress=opts.progress)
+        stream = stream_metrics(pairs, ref_index, cand_index, pass_pairs, size, scales, progress=opts.progress)
+        stream.metrics = [m for m in stream.metrics if (m.candidate, m.reference) in set(matched)]
+        subsets = localise_subsets(pass_pairs, pairs, ref_index, cand_index, stream, segplan, _labels_of(rl, size))
 
     pairing = check_token_pairing(pairs, ref_index, cand_index)
     if pairing.unknown:
         notes.append(f"draft input tokens (next_token_id) compared on {pairing.compared} aligned rows; "
                      f"{pairing.unknown} rows where a side does not know the next token are not compared")
-    kr, kc = rl.width // sizes.reference, cl.width // sizes.candidate
-    rlabels = rl.segment_labels if rl.segment_labels and len(rl.segment_labels) == kr else [f"seg{j}" for j in range(kr)]
-    clabels = cl.segment_labels if cl.segment_labels and len(cl.segment_labels) == kc else [f"seg{i}" for i in range(kc)]
+    rlabels = _labels_of(rl, sizes.reference)
+    clabels = _labels_of(cl, sizes.candidate)
     deltas = alignment.delta_histogram()
     plan = Plan(
         tap_reference=rtap,
@@ -189,10 +197,42 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
         matrix_standardised=[[float(x) for x in row] for row in segplan.standardised] if segplan else [],
     )
     bank = _identify_with_bank(ref_store, cand_store, report, opts) if opts.bank and segplan else None
-    report.findings = build_findings(report, alignment, pairs, segplan, stream, ref_aux, cand_aux, bank)
+    report.findings = build_findings(report, alignment, pairs, segplan, stream, ref_aux, cand_aux, bank, subsets)
     if bank is not None:
         _name_layers(report, bank, opts)
     return report
+
+
+def _labels_of(layout: Any, size: int) -> list[str]:
+    """A side's segment labels as recorded, or ``seg<k>`` when they do not fit its layout."""
+    k = layout.width // size
+    labels = layout.segment_labels
+    return list(labels) if labels and len(labels) == k else [f"seg{j}" for j in range(k)]
+
+
+def _same_slot_probes(segplan: SegmentPlan, matched: list[tuple[int, int]], kr: int, kc: int) -> list[tuple[int, int]]:
+    taken_c = {i for i, _ in matched} | {d.candidate for d in segplan.decisions if d.duplicate_of is not None}
+    taken_r = {j for _, j in matched}
+    return [(i, i) for i in range(min(kr, kc)) if i not in taken_c and i not in taken_r
+            and i not in segplan.dead_candidate and i not in segplan.dead_reference]
+
+
+def localise_subsets(pass_pairs: list[tuple[int, int]], pairs: Any, ref_index: RowIndex, cand_index: RowIndex,
+                     stream: StreamResult, segplan: SegmentPlan, rlabels: list[str]) -> dict:
+    """Per segment pair whose off rows form a label group: (Subset, SubsetContent)."""
+    out = {}
+    for i, j in pass_pairs:
+        errors = stream.row_errors.get((i, j))
+        if errors is None:
+            continue
+        threshold = DRIFT_FACTOR * math.sqrt(segplan.budgets[j])
+        subset = find_subset(pairs, cand_index, errors, threshold)
+        if subset is None:
+            continue
+        content = describe_subset(i, j, subset.members, pairs, ref_index, cand_index, segplan.ref_scales,
+                                  segplan.budgets, segplan.size, read_rows, rlabels)
+        out[(i, j)] = (subset, content)
+    return out
 
 
 def _segment_depths(kr: int, ref_aux: AuxLayers | None, cand_aux: AuxLayers | None, ref_meta: dict[str, Any],

@@ -109,6 +109,9 @@ class StreamResult:
     nonfinite_candidate: dict[int, tuple[int, int | None]]  # segment -> (rows, first pair index)
     nonfinite_reference: dict[int, tuple[int, int | None]]
     bytes_read: int
+    # Per matched pair: each aligned row's standardised error over the pair's mean reference size
+    # (float32, NaN where not finite), for localising the rows that differ.
+    row_errors: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -437,6 +440,7 @@ def stream_metrics(
         {int(s): (int(nf_c[s]), first_c.get(int(s))) for s in range(kc) if nf_c[s]},
         {int(s): (int(nf_r[s]), first_r.get(int(s))) for s in range(kr) if nf_r[s]},
         sum(b.cand.bytes_read + b.ref.bytes_read for b in made),
+        {(acc.cand_seg, acc.ref_seg): acc.std_err for acc in accs},
     )
 
 
@@ -457,7 +461,12 @@ def _finish(acc: _Accumulator, pairs: RowPairs, reference: RowIndex, candidate: 
     # Per-row error relative to the pair's mean reference size: one bad row stands out whatever its
     # own norm (a row near the mean would blow up a per-row ratio).
     mean_den = acc.std_den / max(1, int(np.isfinite(acc.std_err).sum()))
-    row_err = np.sqrt(acc.std_err / mean_den) if mean_den > 0 else np.full_like(acc.std_err, np.nan)
+    # In place: the squared numerators become the per-row errors the localisation reads.
+    if mean_den > 0:
+        np.sqrt(acc.std_err / mean_den, out=acc.std_err)
+    else:
+        acc.std_err[:] = np.nan
+    row_err = acc.std_err
     worst_rows = []
     if rows:
         rank = np.where(np.isfinite(row_err), -row_err, np.inf)

@@ -24,6 +24,7 @@ def build_findings(
     ref_aux: AuxLayers | None = None,
     cand_aux: AuxLayers | None = None,
     bank: Any = None,
+    subsets: dict | None = None,
 ) -> list[Finding]:
     """Every finding of a compare. ``segplan`` is None when the segments could not be compared at
     all (two hidden sizes): then only layout, sequence and config findings are made."""
@@ -138,7 +139,7 @@ def build_findings(
 
     if segplan is not None:
         out += segment_findings(report, segplan, stream, ref_aux, cand_aux, bank,
-                                next((f for f in out if f.kind == "sequence_prefix"), None))
+                                next((f for f in out if f.kind == "sequence_prefix"), None), subsets or {})
 
     # -- non-finite values
     for side_name, side, nonfinite, index, rows in (

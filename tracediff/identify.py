@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from tracediff.align import RowIndex, align_sequences
 from tracediff.errors import CompareError

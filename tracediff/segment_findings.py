@@ -31,11 +31,20 @@ def _slots(n: int) -> str:
 
 
 def segment_findings(report: Report, segplan: SegmentPlan, stream: StreamResult, ref_aux: AuxLayers | None,
-                     cand_aux: AuxLayers | None, bank: Any, context: Finding | None) -> list[Finding]:
-    """Wiring first (root causes), then the values of matched pairs (consequences)."""
+                     cand_aux: AuxLayers | None, bank: Any, context: Finding | None,
+                     subsets: dict | None = None) -> list[Finding]:
+    """Wiring first (root causes), then subsets of rows, then the values of matched pairs."""
+    subsets = subsets or {}
     decisions = segplan.decisions
-    wiring = _wiring_findings(report, segplan)
-    values = _value_findings(report, segplan, stream, context)
+    # A pair explained by a subset is reported once, as that subset (not as missing, extra or value).
+    explained_c = {i for i, _ in subsets}
+    explained_r = {j for _, j in subsets}
+    wiring = [f for f in _wiring_findings(report, segplan)
+              if not (f.kind == "segment_missing" and f.evidence["reference_segment"] in explained_r)
+              and not (f.kind == "segment_extra" and f.evidence["candidate_segment"] in explained_c)]
+    subset_findings = [_subset_finding(report, i, j, s, c) for (i, j), (s, c) in sorted(subsets.items())]
+    values = [f for f in _value_findings(report, segplan, stream, context)
+              if (f.evidence.get("candidate_segment"), f.evidence.get("reference_segment")) not in subsets]
     wrong_layer = [f for f in values if f.kind == "segment_value" and f.evidence.get("explained_by") is None]
     if wiring or wrong_layer:
         engine = engine_of(report.candidate.meta.get("store") or {}, None) or engine_of(
@@ -43,7 +52,28 @@ def segment_findings(report: Report, segplan: SegmentPlan, stream: StreamResult,
         layers = num_layers(report.reference.meta) or num_layers(report.candidate.meta)
         fix = propose_fix(decisions, report.reference.segments, ref_aux, cand_aux, engine, bank, layers)
         _attach_fix((wiring or wrong_layer)[0], fix)
-    return wiring + values
+    return wiring + subset_findings + values
+
+
+def _subset_finding(report: Report, i: int, j: int, subset: Any, content: Any) -> Finding:
+    cand = seg_name(report.candidate.segment_labels[i], i)
+    ref = seg_name(report.reference.segment_labels[j], j)
+    rest = subset.pair_rows - subset.rows
+    table = [
+        {"group": subset.description, "rows": subset.rows, "off_rows": subset.off_rows,
+         "median_std_error": subset.median_error, "decision": content.text},
+        {"group": "the other rows", "rows": rest, "off_rows": subset.off_total - subset.off_rows,
+         "median_std_error": subset.median_error_rest, "decision": f"reference segment {ref}"},
+    ]
+    return Finding(
+        "segment_subset", "error",
+        f"Candidate segment {cand} is reference segment {ref} on {rest} of the {subset.pair_rows} aligned rows, but on "
+        f"the {subset.rows} {subset.description} it holds {content.text} (median standardised error "
+        f"{subset.median_error:.3g} there vs {subset.median_error_rest:.3g} elsewhere; {subset.off_rows} of the "
+        f"{subset.off_total} rows beyond numerics are in this group). Look at the code path those rows take.",
+        {"candidate_segment": i, "reference_segment": j, "subset": subset.to_dict(), "content": content.kind,
+         "content_evidence": content.evidence, "groups": table},
+    )
 
 
 def _attach_fix(finding: Finding, fix: Fix) -> None:

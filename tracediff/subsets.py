@@ -1,0 +1,255 @@
+"""Subsets: when only some rows of a segment pair differ, find the label group that explains them
+and say what those rows hold instead.
+
+Real serving bugs hit a subset: decode steps small enough for the CUDA-graph path, one phase, one
+tensor-parallel rank, rows past a chunk size. From the streaming pass's per-row standardised errors
+(``StreamResult.row_errors``) a row is *off* when it is beyond what drift of the same tensor allows
+(:data:`tracediff.plan.DRIFT_FACTOR` times the pair's numerics budget). A subset is reported only
+when one value range of one label (phase, rows per step, writer, position, sequence) holds nearly
+all the off rows and few others: a handful of scattered rows is noise, a label group is a finding.
+What the off rows hold is then decided on a sample of them with the same rules as the whole:
+another reference segment, no reference segment, zeros or a constant, another request's row of the
+same step, or the right layer at a neighbouring position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tracediff.align import RowIndex, RowPairs
+from tracediff.segments import SegmentScales, relative_error, split
+from tracediff.store import PHASES
+
+#: A label group must hold this share of the off rows, and this share of it must be off.
+RECALL, PRECISION = 0.8, 0.8
+#: At least this many off rows (and this share of the pairs) before a subset is looked for.
+MIN_ROWS, MIN_SHARE = 3, 0.005
+#: Rows of a subset read to say what they hold.
+DESCRIBE_ROWS = 256
+
+
+@dataclass
+class Subset:
+    """A label group whose rows differ from the rest of a segment pair."""
+
+    dimension: str  # phase | rows_per_step | writer | position | sequence
+    description: str  # "decode rows of steps with <= 2 rows"
+    rows: int  # aligned rows in the group
+    off_rows: int  # off rows in the group
+    off_total: int  # off rows of the pair
+    pair_rows: int
+    precision: float
+    recall: float
+    median_error: float  # median per-row standardised error in the group
+    median_error_rest: float  # and on the pair's other rows
+    members: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("members")
+        return out
+
+
+def _phase_name(code: int) -> str:
+    return PHASES[code] if 0 <= code < len(PHASES) else str(code)
+
+
+def _rows_per_step(index: RowIndex) -> np.ndarray:
+    """Per row of ``index``: how many rows its (writer, step) has (the batch size of that forward)."""
+    if len(index) == 0:
+        return np.zeros(0, dtype=np.int64)
+    keys = np.stack([index.stream.astype(np.int64), index.step], axis=1)
+    _, inverse, counts = np.unique(keys, axis=0, return_inverse=True, return_counts=True)
+    return counts[inverse.reshape(-1)]
+
+
+def _best_split(values: np.ndarray, off: np.ndarray) -> tuple[float, float, float, str, Any] | None:
+    """The threshold split (x <= t or x >= t) of an ordered label with the best F1 for ``off``."""
+    uniq, inverse = np.unique(values, return_inverse=True)
+    if uniq.size < 2:
+        return None
+    n = np.bincount(inverse, minlength=uniq.size)
+    b = np.bincount(inverse, weights=off.astype(np.float64), minlength=uniq.size)
+    total = float(off.sum())
+    best = None
+    for direction, (cn, cb) in (("le", (np.cumsum(n), np.cumsum(b))), ("ge", (np.cumsum(n[::-1])[::-1],
+                                                                              np.cumsum(b[::-1])[::-1]))):
+        for k in range(uniq.size):
+            size = cn[k]
+            if size >= values.size or size == 0:
+                continue
+            prec, rec = cb[k] / size, cb[k] / total
+            f1 = 2 * prec * rec / (prec + rec) if prec + rec > 0 else 0.0
+            if best is None or f1 > best[0]:
+                best = (f1, prec, rec, direction, uniq[k])
+    return best
+
+
+def _best_groups(values: np.ndarray, off: np.ndarray) -> tuple[float, float, float, set[int]] | None:
+    """The set of categories most of whose rows are off, with its F1 for ``off``."""
+    uniq, inverse = np.unique(values, return_inverse=True)
+    if uniq.size < 2:
+        return None
+    n = np.bincount(inverse, minlength=uniq.size)
+    b = np.bincount(inverse, weights=off.astype(np.float64), minlength=uniq.size)
+    chosen = b / np.maximum(n, 1) >= 0.5
+    if not chosen.any() or chosen.all():
+        return None
+    size, tp = float(n[chosen].sum()), float(b[chosen].sum())
+    prec, rec = tp / size, tp / float(off.sum())
+    f1 = 2 * prec * rec / (prec + rec) if prec + rec > 0 else 0.0
+    return f1, prec, rec, {int(v) for v in uniq[chosen]}
+
+
+def find_subset(pairs: RowPairs, candidate: RowIndex, row_errors: np.ndarray, threshold: float) -> Subset | None:
+    """The label group that explains the pair's off rows (error above ``threshold``), or None."""
+    off = np.isfinite(row_errors) & (row_errors > threshold)
+    total, n = int(off.sum()), int(off.size)
+    if total < MIN_ROWS or total < MIN_SHARE * n:
+        return None
+    rows = pairs.candidate
+    phase = candidate.phase[rows].astype(np.int64)
+    dims: list[tuple[str, np.ndarray, bool]] = [
+        ("phase", phase, False),
+        ("rows_per_step", _rows_per_step(candidate)[rows], True),
+    ]
+    if len(candidate.streams) > 1:
+        dims.append(("writer", candidate.stream[rows].astype(np.int64), False))
+    dims.append(("position", candidate.position[rows], True))
+    if len(np.unique(candidate.group[rows])) >= 3:
+        dims.append(("sequence", candidate.group[rows], False))
+    best: tuple[float, str, np.ndarray, float, float, str] | None = None
+    for name, values, ordered in dims:
+        if ordered:
+            found = _best_split(values, off)
+            if found is None:
+                continue
+            f1, prec, rec, direction, t = found
+            members = values <= t if direction == "le" else values >= t
+            text = _ordered_text(name, direction, int(t))
+        else:
+            grouped = _best_groups(values, off)
+            if grouped is None:
+                continue
+            f1, prec, rec, chosen = grouped
+            members = np.isin(values, list(chosen))
+            text = _group_text(name, chosen, candidate)
+        rest = ~members
+        # The rows outside the group must be the pair's healthy rows: mostly not off, and enough of them.
+        rest_ok = int(rest.sum()) >= MIN_ROWS and float(off[rest].mean()) <= 1 - PRECISION
+        if prec >= PRECISION and rec >= RECALL and rest_ok and (best is None or f1 > best[0] + 1e-9):
+            best = (f1, name, members, prec, rec, text)
+    if best is None:
+        return None
+    f1, name, members, prec, rec, text = best
+    phases = {int(p) for p in phase[members].tolist()}
+    if name != "phase" and len(phases) == 1:
+        text = f"{_phase_name(next(iter(phases)))} rows {text}"
+    elif name != "phase":
+        text = f"rows {text}"
+    idx = np.flatnonzero(members)
+    inside, outside = row_errors[members], row_errors[~members]
+    return Subset(name, text, int(idx.size), int(off[idx].sum()), total, n, float(prec), float(rec),
+                  float(np.nanmedian(inside)), float(np.nanmedian(outside)), idx)
+
+
+def _ordered_text(name: str, direction: str, t: int) -> str:
+    op = "<=" if direction == "le" else ">="
+    if name == "rows_per_step":
+        return f"of steps with {op} {t} rows"
+    return f"at positions {op} {t}"
+
+
+def _group_text(name: str, chosen: set[int], candidate: RowIndex) -> str:
+    if name == "phase":
+        return " and ".join(sorted(_phase_name(c) for c in chosen)) + " rows"
+    if name == "writer":
+        return "of writer " + ", ".join(candidate.streams[c].writer for c in sorted(chosen))
+    keys = sorted(candidate.group_keys[c] for c in chosen)
+    return f"of sequence{'s' if len(keys) > 1 else ''} {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
+
+
+# --------------------------------------------------------------------------------- what the rows hold
+@dataclass
+class SubsetContent:
+    """What a subset's candidate segment holds, decided on a sample of its rows."""
+
+    kind: str  # reference_segment | zeros | constant | other_request | neighbour_position | unknown
+    text: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def describe_subset(cand_seg: int, ref_seg: int, members: np.ndarray, pairs: RowPairs, reference: RowIndex,
+                    candidate: RowIndex, ref_scales: SegmentScales, budgets: list[float], size: int,
+                    read_rows: Any, ref_labels: list[str]) -> SubsetContent:
+    """Read a sample of the subset's rows and say what candidate segment ``cand_seg`` holds there."""
+    pick = members[:: max(1, members.size // DESCRIBE_ROWS)][:DESCRIBE_ROWS]
+    c = split(read_rows(candidate, pairs.candidate[pick]), size)[:, cand_seg]
+    r_all = split(read_rows(reference, pairs.reference[pick]), size)
+    norms = c.norm(dim=1)
+    if bool((norms == 0).all()):
+        return SubsetContent("zeros", "zeros on every one of these rows (a truncated or skipped transfer)",
+                             {"rows_read": int(pick.size)})
+    spread = (c - c.mean(dim=0)).norm(dim=1).mean() / norms.mean().clamp_min(1e-30)
+    if float(spread) < 1e-4:
+        return SubsetContent("constant", "the same values on every one of these rows (a stale or default buffer)",
+                             {"rows_read": int(pick.size), "relative_spread": float(spread)})
+    errors = [relative_error(c, r_all[:, j], ref_scales.mean[j], ref_scales.scale[j]) for j in range(r_all.shape[1])]
+    best = int(np.nanargmin(errors)) if np.isfinite(errors).any() else None
+    if best is not None and errors[best] <= budgets[best] * 9:  # within DRIFT_FACTOR^2 of the budget
+        if best == ref_seg:
+            return SubsetContent("unknown", f"reference segment {ref_seg} up to drift", {"errors": errors})
+        return SubsetContent("reference_segment", f"reference segment {best} ({ref_labels[best]})",
+                             {"reference_segment": best, "std_rel_error": float(errors[best] ** 0.5)})
+    other = _other_rows(pick, pairs, reference, candidate, c, ref_seg, ref_scales, budgets, size, read_rows)
+    if other is not None:
+        return other
+    closest = best if best is not None else ref_seg
+    return SubsetContent("unknown", f"no reference segment (closest: reference segment {closest} "
+                                    f"({ref_labels[closest]}), standardised error {errors[closest] ** 0.5:.2f})",
+                         {"closest_reference": closest, "std_rel_errors": [float(e) ** 0.5 for e in errors]})
+
+
+def _other_rows(pick: np.ndarray, pairs: RowPairs, reference: RowIndex, candidate: RowIndex, c: torch.Tensor,
+                ref_seg: int, scales: SegmentScales, budgets: list[float], size: int,
+                read_rows: Any) -> SubsetContent | None:
+    """Do the rows hold the right layer of another request's row in the same step, or of a
+    neighbouring position of the same sequence?"""
+    mean, scale, limit = scales.mean[ref_seg], scales.scale[ref_seg], budgets[ref_seg] * 9
+    cand_rows = pairs.candidate[pick]
+    # Reference rows by (reference sequence group, position), for neighbours.
+    ref_key = {(int(g), int(p)): i for i, (g, p) in enumerate(zip(reference.group[pairs.reference].tolist(),
+                                                                  reference.position[pairs.reference].tolist(),
+                                                                  strict=True))}
+    step_of = candidate.step[pairs.candidate]
+    stream_of = candidate.stream[pairs.candidate]
+    hits = {"other_request": 0, "neighbour_position": 0}
+    checked = 0
+    for at, (k, row) in enumerate(zip(pick[:32].tolist(), cand_rows[:32].tolist(), strict=True)):
+        checked += 1
+        same_step = np.flatnonzero((step_of == candidate.step[row]) & (stream_of == candidate.stream[row]))
+        same_step = same_step[same_step != k]
+        g, p = int(reference.group[pairs.reference[k]]), int(reference.position[pairs.reference[k]])
+        neighbours = [ref_key[(g, p + d)] for d in (-1, 1) if (g, p + d) in ref_key]
+        ci = c[at][None]
+        for kind, others in (("other_request", same_step[:16]), ("neighbour_position", np.array(neighbours))):
+            if others.size == 0:
+                continue
+            r = split(read_rows(reference, pairs.reference[others]), size)[:, ref_seg]
+            errs = [relative_error(ci, r[m][None], mean, scale) for m in range(r.shape[0])]
+            if any(e <= limit for e in errs):
+                hits[kind] += 1
+                break
+    for kind, text in (("other_request", "another request's row of the same step (rows mixed up within the batch)"),
+                       ("neighbour_position", "the right layer at a neighbouring position (an off-by-one in the row "
+                                              "index)")):
+        if checked and hits[kind] >= 0.8 * checked:
+            return SubsetContent(kind, text, {"rows_checked": checked, "rows_explained": hits[kind]})
+    return None
+
+
+__all__ = ["Subset", "SubsetContent", "describe_subset", "find_subset"]
