@@ -77,6 +77,22 @@ def traces(request, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
         x[..., 2 * h :] = torch.roll(x[..., 2 * h :], shifts=1, dims=1)
         return x
 
+    def record_ranks(name, layers_rank1) -> None:
+        """Two tensor-parallel ranks writing the same rows into one store (rank1 possibly wrong)."""
+        path = root / f"{name}.zarr"
+        for rank, layers in (("rank0", REF), ("rank1", layers_rank1)):
+            draft = DraftHead(64, 3)
+            with tracediff.record(path, role=name, writer_name=rank, append=rank != "rank0",
+                                  handle_sigterm=False) as rec:
+                rec.tap(draft.fc, "fc_in", segment_size=64)
+                run_engine(bf16, draft, seqs, layers, dtype=torch.bfloat16,
+                           on_batch=lambda lab: rec.labels(**lab), max_running=3)
+            assert rec.error is None
+        out[name] = path
+
+    record_ranks("tp_same", REF)
+    record_ranks("tp_rank1_wrong", ["hs2", "hs3", "hs6"])
+
     chunked = {"chunk_size": CHUNK, "max_running": 1, "prefill_len": PROMPT}
     prompt = {"max_running": 3, "prefill_len": lambda i, seq: 8}
     record("ref", run_trainer, trainer, dtype=torch.float32)
@@ -151,3 +167,22 @@ def test_rows_of_another_request_in_multi_request_steps(traces):
     assert [f.evidence["candidate_segment"] for f in found] == [2], [f.message for f in report.findings]
     assert found[0].evidence["content"] == "other_request"
     assert "another request" in found[0].message
+
+
+def test_identical_tensor_parallel_ranks_are_both_compared_and_match(traces):
+    report = compare_stores(traces["ref"], traces["tp_same"])
+    assert report.verdict == "match", [f.message for f in report.findings]
+    assert kinds(report, "warning") == set() and not subset_findings(report)
+    assert report.plan.candidate_rows_replica == report.reference.valid_rows
+    assert report.plan.candidate_rows_duplicate == 0
+    assert any("tensor-parallel replicas" in n for n in report.plan.notes)
+
+
+def test_one_wrong_tensor_parallel_rank_is_named(traces):
+    report = compare_stores(traces["ref"], traces["tp_rank1_wrong"])
+    found = subset_findings(report)
+    assert [f.evidence["candidate_segment"] for f in found] == [1], [f.message for f in report.findings]
+    subset = found[0].evidence["subset"]
+    assert subset["dimension"] == "writer" and "rank1" in subset["description"]
+    assert subset["rows"] == report.reference.valid_rows  # every row of rank 1, none of rank 0
+    assert not {"segment_missing", "segment_extra"} & kinds(report)

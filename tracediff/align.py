@@ -322,12 +322,18 @@ class RowPairs:
     reference: np.ndarray
     offset: int
     unaligned: int  # valid candidate rows without a counterpart
-    duplicates: int  # candidate rows whose reference row was already paired
+    duplicates: int  # candidate rows whose reference row their writer already paired (retries)
     prefix_rows: dict[int, np.ndarray]  # candidate group -> rows before the aligned region (extra tokens)
     effective_delta: dict[int, int]  # candidate group -> delta after the offset
+    replicas: int = 0  # pairs whose reference row another writer group pairs too (tensor-parallel ranks)
 
     def __len__(self) -> int:
         return int(self.candidate.size)
+
+    @property
+    def reference_rows(self) -> int:
+        """Distinct reference rows paired (replicated writer groups pair one row several times)."""
+        return int(np.unique(self.reference).size)
 
 
 def _find_positions(positions: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -388,13 +394,17 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
         unaligned += int((~taken).sum())
     cand = np.concatenate(cand_out) if cand_out else np.empty(0, dtype=np.int64)
     ref = np.concatenate(ref_out) if ref_out else np.empty(0, dtype=np.int64)
-    # One candidate row per reference row (TP ranks and retries record the same row twice).
-    order = np.lexsort((cand, ref))
-    cand, ref = cand[order], ref[order]
+    # One candidate row per reference row and writer group: a writer that records a row twice (a
+    # retry) is a duplicate, set aside; another writer holding the same row (a tensor-parallel rank)
+    # is a replica, compared like any row, so a rank that captured something else is seen.
+    stream = alignment.candidate.stream[cand].astype(np.int64)
+    order = np.lexsort((cand, stream, ref))
+    cand, ref, stream = cand[order], ref[order], stream[order]
     first = np.ones(ref.size, dtype=bool)
-    first[1:] = ref[1:] != ref[:-1]
+    first[1:] = (ref[1:] != ref[:-1]) | (stream[1:] != stream[:-1])
     duplicates = int((~first).sum()) + alignment.candidate_duplicates
     cand, ref = cand[first], ref[first]
+    replicas = int(ref.size - np.unique(ref).size)
     # Candidate storage order makes the streaming pass read the candidate sequentially.
     order = np.lexsort((alignment.candidate.row[cand], alignment.candidate.stream[cand]))
-    return RowPairs(cand[order], ref[order], offset, unaligned, duplicates, prefix_rows, effective)
+    return RowPairs(cand[order], ref[order], offset, unaligned, duplicates, prefix_rows, effective, replicas)

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from tracediff import __version__
@@ -124,6 +125,10 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
         stream.metrics = [m for m in stream.metrics if (m.candidate, m.reference) in set(matched)]
         subsets = localise_subsets(pass_pairs, pairs, ref_index, cand_index, stream, segplan, _labels_of(rl, size))
 
+    if pairs.replicas:
+        writers = sorted({cand_index.streams[int(k)].writer for k in np.unique(cand_index.stream[pairs.candidate])})
+        notes.append(f"{pairs.replicas} aligned rows are held by more than one candidate writer group "
+                     f"({', '.join(writers)}): tensor-parallel replicas, each compared with the reference")
     pairing = check_token_pairing(pairs, ref_index, cand_index)
     if pairing.unknown:
         notes.append(f"draft input tokens (next_token_id) compared on {pairing.compared} aligned rows; "
@@ -146,7 +151,8 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
         candidate_rows_unaligned=pairs.unaligned,
         candidate_rows_duplicate=pairs.duplicates,
         candidate_rows_invalid=int((~cand_index.valid).sum()),
-        reference_rows_uncovered=int(ref_index.valid.sum()) - len(pairs),
+        reference_rows_uncovered=int(ref_index.valid.sum()) - pairs.reference_rows,
+        candidate_rows_replica=pairs.replicas,
         sample_rows=segplan.sample_rows if segplan else 0,
         noise_floor=segplan.floor.distance if segplan else 0.0,
         notes=notes,

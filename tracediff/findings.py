@@ -158,7 +158,7 @@ def build_findings(
 
     # -- coverage
     if plan.reference_rows_uncovered > 0 or plan.candidate_rows_unaligned > 0 or plan.candidate_rows_invalid:
-        covered = len(pairs) / max(1, ref.valid_rows)
+        covered = pairs.reference_rows / max(1, ref.valid_rows)
         severity = "warning" if covered < 0.5 else "info"
         out.append(Finding(
             "coverage", severity,

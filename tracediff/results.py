@@ -167,6 +167,7 @@ class Plan:
     reference_segment_size: int = 0
     candidate_segment_size: int = 0
     token_pairing: dict[str, Any] = field(default_factory=dict)  # next-token agreement (tracediff.pairing)
+    candidate_rows_replica: int = 0  # pairs whose reference row another candidate writer group pairs too
 
 
 @dataclass
