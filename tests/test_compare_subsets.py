@@ -90,6 +90,26 @@ def traces(request, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
             assert rec.error is None
         out[name] = path
 
+    # A chat-template difference inside the sequence: three tokens (an empty think block) at position 10.
+    inserted = [seq[:10] + [501, 502, 503] + seq[10:] for seq in seqs]
+    draft = DraftHead(64, 3)
+    with tracediff.record(root / "insertion.zarr", role="insertion") as rec:
+        rec.tap(draft.fc, "fc_in", segment_size=64)
+        run_engine(bf16, draft, inserted, REF, dtype=torch.bfloat16, on_batch=lambda lab: rec.labels(**lab),
+                   max_running=3)
+    out["insertion"] = root / "insertion.zarr"
+    draft = DraftHead(64, 3)
+    with tracediff.record(root / "deletion.zarr", role="deletion") as rec:
+        rec.tap(draft.fc, "fc_in", segment_size=64)
+        run_engine(bf16, draft, [seq[:12] + seq[15:] for seq in seqs], REF, dtype=torch.bfloat16,
+                   on_batch=lambda lab: rec.labels(**lab), max_running=3)
+    out["deletion"] = root / "deletion.zarr"
+
+    def radix_hit(labels: dict) -> dict:
+        """A cached prefix: the server computes no rows for the first 6 positions (marked not written)."""
+        return {**labels, "valid": labels["position"] >= 6}
+
+    record("radix", run_engine, bf16, relabel=radix_hit, max_running=3)
     record_ranks("tp_same", REF)
     record_ranks("tp_rank1_wrong", ["hs2", "hs3", "hs6"])
 
@@ -186,3 +206,38 @@ def test_one_wrong_tensor_parallel_rank_is_named(traces):
     assert subset["dimension"] == "writer" and "rank1" in subset["description"]
     assert subset["rows"] == report.reference.valid_rows  # every row of rank 1, none of rank 0
     assert not {"segment_missing", "segment_extra"} & kinds(report)
+
+
+def test_tokens_inserted_mid_sequence_are_located_and_explain_the_rows_after(traces):
+    report = compare_stores(traces["ref"], traces["insertion"])
+    found = [f for f in report.findings if f.kind == "sequence_insertion"]
+    assert len(found) == 1, [f.message for f in report.findings]
+    ev = found[0].evidence
+    assert ev["kind"] == "insertion" and ev["length"] == 3 and ev["tokens"] == [501, 502, 503]
+    assert ev["positions"] == [10] and ev["sequences"] == 4
+    # Not a prefix, not a benign position offset; the rows before it are compared and match.
+    # The row before the insertion has another next token by construction: explained, not a pairing bug.
+    assert not {"sequence_prefix", "position_offset", "token_pairing"} & kinds(report)
+    assert [(m.reference, m.status) for m in report.segment_map] == [(0, "same"), (1, "same"), (2, "same")]
+    # What differs after it is reported as a consequence, never as a root cause of its own.
+    assert all(f.severity != "error" for f in report.findings
+               if f.kind in ("segment_value", "segment_subset", "precision"))
+
+
+def test_a_cached_prefix_with_no_server_rows_is_a_match_with_coverage_info(traces):
+    report = compare_stores(traces["ref"], traces["radix"])
+    assert report.verdict == "match", [f.message for f in report.findings]
+    coverage = next(f for f in report.findings if f.kind == "coverage")
+    assert coverage.severity == "info"
+    assert report.plan.reference_rows_uncovered == 4 * 6
+    assert not kinds(report) & {"segment_subset", "sequence_prefix", "sequence_insertion"}
+
+
+def test_tokens_missing_mid_sequence_are_located(traces):
+    report = compare_stores(traces["ref"], traces["deletion"])
+    found = [f for f in report.findings if f.kind == "sequence_insertion"]
+    assert len(found) == 1, [f.message for f in report.findings]
+    assert found[0].evidence["kind"] == "deletion" and found[0].evidence["length"] == 3
+    assert found[0].evidence["positions"] == [12] and found[0].evidence["sequences"] == 4
+    assert not {"sequence_prefix", "position_offset", "token_pairing"} & kinds(report)
+    assert [f.kind for f in report.findings if f.severity == "error"] == ["sequence_insertion"]

@@ -326,6 +326,9 @@ class RowPairs:
     prefix_rows: dict[int, np.ndarray]  # candidate group -> rows before the aligned region (extra tokens)
     effective_delta: dict[int, int]  # candidate group -> delta after the offset
     replicas: int = 0  # pairs whose reference row another writer group pairs too (tensor-parallel ranks)
+    # Tokens the candidate has inside a sequence that the reference lacks (or lacks where the
+    # reference has some): {"group", "position", "length", "tokens", "kind": "insertion"|"deletion"}.
+    insertions: list[dict] = field(default_factory=list)
 
     def __len__(self) -> int:
         return int(self.candidate.size)
@@ -358,6 +361,7 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     """
     cand_out, ref_out = [], []
     unaligned = 0
+    insertions: list[dict] = []
     prefix_rows: dict[int, np.ndarray] = {}
     effective: dict[int, int] = {}
     wanted = set(candidate_groups) if candidate_groups is not None else None
@@ -369,6 +373,7 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             unaligned += g.rows.size
             continue
         taken = np.zeros(g.rows.size, dtype=bool)
+        row_delta = np.zeros(g.rows.size, dtype=np.int64)
         for h_i, (ref_key, delta, _votes) in enumerate(seq.hypotheses):
             rg = alignment._ref_groups[ref_key]
             free = ~taken
@@ -383,14 +388,21 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             cand_out.append(g.rows[use])
             ref_out.append(rg.rows[vidx_c[use]])
             taken |= use
+            row_delta[use] = delta
             if h_i == 0:
                 effective[seq.candidate_group] = delta - offset
-                eff = delta - offset
-                # Python ints: positions near the int64 limits must not wrap around.
-                before = g.positions < int(rg.positions[0]) + eff if eff > 0 else np.zeros(g.rows.size, dtype=bool)
-                extra = before & ~use
-                if extra.any():
-                    prefix_rows[seq.candidate_group] = g.rows[extra]
+        if taken.any():
+            # A prefix: candidate rows before the first paired one, in front of the reference's start.
+            # Python ints: positions near the int64 limits must not wrap around.
+            first = int(np.argmax(taken))  # positions are sorted
+            eff = int(row_delta[first]) - offset
+            rg0 = alignment._ref_groups[seq.hypotheses[0][0]]
+            before = (g.positions < int(g.positions[first])) & (g.positions < int(rg0.positions[0]) + eff) \
+                if eff > 0 else np.zeros(g.rows.size, dtype=bool)
+            extra = before & ~taken
+            if extra.any():
+                prefix_rows[seq.candidate_group] = g.rows[extra]
+            insertions += _insertions(seq.candidate_group, g, taken, row_delta)
         unaligned += int((~taken).sum())
     cand = np.concatenate(cand_out) if cand_out else np.empty(0, dtype=np.int64)
     ref = np.concatenate(ref_out) if ref_out else np.empty(0, dtype=np.int64)
@@ -407,4 +419,26 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     replicas = int(ref.size - np.unique(ref).size)
     # Candidate storage order makes the streaming pass read the candidate sequentially.
     order = np.lexsort((alignment.candidate.row[cand], alignment.candidate.stream[cand]))
-    return RowPairs(cand[order], ref[order], offset, unaligned, duplicates, prefix_rows, effective, replicas)
+    return RowPairs(cand[order], ref[order], offset, unaligned, duplicates, prefix_rows, effective, replicas,
+                    insertions)
+
+
+def _insertions(group: int, g: _Group, taken: np.ndarray, row_delta: np.ndarray) -> list[dict]:
+    """Where the pairing delta steps between paired runs of one candidate sequence: tokens inserted
+    (the delta grows by the unpaired rows between) or deleted (it shrinks) inside the sequence."""
+    out: list[dict] = []
+    paired = np.flatnonzero(taken)
+    if paired.size < 2:
+        return out
+    deltas = row_delta[paired]
+    for k in np.flatnonzero(np.diff(deltas)).tolist():
+        a, b = int(paired[k]), int(paired[k + 1])
+        step = int(deltas[k + 1] - deltas[k])
+        between = np.arange(a + 1, b)
+        if step > 0:
+            out.append({"group": group, "kind": "insertion", "position": int(g.positions[a]) + 1, "length": step,
+                        "tokens": [int(t) for t in g.tokens[between][:16]]})
+        else:
+            out.append({"group": group, "kind": "deletion", "position": int(g.positions[b]), "length": -step,
+                        "tokens": []})
+    return out

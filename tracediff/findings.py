@@ -88,7 +88,9 @@ def build_findings(
              "example_sequence": alignment.candidate.group_keys[example_group]},
         ))
     else:
-        neg = {g: d for g, d in eff.items() if d < 0}
+        # A sequence with tokens inserted or deleted inside it is reported as such, not as a prefix.
+        inserted = {i["group"] for i in pairs.insertions}
+        neg = {g: d for g, d in eff.items() if d < 0 and g not in inserted}
         ref_prefix = _reference_prefix(alignment, neg)
         if ref_prefix:
             out.append(Finding(
@@ -98,7 +100,7 @@ def build_findings(
                 f"get, so hidden states are computed in a different context.",
                 ref_prefix,
             ))
-        shifted = {d for d in eff.values() if d != 0}
+        shifted = {d for g, d in eff.items() if d != 0 and g not in inserted}
         if shifted and not ref_prefix:
             common = max(shifted, key=lambda d: sum(1 for v in eff.values() if v == d))
             out.append(Finding(
@@ -107,6 +109,9 @@ def build_findings(
                 f"and values; a constant position offset in the labels (e.g. speculators trains at p+1) is benign.",
                 {"delta": common, "sequences": sum(1 for v in eff.values() if v == common)},
             ))
+
+    # -- insertions inside sequences
+    out += _insertion_findings(alignment, pairs)
 
     # -- label offset
     if plan.label_offset != 0:
@@ -139,7 +144,8 @@ def build_findings(
 
     if segplan is not None:
         out += segment_findings(report, segplan, stream, ref_aux, cand_aux, bank,
-                                next((f for f in out if f.kind == "sequence_prefix"), None), subsets or {})
+                                next((f for f in out if f.kind in ("sequence_prefix", "sequence_insertion")), None),
+                                subsets or {})
 
     # -- non-finite values
     for side_name, side, nonfinite, index, rows in (
@@ -175,6 +181,34 @@ def build_findings(
 
     # -- config
     out += _config_findings(report, ref_aux, cand_aux)
+    return out
+
+
+def _insertion_findings(alignment: Alignment, pairs: RowPairs) -> list[Finding]:
+    """Tokens inserted into (or deleted from) the middle of candidate sequences, one finding per kind."""
+    out: list[Finding] = []
+    for kind in ("insertion", "deletion"):
+        found = [i for i in pairs.insertions if i["kind"] == kind]
+        if not found:
+            continue
+        shapes: dict[tuple, list[dict]] = {}
+        for i in found:
+            shapes.setdefault((i["length"], tuple(i["tokens"])), []).append(i)
+        (length, tokens), common = max(shapes.items(), key=lambda kv: len(kv[1]))
+        positions = sorted({i["position"] for i in found})
+        seqs = sorted({alignment.candidate.group_keys[i["group"]] for i in found})
+        what = (f"{length} token(s) {list(tokens)} inserted" if kind == "insertion" else
+                f"{length} token(s) of the reference missing")
+        out.append(Finding(
+            "sequence_insertion", "error",
+            f"{len(seqs)} candidate sequence(s) have {what} inside the sequence (at candidate position "
+            f"{positions[0] if len(positions) == 1 else positions[:8]}; {len(common)} of {len(found)} alike), e.g. "
+            f"a chat-template difference such as an empty think block: rows before it are compared as aligned, "
+            f"rows after it see another context, so their hidden states differ; feed the server the exact "
+            f"training token ids.",
+            {"kind": kind, "sequences": len(seqs), "example_sequences": seqs[:5], "positions": positions[:32],
+             "length": length, "tokens": list(tokens), "occurrences": len(found)},
+        ))
     return out
 
 

@@ -61,10 +61,20 @@ def _continues(index: RowIndex) -> np.ndarray:
 
 
 def check_token_pairing(pairs: RowPairs, reference: RowIndex, candidate: RowIndex) -> TokenPairing:
-    """Compare ``next_token_id`` over the aligned rows, and name the pattern of the rows that differ."""
+    """Compare ``next_token_id`` over the aligned rows, and name the pattern of the rows that differ.
+
+    The row right before a token insertion or deletion (``pairs.insertions``) has another next
+    token by construction: it is explained by that finding and not compared here.
+    """
     ref_next = reference.next_token_id[pairs.reference]
     cand_next = candidate.next_token_id[pairs.candidate]
     known = (ref_next >= 0) & (cand_next >= 0)
+    if pairs.insertions:
+        edges = {(i["group"], i["position"] - 1) for i in pairs.insertions}
+        at_edge = np.array([(int(g), int(p)) in edges for g, p in zip(candidate.group[pairs.candidate].tolist(),
+                                                                      candidate.position[pairs.candidate].tolist(),
+                                                                      strict=True)], dtype=bool)
+        known &= ~at_edge
     bad = known & (ref_next != cand_next)
     result = TokenPairing(int(known.sum()), int(bad.sum()), int((~known).sum()))
     if not bad.any():

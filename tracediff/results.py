@@ -33,6 +33,7 @@ FINDING_KINDS: tuple[str, ...] = (
     "precision",
     "token_pairing",
     "segment_subset",
+    "sequence_insertion",
 )
 SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
 

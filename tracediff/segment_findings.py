@@ -43,6 +43,11 @@ def segment_findings(report: Report, segplan: SegmentPlan, stream: StreamResult,
               if not (f.kind == "segment_missing" and f.evidence["reference_segment"] in explained_r)
               and not (f.kind == "segment_extra" and f.evidence["candidate_segment"] in explained_c)]
     subset_findings = [_subset_finding(report, i, j, s, c) for (i, j), (s, c) in sorted(subsets.items())]
+    if context is not None:
+        # Rows after a changed context differ by construction: a consequence, not a root cause.
+        subset_findings = [Finding("segment_subset", "warning", f.message + f" Expected while the sequences differ "
+                                   f"(see {context.kind}): fix that first and compare again.",
+                                   {**f.evidence, "explained_by": context.kind}) for f in subset_findings]
     values = [f for f in _value_findings(report, segplan, stream, context)
               if (f.evidence.get("candidate_segment"), f.evidence.get("reference_segment")) not in subsets]
     wrong_layer = [f for f in values if f.kind == "segment_value" and f.evidence.get("explained_by") is None]
@@ -175,8 +180,8 @@ def _value_findings(report: Report, segplan: SegmentPlan, stream: StreamResult,
                 "segment_value", "warning",
                 f"Candidate segment {_cand(report, d)} differs from reference segment {_ref(report, d)} (standardised "
                 f"relative error {m.std_rel_error:.3g}, cosine {m.cos_mean:.4f}); expected while the sequences differ "
-                f"(see sequence_prefix): fix that first and compare again.",
-                {**f.evidence, "explained_by": "sequence_prefix"},
+                f"(see {context.kind}): fix that first and compare again.",
+                {**f.evidence, "explained_by": context.kind},
             )]
         out += found
     return out
