@@ -113,6 +113,14 @@ def traces(request, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     record_ranks("tp_same", REF)
     record_ranks("tp_rank1_wrong", ["hs2", "hs3", "hs6"])
 
+    def previous_position_on_prefill(x: torch.Tensor, states) -> torch.Tensor:
+        """An off-by-one in the row index of prefill batches: slot 2 holds the previous row's state."""
+        if x.shape[1] < 6:
+            return x
+        x = x.clone()
+        x[..., 2 * h :] = torch.roll(x[..., 2 * h :], shifts=1, dims=1)
+        return x
+
     chunked = {"chunk_size": CHUNK, "max_running": 1, "prefill_len": PROMPT}
     prompt = {"max_running": 3, "prefill_len": lambda i, seq: 8}
     record("ref", run_trainer, trainer, dtype=torch.float32)
@@ -122,6 +130,19 @@ def traces(request, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     record("small_batch_layers", run_engine, bf16, transform=default_layers_on_small_batches, **prompt)
     record("decode_zeros", run_engine, bf16, transform=zeros_on_decode, **prompt)
     record("other_request", run_engine, bf16, transform=other_request_rows, **prompt)
+    record("neighbour", run_engine, bf16, transform=previous_position_on_prefill, **prompt)
+
+    # Two training samples sharing a long prefix (common in imported data): each candidate sequence
+    # must be paired with its own sample, not both with the first.
+    shared = [seqs[0], seqs[0][:18] + seqs[1][18:], *seqs[2:]]
+    for name, runner, model, dtype in (("ref_shared", run_trainer, trainer, torch.float32),
+                                       ("shared", run_engine, bf16, torch.bfloat16)):
+        draft = DraftHead(64, 3)
+        with tracediff.record(root / f"{name}.zarr", role=name) as rec:
+            rec.tap(draft.fc, "fc_in", segment_size=64)
+            kw = {"max_running": 3} if runner is run_engine else {}
+            runner(model, draft, shared, REF, dtype=dtype, on_batch=lambda lab: rec.labels(**lab), **kw)
+        out[name] = root / f"{name}.zarr"
     return out
 
 
@@ -241,3 +262,18 @@ def test_tokens_missing_mid_sequence_are_located(traces):
     assert found[0].evidence["positions"] == [12] and found[0].evidence["sequences"] == 4
     assert not {"sequence_prefix", "position_offset", "token_pairing"} & kinds(report)
     assert [f.kind for f in report.findings if f.severity == "error"] == ["sequence_insertion"]
+
+
+def test_the_right_layer_at_a_neighbouring_position_is_named(traces):
+    report = compare_stores(traces["ref"], traces["neighbour"])
+    found = subset_findings(report)
+    assert [f.evidence["candidate_segment"] for f in found] == [2], [f.message for f in report.findings]
+    assert found[0].evidence["subset"]["description"].startswith("prefill rows")
+    assert found[0].evidence["content"] == "neighbour_position"
+
+
+def test_samples_sharing_a_prefix_are_each_paired_with_their_own_rows(traces):
+    report = compare_stores(traces["ref_shared"], traces["shared"])
+    assert report.verdict == "match", [f.message for f in report.findings]
+    assert report.plan.pairs == report.reference.valid_rows
+    assert report.plan.candidate_rows_duplicate == 0 and report.plan.candidate_rows_unaligned == 0

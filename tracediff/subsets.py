@@ -226,13 +226,15 @@ def _other_rows(pick: np.ndarray, pairs: RowPairs, reference: RowIndex, candidat
                                                                   reference.position[pairs.reference].tolist(),
                                                                   strict=True))}
     step_of = candidate.step[pairs.candidate]
+    group_of = candidate.group[pairs.candidate]
     stream_of = candidate.stream[pairs.candidate]
     hits = {"other_request": 0, "neighbour_position": 0}
     checked = 0
     for at, (k, row) in enumerate(zip(pick[:32].tolist(), cand_rows[:32].tolist(), strict=True)):
         checked += 1
-        same_step = np.flatnonzero((step_of == candidate.step[row]) & (stream_of == candidate.stream[row]))
-        same_step = same_step[same_step != k]
+        # Other requests' rows of the same forward (rows of the same sequence are neighbours, below).
+        same_step = np.flatnonzero((step_of == candidate.step[row]) & (stream_of == candidate.stream[row])
+                                   & (group_of != candidate.group[row]))
         g, p = int(reference.group[pairs.reference[k]]), int(reference.position[pairs.reference[k]])
         neighbours = [ref_key[(g, p + d)] for d in (-1, 1) if (g, p + d) in ref_key]
         ci = c[at][None]
