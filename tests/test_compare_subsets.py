@@ -277,3 +277,16 @@ def test_samples_sharing_a_prefix_are_each_paired_with_their_own_rows(traces):
     assert report.verdict == "match", [f.message for f in report.findings]
     assert report.plan.pairs == report.reference.valid_rows
     assert report.plan.candidate_rows_duplicate == 0 and report.plan.candidate_rows_unaligned == 0
+
+
+def test_subset_findings_render_their_group_table_in_every_report(traces, tmp_path):
+    from tracediff.report import render_text, write_report
+
+    report = compare_stores(traces["ref"], traces["decode_zeros"])
+    text = render_text(report)
+    assert "median std error" in text and "decode rows" in text and "the other rows" in text
+    write_report(report, json_path=tmp_path / "r.json", markdown_path=tmp_path / "r.md", html_path=tmp_path / "r.html")
+    markdown = (tmp_path / "r.md").read_text()
+    assert markdown.count("| group | rows | off rows | median std error | decision |") == 2  # one per segment
+    html = (tmp_path / "r.html").read_text()
+    assert "median standardised error by group" in html and "<th>decision</th>" in html

@@ -19,12 +19,14 @@ from tracediff.report.text import (
     METRICS_ERROR_HEADERS,
     METRICS_SCALE_HEADERS,
     SEVERITY_TITLES,
+    TABLE_EVIDENCE,
     candidate_labels,
     config_diff_items,
     fmt_cos,
     fmt_num,
     fmt_row,
     fmt_value,
+    group_table,
     matched_cells,
     metrics_cells_error,
     metrics_cells_scale,
@@ -36,7 +38,7 @@ from tracediff.report.text import (
     side_items,
     signed_text,
 )
-from tracediff.results import SEVERITIES, Report, SegmentMetrics
+from tracediff.results import SEVERITIES, Finding, Report, SegmentMetrics
 
 # A sequential blue ramp for cosines in [0, 1]; negative cosines clamp to the first stop.
 _RAMP = (
@@ -186,14 +188,36 @@ def _findings(report: Report) -> str:
                 f'<li class="{severity}"><span class="sev {severity}">{_e(severity)}</span>'
                 f'<span class="kind">{_e(f.kind)}</span>{_e(f.message)}'
             )
+            table = group_table(f)
+            if table is not None:
+                out.append(_table(*table, numeric_last=False))
+                out.append(_group_chart(f))
             if f.evidence:
                 out.append('<table class="evidence">')
-                out += [f"<tr><th>{_e(k)}</th><td>{_evidence_value(v)}</td></tr>" for k, v in f.evidence.items()]
+                out += [f"<tr><th>{_e(k)}</th><td>{_evidence_value(v)}</td></tr>" for k, v in f.evidence.items()
+                        if k not in TABLE_EVIDENCE]
                 out.append("</table>")
             out.append("</li>")
         out.append("</ul>")
     out.append("</section>")
     return "\n".join(out)
+
+
+def _group_chart(f: Finding) -> str:
+    """Bars of the median standardised error per group of a subset finding, with the numerics budget."""
+    groups = [g for g in f.evidence.get("groups", []) if isinstance(g, dict) and _finite(g.get("median_std_error"))]
+    if not groups:
+        return _no_data("no finite errors to draw")
+    top = max(float(g["median_std_error"]) for g in groups) or 1.0
+    width, bar, left = 460, 18, 150
+    body = []
+    for k, g in enumerate(groups):
+        y = 8 + k * (bar + 6)
+        w = max(1.0, (width - left - 60) * float(g["median_std_error"]) / top)
+        body.append(f'<text x="4" y="{y + 13}" font-size="11">{_e(_short(str(g.get("group", "")), 24))}</text>')
+        body.append(f'<rect x="{left}" y="{y}" width="{w:.1f}" height="{bar}" fill="{"#cf222e" if k == 0 else "#2da44e"}"/>')
+        body.append(f'<text x="{left + w + 4:.1f}" y="{y + 13}" font-size="11">{float(g["median_std_error"]):.3g}</text>')
+    return _svg(width, 14 + len(groups) * (bar + 6), body, "median standardised error by group")
 
 
 def _evidence_value(value: Any) -> str:

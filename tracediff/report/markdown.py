@@ -17,6 +17,7 @@ from tracediff.report.text import (
     METRICS_ERROR_HEADERS,
     METRICS_SCALE_HEADERS,
     SEVERITY_TITLES,
+    TABLE_EVIDENCE,
     WORST_ROWS_SHOWN,
     candidate_labels,
     clip,
@@ -25,6 +26,7 @@ from tracediff.report.text import (
     fmt_mapping,
     fmt_row,
     fmt_value,
+    group_table,
     matched_cells,
     metrics_cells_error,
     metrics_cells_scale,
@@ -121,7 +123,14 @@ def _findings(report: Report) -> list[str]:
         lines += [f"#### {SEVERITY_TITLES[severity]} ({len(group)})", ""]
         for f in group:
             lines.append(f"- **{severity}** `{f.kind}`: {_md(f.message)}")
+            table = group_table(f)
+            if table is not None:
+                headers, rows = table
+                lines += ["", *["  " + line for line in _table(headers, [[_md(c) for c in r] for r in rows],
+                                                              right=False)], ""]
             for key, value in f.evidence.items():
+                if key in TABLE_EVIDENCE:
+                    continue
                 lines.append(f"  - {_md(key)}: {_code(clip(fmt_value(value), EVIDENCE_CHARS))}")
         lines.append("")
     return lines

@@ -215,6 +215,21 @@ def _match_sentence(m: SegmentMatch) -> str:
     return f"{cand} {sign} {ref} (cos {fmt_cos(m.cosine)}{std}, {what}{how}{runner}{bank})"
 
 
+#: Evidence keys rendered as their own table (not inline).
+TABLE_EVIDENCE = ("groups",)
+
+
+def group_table(f: Finding) -> tuple[list[str], list[list[str]]] | None:
+    """A ``segment_subset`` finding's group table as (headers, rows), or None."""
+    groups = f.evidence.get("groups")
+    if not isinstance(groups, list) or not groups:
+        return None
+    headers = ["group", "rows", "off rows", "median std error", "decision"]
+    rows = [[clean(g.get("group", "")), str(g.get("rows", "")), str(g.get("off_rows", "")),
+             fmt_num(g.get("median_std_error"), 3), clean(g.get("decision", ""))] for g in groups if isinstance(g, dict)]
+    return headers, rows
+
+
 def plan_items(report: Report) -> list[tuple[str, str]]:
     """The plan as (name, value) lines, in the order a person checks them."""
     p = report.plan
@@ -466,7 +481,12 @@ def _findings(report: Report, paint: _Painter) -> list[str]:
         lines.append(paint(f"  {SEVERITY_TITLES[severity]} ({len(group)})", "bold"))
         for f in group:
             lines += _finding_line(f, paint, indent="    ")
+            table = group_table(f)
+            if table is not None:
+                lines += _table(*table, indent=" " * 8)
             for key, value in f.evidence.items():
+                if key in TABLE_EVIDENCE:
+                    continue
                 text = clip(fmt_value(value), EVIDENCE_CHARS)
                 lines += _wrap(f"{clean(key)}: {clean(text)}", " " * 8, hang=" " * 12)
     return lines
