@@ -132,6 +132,13 @@ def traces(request, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     record("other_request", run_engine, bf16, transform=other_request_rows, **prompt)
     record("neighbour", run_engine, bf16, transform=previous_position_on_prefill, **prompt)
 
+    def nan_segment(x: torch.Tensor, states) -> torch.Tensor:
+        x = x.clone()
+        x[..., h : 2 * h] = float("nan")
+        return x
+
+    record("nan_segment", run_engine, bf16, transform=nan_segment, **prompt)
+
     # Two training samples sharing a long prefix (common in imported data): each candidate sequence
     # must be paired with its own sample, not both with the first.
     shared = [seqs[0], seqs[0][:18] + seqs[1][18:], *seqs[2:]]
@@ -290,3 +297,12 @@ def test_subset_findings_render_their_group_table_in_every_report(traces, tmp_pa
     assert markdown.count("| group | rows | off rows | median std error | decision |") == 2  # one per segment
     html = (tmp_path / "r.html").read_text()
     assert "median standardised error by group" in html and "<th>decision</th>" in html
+
+
+def test_nan_in_one_segment_only_is_reported_and_the_others_compared(traces):
+    report = compare_stores(traces["ref"], traces["nan_segment"])
+    nonfinite = [f for f in report.findings if f.kind == "nonfinite"]
+    assert [(f.evidence["side"], f.evidence["segment"]) for f in nonfinite] == [("candidate", 1)]
+    assert [(m.candidate, m.reference, m.status) for m in report.segment_map if m.candidate != 1] == [
+        (0, 0, "same"), (2, 2, "same")]
+    assert {f.kind for f in report.findings if f.severity == "error"} == {"nonfinite"}
