@@ -41,7 +41,7 @@ from tracediff.plan import (
 from tracediff.results import Plan, Report, SegmentMatch, Side
 from tracediff.segments import SegmentDecision
 from tracediff.store import TraceStore, open_store
-from tracediff.subsets import describe_subset, find_subset
+from tracediff.subsets import describe_subset, find_subset, subset_labels
 
 __all__ = ["CompareOptions", "compare_stores", "tap_summary"]
 
@@ -122,7 +122,8 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
         if opts.progress_total is not None:
             opts.progress_total(len(pairs))
         stream = stream_metrics(pairs, ref_index, cand_index, pass_pairs, size, scales, progress=opts.progress)
-        stream.metrics = [m for m in stream.metrics if (m.candidate, m.reference) in set(matched)]
+        matched_set = set(matched)
+        stream.metrics = [m for m in stream.metrics if (m.candidate, m.reference) in matched_set]
         subsets = localise_subsets(pass_pairs, pairs, ref_index, cand_index, stream, segplan, _labels_of(rl, size))
 
     if pairs.replicas:
@@ -226,17 +227,20 @@ def _same_slot_probes(segplan: SegmentPlan, matched: list[tuple[int, int]], kr: 
 def localise_subsets(pass_pairs: list[tuple[int, int]], pairs: Any, ref_index: RowIndex, cand_index: RowIndex,
                      stream: StreamResult, segplan: SegmentPlan, rlabels: list[str]) -> dict:
     """Per segment pair whose off rows form a label group: (Subset, SubsetContent)."""
-    out = {}
+    out: dict = {}
+    dims = None
     for i, j in pass_pairs:
         errors = stream.row_errors.get((i, j))
         if errors is None:
             continue
+        if dims is None:
+            dims = subset_labels(pairs, cand_index)
         threshold = DRIFT_FACTOR * math.sqrt(segplan.budgets[j])
-        subset = find_subset(pairs, cand_index, errors, threshold)
+        subset = find_subset(dims, cand_index, errors, threshold)
         if subset is None:
             continue
         content = describe_subset(i, j, subset.members, pairs, ref_index, cand_index, segplan.ref_scales,
-                                  segplan.budgets, segplan.size, read_rows, rlabels)
+                                  segplan.budgets, segplan.size, rlabels)
         out[(i, j)] = (subset, content)
     return out
 

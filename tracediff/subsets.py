@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tracediff.align import RowIndex, RowPairs
+from tracediff.plan import DRIFT_FACTOR, read_rows
 from tracediff.segments import SegmentScales, relative_error, split
 from tracediff.store import PHASES
 
@@ -105,16 +106,14 @@ def _best_groups(values: np.ndarray, off: np.ndarray) -> tuple[float, float, flo
     return f1, prec, rec, {int(v) for v in uniq[chosen]}
 
 
-def find_subset(pairs: RowPairs, candidate: RowIndex, row_errors: np.ndarray, threshold: float) -> Subset | None:
-    """The label group that explains the pair's off rows (error above ``threshold``), or None."""
-    off = np.isfinite(row_errors) & (row_errors > threshold)
-    total, n = int(off.sum()), int(off.size)
-    if total < MIN_ROWS or total < MIN_SHARE * n:
-        return None
+Dimension = tuple[str, np.ndarray, bool]  # (name, value per aligned row, ordered?)
+
+
+def subset_labels(pairs: RowPairs, candidate: RowIndex) -> list[Dimension]:
+    """The labels a subset may be defined by, per aligned row (computed once per compare)."""
     rows = pairs.candidate
-    phase = candidate.phase[rows].astype(np.int64)
-    dims: list[tuple[str, np.ndarray, bool]] = [
-        ("phase", phase, False),
+    dims: list[Dimension] = [
+        ("phase", candidate.phase[rows].astype(np.int64), False),
         ("rows_per_step", _rows_per_step(candidate)[rows], True),
     ]
     if len(candidate.streams) > 1:
@@ -122,6 +121,17 @@ def find_subset(pairs: RowPairs, candidate: RowIndex, row_errors: np.ndarray, th
     dims.append(("position", candidate.position[rows], True))
     if len(np.unique(candidate.group[rows])) >= 3:
         dims.append(("sequence", candidate.group[rows], False))
+    return dims
+
+
+def find_subset(dims: list[Dimension], candidate: RowIndex, row_errors: np.ndarray, threshold: float) -> Subset | None:
+    """The label group (of ``dims``, from :func:`subset_labels`) that explains the pair's off rows
+    (error above ``threshold``), or None."""
+    off = np.isfinite(row_errors) & (row_errors > threshold)
+    total, n = int(off.sum()), int(off.size)
+    if total < MIN_ROWS or total < MIN_SHARE * n:
+        return None
+    phase = dims[0][1]
     best: tuple[float, str, np.ndarray, float, float, str] | None = None
     for name, values, ordered in dims:
         if ordered:
@@ -185,7 +195,7 @@ class SubsetContent:
 
 def describe_subset(cand_seg: int, ref_seg: int, members: np.ndarray, pairs: RowPairs, reference: RowIndex,
                     candidate: RowIndex, ref_scales: SegmentScales, budgets: list[float], size: int,
-                    read_rows: Any, ref_labels: list[str]) -> SubsetContent:
+                    ref_labels: list[str]) -> SubsetContent:
     """Read a sample of the subset's rows and say what candidate segment ``cand_seg`` holds there."""
     pick = members[:: max(1, members.size // DESCRIBE_ROWS)][:DESCRIBE_ROWS]
     c = split(read_rows(candidate, pairs.candidate[pick]), size)[:, cand_seg]
@@ -200,12 +210,12 @@ def describe_subset(cand_seg: int, ref_seg: int, members: np.ndarray, pairs: Row
                              {"rows_read": int(pick.size), "relative_spread": float(spread)})
     errors = [relative_error(c, r_all[:, j], ref_scales.mean[j], ref_scales.scale[j]) for j in range(r_all.shape[1])]
     best = int(np.nanargmin(errors)) if np.isfinite(errors).any() else None
-    if best is not None and errors[best] <= budgets[best] * 9:  # within DRIFT_FACTOR^2 of the budget
+    if best is not None and errors[best] <= budgets[best] * DRIFT_FACTOR**2:
         if best == ref_seg:
             return SubsetContent("unknown", f"reference segment {ref_seg} up to drift", {"errors": errors})
         return SubsetContent("reference_segment", f"reference segment {best} ({ref_labels[best]})",
                              {"reference_segment": best, "std_rel_error": float(errors[best] ** 0.5)})
-    other = _other_rows(pick, pairs, reference, candidate, c, ref_seg, ref_scales, budgets, size, read_rows)
+    other = _other_rows(pick, pairs, reference, candidate, c, ref_seg, ref_scales, budgets, size)
     if other is not None:
         return other
     closest = best if best is not None else ref_seg
@@ -215,11 +225,10 @@ def describe_subset(cand_seg: int, ref_seg: int, members: np.ndarray, pairs: Row
 
 
 def _other_rows(pick: np.ndarray, pairs: RowPairs, reference: RowIndex, candidate: RowIndex, c: torch.Tensor,
-                ref_seg: int, scales: SegmentScales, budgets: list[float], size: int,
-                read_rows: Any) -> SubsetContent | None:
+                ref_seg: int, scales: SegmentScales, budgets: list[float], size: int) -> SubsetContent | None:
     """Do the rows hold the right layer of another request's row in the same step, or of a
     neighbouring position of the same sequence?"""
-    mean, scale, limit = scales.mean[ref_seg], scales.scale[ref_seg], budgets[ref_seg] * 9
+    mean, scale, limit = scales.mean[ref_seg], scales.scale[ref_seg], budgets[ref_seg] * DRIFT_FACTOR**2
     cand_rows = pairs.candidate[pick]
     # Reference rows by (reference sequence group, position), for neighbours.
     ref_key = {(int(g), int(p)): i for i, (g, p) in enumerate(zip(reference.group[pairs.reference].tolist(),
@@ -254,4 +263,4 @@ def _other_rows(pick: np.ndarray, pairs: RowPairs, reference: RowIndex, candidat
     return None
 
 
-__all__ = ["Subset", "SubsetContent", "describe_subset", "find_subset"]
+__all__ = ["Dimension", "Subset", "SubsetContent", "describe_subset", "find_subset", "subset_labels"]
