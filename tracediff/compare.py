@@ -41,7 +41,7 @@ from tracediff.plan import (
 from tracediff.results import Plan, Report, SegmentMatch, Side
 from tracediff.segments import SegmentDecision
 from tracediff.store import TraceStore, open_store
-from tracediff.subsets import describe_subset, find_subset, subset_labels
+from tracediff.subsets import describe_subset, find_subset, might_hold_subset, subset_labels
 
 __all__ = ["CompareOptions", "compare_stores", "tap_summary"]
 
@@ -233,9 +233,11 @@ def localise_subsets(pass_pairs: list[tuple[int, int]], pairs: Any, ref_index: R
         errors = stream.row_errors.get((i, j))
         if errors is None:
             continue
-        if dims is None:
-            dims = subset_labels(pairs, cand_index)
         threshold = DRIFT_FACTOR * math.sqrt(segplan.budgets[j])
+        if not might_hold_subset(errors, threshold):
+            continue
+        if dims is None:  # labels per aligned row, only for a pair with off rows to explain
+            dims = subset_labels(pairs, cand_index)
         subset = find_subset(dims, cand_index, errors, threshold)
         if subset is None:
             continue

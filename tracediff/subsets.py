@@ -124,12 +124,22 @@ def subset_labels(pairs: RowPairs, candidate: RowIndex) -> list[Dimension]:
     return dims
 
 
+def _off_rows(row_errors: np.ndarray, threshold: float) -> np.ndarray:
+    return np.isfinite(row_errors) & (row_errors > threshold)
+
+
+def might_hold_subset(row_errors: np.ndarray, threshold: float) -> bool:
+    """Enough off rows to look for a label group (cheap: the labels are built only then)."""
+    total = int(_off_rows(row_errors, threshold).sum())
+    return total >= MIN_ROWS and total >= MIN_SHARE * row_errors.size
+
+
 def find_subset(dims: list[Dimension], candidate: RowIndex, row_errors: np.ndarray, threshold: float) -> Subset | None:
     """The label group (of ``dims``, from :func:`subset_labels`) that explains the pair's off rows
     (error above ``threshold``), or None."""
-    off = np.isfinite(row_errors) & (row_errors > threshold)
+    off = _off_rows(row_errors, threshold)
     total, n = int(off.sum()), int(off.size)
-    if total < MIN_ROWS or total < MIN_SHARE * n:
+    if not might_hold_subset(row_errors, threshold):
         return None
     phase = dims[0][1]
     best: tuple[float, str, np.ndarray, float, float, str] | None = None
@@ -263,4 +273,5 @@ def _other_rows(pick: np.ndarray, pairs: RowPairs, reference: RowIndex, candidat
     return None
 
 
-__all__ = ["Dimension", "Subset", "SubsetContent", "describe_subset", "find_subset", "subset_labels"]
+__all__ = ["Dimension", "Subset", "SubsetContent", "describe_subset", "find_subset", "might_hold_subset",
+           "subset_labels"]
