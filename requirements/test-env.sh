@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up .venv with everything the test suite needs: torch (the CPU build on these machines),
 # tracediff with its test extras, and the frameworks the adapter tests run for real on CPU
-# (speculators, SpecForge, SGLang; installed without their CUDA dependency trees, see each script).
+# (speculators, SpecForge, SGLang; installed without their CUDA dependency trees, see each script),
+# and vLLM (CPU build) in a venv of its own, .venv-vllm (its pins conflict with SGLang's).
 # Idempotent: a second run installs nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,3 +11,4 @@ cd "$(dirname "$0")/.."
 .venv/bin/pip install -q -e '.[test]'
 PIP=.venv/bin/pip bash requirements/frameworks-trainers.sh
 PIP=.venv/bin/pip bash requirements/frameworks-sglang.sh
+bash requirements/frameworks-vllm.sh

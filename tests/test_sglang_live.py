@@ -14,17 +14,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("sglang", reason="SGLang is not installed: bash requirements/frameworks-sglang.sh installs it")
 
+import servers  # noqa: E402
 import sglang_harness as h  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -32,7 +30,6 @@ pytestmark = pytest.mark.slow
 HIDDEN, LAYERS, VOCAB = 32, 6, 128
 RIGHT = ["hs2", "hs4", "hs5"]  # what --return-aux-hidden-state-layer-ids 1 3 4 captures
 WRONG = ["hs1", "hs3", "hs4"]  # a trainer that took the layer ids as HF indices
-START_TIMEOUT = 300.0
 BIN = Path(sys.executable).parent
 
 
@@ -84,35 +81,14 @@ def live(tmp_path_factory: pytest.TempPathFactory):
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )
     try:
-        _wait_healthy(url, proc, root / "server.log")
+        servers.wait_healthy(url, proc, root / "server.log")
         sent = tracediff("send", traces["right"], "--url", url, "--concurrency", "2")
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # tracediff record forwards it to the server
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the session we started for it, nothing else
-            proc.wait(timeout=30)
+        servers.stop(proc)  # SIGTERM: tracediff record forwards it to the server
         log.close()
     output = (root / "server.log").read_text()
     yield {"store": store, "traces": traces, "sent": sent, "returncode": proc.returncode, "log": output,
            "url": url}
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode} before it was healthy:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"the server was not healthy within {START_TIMEOUT:.0f}s:\n{log.read_text()[-4000:]}")
 
 
 def test_send_replays_every_training_sequence(live) -> None:

@@ -56,7 +56,7 @@ def main() -> None:
 # ---------------------------------------------------------------------------------- record
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="Store to create.")
-@click.option("--adapter", "adapters", multiple=True, help="Framework adapter: sglang, speculators, specforge, hf (a bank of every layer), generic; repeatable.")
+@click.option("--adapter", "adapters", multiple=True, help="Framework adapter: sglang, vllm, speculators, specforge, hf (a bank of every layer), generic; repeatable.")
 @click.option("--tap", "taps", multiple=True, help="Tap spec [NAME=]CLASS[.ATTR.PATH][:input|:output]; repeatable.")
 @click.option("--labels-from", "labels_from", multiple=True,
               help="Class whose forward's input_ids/position_ids label the rows captured after it.")
@@ -77,6 +77,9 @@ def main() -> None:
 @click.option("--durable", is_flag=True, help="fsync each batch before committing it.")
 @click.option("--all-ranks", is_flag=True,
               help="Record every tensor-parallel rank (sglang: default is attention-TP rank 0 only).")
+@click.option("--commit", "commit", type=click.Choice(["step", "background"]), default="step", show_default=True,
+              help="vllm: step = each drafter call's rows are committed before vLLM returns its tokens (survives a "
+                   "SIGKILL of the worker); background = writes overlap serving (faster, the last rows may be lost).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def record(
     output: Path,
@@ -98,6 +101,7 @@ def record(
     chunk_rows: int,
     durable: bool,
     all_ranks: bool,
+    commit: str,
     command: tuple[str, ...],
 ) -> None:
     """Run COMMAND with recording injected into each of its Python processes.
@@ -153,6 +157,7 @@ def record(
         "chunk_rows": chunk_rows,
         "durable": durable,
         "all_ranks": all_ranks,
+        "commit": commit,
     }
     source = default_source(role)
     source["argv"] = list(command)
@@ -421,21 +426,30 @@ def demo(out: Path, samples: Path | None) -> None:
 # ---------------------------------------------------------------------------------- send
 @main.command()
 @click.argument("trace", type=click.Path(path_type=Path))
-@click.option("--url", required=True, help="Base URL of the running SGLang server, e.g. http://127.0.0.1:30000.")
+@click.option("--url", required=True, help="Base URL of the running server, e.g. http://127.0.0.1:30000.")
+@click.option("--engine", type=click.Choice(["sglang", "vllm"]), default="sglang", show_default=True,
+              help="The server's API: SGLang /generate, or vLLM's OpenAI-compatible /v1/completions.")
+@click.option("--model", "model", help="vLLM: the served model name (default: the server's first model).")
 @click.option("--tap", help="Tap whose token labels give the sequences (default fc_in, else the trace's only tap).")
 @click.option("--concurrency", type=int, default=4, show_default=True, help="Requests in flight at most.")
 @click.option("--max-new-tokens", type=int, default=1, show_default=True,
-              help="Tokens generated per request (1: only the sequence itself is forwarded, as in training).")
+              help="Tokens generated per request (1: only the sequence itself is forwarded, as in training; more: "
+                   "decode and verify steps too).")
 @click.option("--limit", type=int, help="Send only the first N sequences.")
 @click.option("--retries", type=int, default=3, show_default=True, help="Retries of a request the server did not take.")
 @click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for one response.")
 @click.option("--rid-prefix", default="", help="Prefix of the request ids (default: the sequence keys as they are).")
+@click.option("--report", "report_path", type=click.Path(path_type=Path),
+              help="Write what was sent and each response's output ids and the engine's speculative-decoding numbers "
+                   "(accept length) as JSON.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when it is a terminal).")
-def send(trace: Path, url: str, tap: str | None, concurrency: int, max_new_tokens: int, limit: int | None,
-         retries: int, timeout: float, rid_prefix: str, progress: bool | None) -> None:
-    """Replay TRACE's token sequences to a running SGLang server (/generate with input_ids, rid = the
-    sequence key, greedy), so that a server recorded with `tracediff record --adapter sglang` sees
-    exactly the training tokens.
+def send(trace: Path, url: str, engine: str, model: str | None, tap: str | None, concurrency: int,
+         max_new_tokens: int, limit: int | None, retries: int, timeout: float, rid_prefix: str,
+         report_path: Path | None, progress: bool | None) -> None:
+    """Replay TRACE's token sequences to a running server, greedy, one request per sequence whose
+    request id is the sequence key: SGLang (/generate with input_ids and rid) or vLLM (--engine vllm:
+    /v1/completions with the token ids as prompt and request_id), so that a server recorded with
+    `tracediff record --adapter sglang|vllm` sees exactly the training tokens.
 
     Exit code: 0 all sent, 1 some requests failed, 2 bad input or the server unreachable.
     """
@@ -447,11 +461,12 @@ def send(trace: Path, url: str, tap: str | None, concurrency: int, max_new_token
         raise UsageError(f"--url {url!r}: give a base URL such as http://127.0.0.1:30000")
     if concurrency < 1 or max_new_tokens < 1 or retries < 0 or timeout <= 0:
         raise UsageError("--concurrency and --max-new-tokens must be >= 1, --retries >= 0, --timeout > 0")
-    opts = SendOptions(url=url, concurrency=concurrency, max_new_tokens=max_new_tokens, timeout=timeout,
-                       retries=retries, rid_prefix=rid_prefix)
     sequences = sequences_from_trace(trace, tap=tap, limit=limit)
-    info = check_server(url, retries=retries)
+    info = check_server(url, retries=retries, engine=engine)
     check_vocabulary(sequences, info, url)
+    opts = SendOptions(url=url, concurrency=concurrency, max_new_tokens=max_new_tokens, timeout=timeout,
+                       retries=retries, rid_prefix=rid_prefix, engine=engine,
+                       model=model or (info.get("served_model") if engine == "vllm" else None))
     show = sys.stderr.isatty() if progress is None else progress
     bar: Any = click.progressbar(length=len(sequences), label="sending", file=sys.stderr) if show else None
     if bar is not None:
@@ -461,6 +476,11 @@ def send(trace: Path, url: str, tap: str | None, concurrency: int, max_new_token
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
+    if report_path is not None:
+        try:
+            report_path.write_text(json.dumps({"trace": str(trace), **result.to_dict()}, indent=1) + "\n")
+        except OSError as exc:
+            raise UsageError(f"cannot write --report {report_path}: {exc.strerror or exc}") from exc
     click.echo(f"sent {result.succeeded} of {result.sequences} sequences ({result.tokens} tokens) to {result.url} "
                f"in {result.seconds:.1f}s" + (f", {result.retried} retries" if result.retried else ""))
     for key, error in list(result.failures.items())[:10]:

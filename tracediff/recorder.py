@@ -270,6 +270,8 @@ class Recorder:
         self._writers: dict[str, TraceWriter] = {}
         self._queue: queue.Queue[_Batch | None] = queue.Queue(maxsize=max_queue_batches)
         self._queued_bytes = 0
+        self._enqueued = 0  # batches put on the queue / taken off it and written (or dropped): flush()
+        self._done = 0
         self._cond = threading.Condition()
         self._tls = threading.local()
         self._label_generation = 0
@@ -463,6 +465,23 @@ class Recorder:
                 self._fail_tap(state, "its capture", exc)
                 self._count_lost(state, tensor)
 
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every batch captured before this call is written and committed (or counted
+        as dropped), at most ``timeout`` seconds; True when it is. While the host thread waits here
+        the writer thread has the interpreter to itself, so this is also the fastest way through a
+        backlog. Never raises; a closed or failed recorder returns at once."""
+        if self.closed or not self._thread.is_alive() or self._thread is threading.current_thread():
+            return self.closed
+        deadline = time.monotonic() + max(float(timeout), 0.0)
+        with self._cond:
+            target = self._enqueued
+            while self._done < target:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(left)
+        return True
+
     def stats(self) -> dict[str, Any]:
         """Counts per tap as seen from the host thread (rows queued, dropped, skipped)."""
         return {
@@ -572,7 +591,9 @@ class Recorder:
         try:
             flat = tensor.detach().reshape(rows, width)[:take]
             data, event, pooled = self._copy_off_path(flat, fresh)
-            self._queue.put_nowait(_Batch(name, data, take, width, label_fields, event, held, pooled))
+            with self._cond:
+                self._queue.put_nowait(_Batch(name, data, take, width, label_fields, event, held, pooled))
+                self._enqueued += 1
         except queue.Full:  # another host thread filled the last slot first
             self._release(held)
             self._add_drop(state, take)
@@ -610,9 +631,11 @@ class Recorder:
                     return False
                 self._cond.wait(deadline - now)
 
-    def _release(self, nbytes: int) -> None:
+    def _release(self, nbytes: int, done: bool = False) -> None:
         with self._cond:
             self._queued_bytes -= nbytes
+            if done:
+                self._done += 1
             self._cond.notify_all()
 
     def _copy_off_path(self, flat: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, Any, bool]:
@@ -745,7 +768,7 @@ class Recorder:
             finally:
                 if item.pooled:
                     self._pool.put(item.data, pinned=item.event is not None)
-                self._release(item.nbytes)
+                self._release(item.nbytes, done=True)
         self._finish()
 
     def _writer_for(self, item: _Batch) -> TraceWriter:

@@ -37,6 +37,8 @@ class Fix:
     config_can_fix: bool
     reasons: list[str] = field(default_factory=list)
     target_from: str = ""  # where the target layers were read: reference meta, bank, candidate meta
+    #: When the candidate's configured ids are another engine's ids for the target layers: which one
+    numbering_mixup: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -44,8 +46,14 @@ class Fix:
     def sentence(self) -> str:
         if self.value is not None and self.config_can_fix:
             where = f"{self.engine} " if self.engine else ""
-            return (f"Set {where}{self.field} = {self.value} ({self.convention} numbering; physical layers "
+            text = (f"Set {where}{self.field} = {self.value} ({self.convention} numbering; physical layers "
                     f"{format_layers(self.target_layers)} in HF hidden_states numbering, from the {self.target_from}).")
+            mix = self.numbering_mixup
+            if mix:
+                text += (f" The candidate's ids {mix['ids']} are the {mix['convention']} numbering of those layers "
+                         f"({mix['convention']}: {mix['meaning']}; {self.convention}: {mix['candidate_meaning']}): the "
+                         f"same numbers name other layers in {self.engine or self.convention}.")
+            return text
         return " ".join(self.reasons)
 
 
@@ -102,6 +110,7 @@ def propose_fix(decisions: list[SegmentDecision], ref_segments: int, ref_aux: Au
     value, problems = from_physical(list(target), conv, num_layers)  # type: ignore[arg-type]
     fix.value = value
     fix.config_can_fix = value is not None and not problems
+    fix.numbering_mixup = _numbering_mixup(cand_aux, target, conv, num_layers)
     if problems:
         fix.reasons.append(f"No {conv.name} config value reproduces the reference's layers "
                            f"{format_layers(target)}: " + "; ".join(problems) + ".")
@@ -113,3 +122,21 @@ def _in_words(target: list[PhysicalLayer | None], conv: Any, num_layers: int | N
     if value is None or problems:
         return f"{conv.name}: not expressible ({'; '.join(problems)})"
     return f"{conv.name} {conv.field} = {value}"
+
+
+def _numbering_mixup(cand_aux: AuxLayers | None, target: list[PhysicalLayer | None], conv: Any,
+                     num_layers: int | None) -> dict[str, Any] | None:
+    """The candidate's configured ids are what another engine's convention writes for the target
+    layers (SGLang's ids given to vLLM, say): the classic cross-engine mix-up, worth naming."""
+    ids = cand_aux.recorded if cand_aux is not None else None
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+        return None
+    for name, other in CONVENTIONS.items():
+        if name in (conv.name, "capture"):
+            continue
+        value, problems = from_physical(list(target), other, num_layers)  # type: ignore[arg-type]
+        if value is not None and not problems and sorted(value) == sorted(ids) and value != from_physical(
+                list(target), conv, num_layers)[0]:
+            return {"ids": list(ids), "convention": name, "meaning": other.meaning, "field": other.field,
+                    "candidate_meaning": conv.meaning}
+    return None

@@ -1,12 +1,19 @@
-"""Replay a reference trace's token sequences to a running SGLang server, so that the server
-records exactly the tokens the trainer saw.
+"""Replay a reference trace's token sequences to a running SGLang or vLLM server, so that the
+server records exactly the tokens the trainer saw.
 
 Plan, then send: :func:`sequences_from_trace` rebuilds each sequence's token ids from the trace's
 labels (``token_id`` at each position, ``next_token_id`` of the position before filling a gap),
-without reading any values; :func:`send_sequences` posts them to ``/generate`` as ``input_ids``
-(no chat template is rendered again), with ``rid`` = the sequence key, greedy sampling and one new
-token by default, a bounded number in flight, and retries. A server that cannot be reached is a
-:class:`SendError` before anything is sent.
+without reading any values; :func:`send_sequences` posts them as token ids (no chat template is
+rendered again), greedy, one new token by default, a bounded number in flight, with retries:
+
+* SGLang: ``/generate`` with ``input_ids`` and ``rid`` = the sequence key;
+* vLLM: ``/v1/completions`` with ``prompt`` = the token ids and ``request_id`` = the sequence key
+  (vLLM's engine id becomes ``cmpl-<key>-0-<random>``; its adapter records ``<key>``).
+
+Each response's generated token ids and the engine's own speculative-decoding numbers for that
+request (SGLang ``meta_info``, vLLM ``metrics.speculative_decoding`` with
+``--per-request-spec-decode-metrics``) are kept in :attr:`SendResult.responses`. A server that
+cannot be reached is a :class:`SendError` before anything is sent.
 
 Only the standard library does HTTP here (``urllib`` + a thread pool): the requests are small and
 few, and the command must work in the trimmed environments serving boxes have.
@@ -54,6 +61,8 @@ class SendOptions:
     connect_timeout: float = 5.0
     rid_prefix: str = ""
     extra_body: dict[str, Any] = field(default_factory=dict)
+    engine: str = "sglang"  # "sglang" | "vllm"
+    model: str | None = None  # vLLM: the served model name (default: the server's first model)
 
 
 @dataclass
@@ -67,9 +76,13 @@ class SendResult:
     retried: int = 0
     seconds: float = 0.0
     failures: dict[str, str] = field(default_factory=dict)
+    engine: str = "sglang"
+    #: sequence key -> {"request_id", "output_ids", "finish_reason", "spec_decoding"}: what the engine said
+    responses: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "engine": self.engine,
             "url": self.url,
             "sequences": self.sequences,
             "tokens": self.tokens,
@@ -77,6 +90,7 @@ class SendResult:
             "retried": self.retried,
             "seconds": round(self.seconds, 3),
             "failures": dict(self.failures),
+            "responses": {k: dict(v) for k, v in self.responses.items()},
         }
 
 
@@ -156,9 +170,16 @@ def _tokens_of(position: np.ndarray, token_id: np.ndarray, next_token_id: np.nda
 
 
 # ------------------------------------------------------------------------------------------ send
-def check_server(url: str, timeout: float = 5.0, retries: int = 3, backoff: float = 0.5) -> dict[str, Any]:
-    """GET ``/health`` (a server still starting answers 503: retried) then ``/model_info`` (best
-    effort); SendError when nothing answers."""
+ENGINES = ("sglang", "vllm")
+
+
+def check_server(url: str, timeout: float = 5.0, retries: int = 3, backoff: float = 0.5,
+                 engine: str = "sglang") -> dict[str, Any]:
+    """GET ``/health`` (a server still starting answers 503: retried), then what the engine says
+    about its model (best effort): SGLang ``/model_info``, vLLM ``/v1/models`` (its ``served_model``
+    and ``max_model_len``). SendError when nothing answers."""
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine!r}: one of {', '.join(ENGINES)}")
     base = url.rstrip("/")
     for attempt in range(retries + 1):
         try:
@@ -176,12 +197,60 @@ def check_server(url: str, timeout: float = 5.0, retries: int = 3, backoff: floa
                 f"cannot reach the server at {base}: {_reason(exc)}; is it running, and is the URL right?"
             ) from exc
         time.sleep(backoff * (2**attempt))
+    path = "/model_info" if engine == "sglang" else "/v1/models"
     try:
-        with urllib.request.urlopen(f"{base}/model_info", timeout=timeout) as resp:
+        with urllib.request.urlopen(f"{base}{path}", timeout=timeout) as resp:
             info = json.loads(resp.read() or b"{}")
-            return info if isinstance(info, dict) else {}
-    except Exception:  # noqa: BLE001  (optional: only used to check token ids against the vocabulary)
+    except Exception:  # noqa: BLE001  (optional: only used to check token ids and name the model)
         return {}
+    if not isinstance(info, dict):
+        return {}
+    if engine == "vllm":
+        models = [m for m in info.get("data") or [] if isinstance(m, dict)]
+        if models:
+            info["served_model"] = models[0].get("id")
+            if isinstance(models[0].get("max_model_len"), int):
+                info["max_model_len"] = models[0]["max_model_len"]
+    return info
+
+
+def _request(engine: str, seq: ReplaySequence, opts: SendOptions) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) of one greedy request for ``seq`` in ``engine``'s API."""
+    rid = f"{opts.rid_prefix}{seq.key}"
+    if engine == "vllm":
+        body: dict[str, Any] = {"prompt": seq.input_ids, "request_id": rid, "max_tokens": opts.max_new_tokens,
+                                "temperature": 0.0, "ignore_eos": True, "stream": False, "return_token_ids": True}
+        if opts.model:
+            body["model"] = opts.model
+        return "/v1/completions", {**body, **opts.extra_body}
+    return "/generate", {
+        "input_ids": seq.input_ids,
+        "rid": rid,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": opts.max_new_tokens},
+        "stream": False,
+        **opts.extra_body,
+    }
+
+
+def response_summary(engine: str, rid: str, doc: Any) -> dict[str, Any]:
+    """The generated token ids and the engine's own speculative-decoding numbers for one request."""
+    out: dict[str, Any] = {"request_id": rid}
+    if not isinstance(doc, dict):
+        return out
+    if engine == "vllm":
+        choice = (doc.get("choices") or [{}])[0] if isinstance(doc.get("choices"), list) else {}
+        out["output_ids"] = choice.get("token_ids") if isinstance(choice, dict) else None
+        out["finish_reason"] = choice.get("finish_reason") if isinstance(choice, dict) else None
+        spec = (doc.get("metrics") or {}).get("speculative_decoding") if isinstance(doc.get("metrics"), dict) else None
+        out["spec_decoding"] = spec if isinstance(spec, dict) else None
+        return out
+    meta = doc.get("meta_info") if isinstance(doc.get("meta_info"), dict) else {}
+    out["output_ids"] = doc.get("output_ids")
+    out["finish_reason"] = (meta.get("finish_reason") or {}).get("type") if isinstance(
+        meta.get("finish_reason"), dict) else meta.get("finish_reason")
+    spec = {k: v for k, v in meta.items() if k.startswith("spec_") or k in ("completion_tokens", "accept_length")}
+    out["spec_decoding"] = spec or None
+    return out
 
 
 def send_sequences(
@@ -190,7 +259,8 @@ def send_sequences(
     *,
     progress: Callable[[int], None] | None = None,
 ) -> SendResult:
-    """POST every sequence to ``opts.url``/generate, at most ``opts.concurrency`` at a time.
+    """POST every sequence to ``opts.url`` (``/generate`` or ``/v1/completions``), at most
+    ``opts.concurrency`` at a time.
 
     A request that fails with a connection error or a retryable status is retried ``opts.retries``
     times with exponential backoff. When the server stops answering altogether, the remaining
@@ -209,27 +279,36 @@ def send_sequences(
     lock = threading.Lock()
     down = threading.Event()
 
+    if opts.engine not in ENGINES:
+        raise UsageError(f"--engine {opts.engine!r}: one of {', '.join(ENGINES)}")
+    result.engine = opts.engine
+
     def one(seq: ReplaySequence) -> None:
-        body = {
-            "input_ids": seq.input_ids,
-            "rid": f"{opts.rid_prefix}{seq.key}",
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": opts.max_new_tokens},
-            "stream": False,
-            **opts.extra_body,
-        }
+        path, body = _request(opts.engine, seq, opts)
         data = json.dumps(body).encode()
         attempt = 0
         while True:
             if down.is_set():
                 raise _ServerDownError("not sent: the server stopped answering")
             try:
-                req = urllib.request.Request(f"{base}/generate", data=data, method="POST",
+                req = urllib.request.Request(f"{base}{path}", data=data, method="POST",
                                              headers={"Content-Type": "application/json"})
                 with urllib.request.urlopen(req, timeout=opts.timeout) as resp:
-                    resp.read()
+                    raw = resp.read()
+                try:
+                    doc = json.loads(raw or b"{}")
+                except ValueError:
+                    doc = None
+                summary = response_summary(opts.engine, str(body.get("rid") or body.get("request_id")), doc)
+                with lock:
+                    result.responses[seq.key] = summary
                 return
             except urllib.error.HTTPError as exc:
                 detail = _http_detail(exc)
+                if exc.code == 404 and attempt == 0:
+                    other = "vllm" if opts.engine == "sglang" else "sglang"
+                    raise _RequestFailedError(f"HTTP 404 on {path}: is this a {opts.engine} server? (for "
+                                              f"{other}, pass --engine {other})") from exc
                 if exc.code not in RETRY_STATUSES or attempt >= opts.retries:
                     raise _RequestFailedError(f"HTTP {exc.code}: {detail}") from exc
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
@@ -350,6 +429,7 @@ __all__ = [
     "SendResult",
     "check_server",
     "check_vocabulary",
+    "response_summary",
     "send_sequences",
     "sequences_from_trace",
 ]

