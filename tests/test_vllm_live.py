@@ -50,7 +50,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tl = h.build_target(root)
     seqs = make_sequences(n_seqs=4, min_len=6, max_len=20, vocab_size=h.VOCAB, seed=1)
     h.record_trainer(root / "train.zarr", tl, RIGHT, seqs)
-    return {"root": root, "python": python, "target": root / "target", "train": root / "train.zarr",
+    return {"root": root, "python": python, "target": root / "target", "train": root / "train.zarr", "tl": tl,
             "draft_vllm": h.build_draft(root, "draft_vllm", tl, [2, 4, 5], "top"),
             "draft_sglang": h.build_draft(root, "draft_sglang", tl, [1, 3, 4], "eagle_config")}
 
@@ -227,3 +227,61 @@ def test_compare_names_the_sglang_numbering_and_the_vllm_value_to_set(offline, m
     # The one slot both feed (hs4) is found, moved by one.
     by_candidate = {m["candidate"]: m for m in report["segment_map"]}
     assert by_candidate[2]["reference"] == 1
+
+
+# ------------------------------------------------------------------------------- SGLang vs vLLM
+@pytest.fixture(scope="module")
+def sglang_store(models) -> Path:
+    """The same target in real SGLang classes (in this process) capturing SGLang ids [1, 3, 4] (its
+    numbering for hs2, hs4, hs5), over the trainer's sequences keyed as send keys them."""
+    pytest.importorskip("sglang", reason="SGLang is not installed: bash requirements/frameworks-sglang.sh installs it")
+    import sglang_harness as sh
+    import torch
+
+    from tracediff.adapters import sglang as sglang_adapter
+    from tracediff.recorder import Recorder
+    from tracediff.send import sequences_from_trace
+
+    sh.init_sglang()
+    from sglang.srt.models.llama import LlamaForCausalLM
+
+    tl = models["tl"]
+    target = LlamaForCausalLM(tl.config)
+    target.load_weights(tl.model.state_dict().items())
+    target.set_eagle3_layers_to_capture([1, 3, 4])
+    sequences = sequences_from_trace(models["train"])
+    store = models["root"] / "sglang.zarr"
+    with Recorder(store, role="server") as rec:
+        assert sglang_adapter.attach(rec, target)
+        ids = torch.tensor([t for s in sequences for t in s.input_ids])
+        batch = sh.forward_batch("EXTEND", ids, [len(s.input_ids) for s in sequences], [s.key for s in sequences])
+        sh.run_model(target, batch)
+    return store
+
+
+def test_sglang_vs_vllm_with_the_same_numeric_ids_gives_the_fix_in_vllms_numbering(sglang_store, offline,
+                                                                                   models) -> None:
+    out = models["root"] / "cross.json"
+    result = tracediff("compare", sglang_store, offline["store"], "--ref-tap", "aux_hidden", "--cand-tap", "fc_in",
+                       "--json", out)
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["verdict"] == "mismatch"
+    fixes = [f["evidence"]["fix"] for f in report["findings"] if "fix" in f["evidence"]]
+    assert len(fixes) == 1, fixes
+    fix = fixes[0]
+    # SGLang's [1, 3, 4] are physical [2, 4, 5]; the same numbers in vLLM are [1, 3, 4]: set [2, 4, 5].
+    assert fix["target_layers"] == [2, 4, 5] and fix["candidate_layers"] == [1, 3, 4], fix
+    assert fix["engine"] == "vllm" and fix["value"] == [2, 4, 5]
+    assert fix["numbering_mixup"]["convention"] == "sglang"
+
+
+def test_sglang_vs_vllm_with_each_engines_own_ids_for_the_same_layers_match(sglang_store, live, models) -> None:
+    out = models["root"] / "cross_right.json"
+    result = tracediff("compare", sglang_store, live["store"], "--ref-tap", "aux_hidden", "--cand-tap", "fc_in",
+                       "--json", out)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["verdict"] == "match"
+    notes = [f for f in report["findings"] if f["kind"] == "config" and "same physical layers" in f["message"]]
+    assert notes, [f["message"] for f in report["findings"]]
