@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tracediff.adapters import vllm as adapter
+from tracediff.drafts import d2t_facts
 
 HERE = Path(__file__).resolve().parent
 
@@ -30,11 +31,18 @@ def test_the_client_request_id_is_recovered_from_vllms_engine_id(engine_id: str,
 def test_d2t_as_offsets_and_as_absolute_ids_are_told_apart() -> None:
     kept = torch.tensor([0, 3, 4, 9, 10, 15])  # the target ids a 6-token draft vocabulary keeps
     offsets = kept - torch.arange(6)
-    assert adapter.d2t_facts(offsets, vocab=16)["kind"] == "offsets"
-    assert adapter.d2t_facts(kept, vocab=16)["kind"] == "absolute ids"  # draft id i -> i + kept[i]: wrong
-    assert adapter.d2t_facts(torch.zeros(6, dtype=torch.long), vocab=16)["kind"] == "offsets"
-    assert adapter.d2t_facts(None, vocab=16) == {"present": False}
-    a, b = adapter.d2t_facts(offsets, 16)["sha256"], adapter.d2t_facts(kept, 16)["sha256"]
+    assert d2t_facts(offsets, vocab=16)["kind"] == "offsets"
+    assert d2t_facts(kept, vocab=16)["kind"] == "absolute ids"  # as offsets: 15 + 5 = 20, outside
+    assert d2t_facts(torch.zeros(6, dtype=torch.long), vocab=16)["kind"] == "offsets"
+    # Every kept id 2 apart: both readings are valid maps; t2d (the kept ids' mask) decides.
+    even = torch.arange(0, 12, 2)
+    t2d = torch.zeros(16, dtype=torch.bool)
+    t2d[even] = True
+    assert d2t_facts(even - torch.arange(6), vocab=16)["kind"] == "ambiguous"
+    assert d2t_facts(even - torch.arange(6), vocab=16, t2d=t2d)["kind"] == "offsets"
+    assert d2t_facts(even, vocab=16, t2d=t2d)["kind"] == "absolute ids"
+    assert d2t_facts(None, vocab=16) == {"present": False}
+    a, b = d2t_facts(offsets, 16)["sha256"], d2t_facts(kept, 16)["sha256"]
     assert a != b and len(a) == 64
 
 

@@ -53,6 +53,25 @@ def main() -> None:
     """Record and compare the fc-input rows an EAGLE-3 draft sees in training and in serving."""
 
 
+def _replay_options(func: Any) -> Any:
+    """The options of `replay`, shared by `compare --draft`."""
+    options = [
+        click.option("--draft", type=click.Path(path_type=Path),
+                     help="EAGLE-3 draft checkpoint folder (config.json + *.safetensors): replay it on both sides' rows."),
+        click.option("--target", type=click.Path(path_type=Path),
+                     help="Target model folder (safetensors), for the embedding of a draft that has none."),
+        click.option("--server-draft", type=click.Path(path_type=Path),
+                     help="The checkpoint the server loaded, when it is not --draft (e.g. another conversion)."),
+        click.option("--send-report", type=click.Path(path_type=Path),
+                     help="tracediff send --report FILE: the engine's own accept length per request, for (d)."),
+        click.option("--steps", type=int, default=3, show_default=True, help="Draft steps to replay (K)."),
+        click.option("--max-sequences", type=int, help="Replay only the first N common sequences."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
 # ---------------------------------------------------------------------------------- record
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="Store to create.")
@@ -265,6 +284,7 @@ def _record_summary(desc: dict[str, Any], returncode: int) -> str:
 @click.option("--sample-rows", type=int, default=2048, show_default=True, help="Rows sampled to plan the comparison.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the verdict line.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when it is a terminal).")
+@_replay_options
 def compare(
     reference: Path,
     candidate: Path,
@@ -280,8 +300,16 @@ def compare(
     sample_rows: int,
     quiet: bool,
     progress: bool | None,
+    draft: Path | None,
+    target: Path | None,
+    server_draft: Path | None,
+    send_report: Path | None,
+    steps: int,
+    max_sequences: int | None,
 ) -> None:
     """Compare REFERENCE (what the draft learned, e.g. train.zarr) with CANDIDATE (e.g. server.zarr).
+
+    With --draft DIR, also replay the draft on both sides' rows (see `tracediff replay`).
 
     Exit code: 0 match, 1 mismatch, 2 usage or input error.
     """
@@ -314,6 +342,8 @@ def compare(
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
+    if draft is not None:
+        _replay(report, draft, target, server_draft, send_report, steps, max_sequences)
     write_report(report, json_path=json_path, markdown_path=markdown_path, html_path=html_path)
     if quiet:
         counts = report.counts()
@@ -321,6 +351,56 @@ def compare(
     else:
         click.echo(render_text(report, color=sys.stdout.isatty()))
     sys.exit(report.exit_code(fail_on))
+
+
+# ---------------------------------------------------------------------------------- replay
+def _replay(report: Any, draft: Path, target: Path | None, server_draft: Path | None, send_report: Path | None,
+            steps: int, max_sequences: int | None) -> Any:
+    from tracediff.replay import ReplayOptions, attach_replay  # noqa: PLC0415
+
+    if max_sequences is not None and max_sequences <= 0:
+        raise UsageError(f"--max-sequences must be positive, got {max_sequences}")
+    return attach_replay(report, ReplayOptions(
+        draft=str(draft), target=str(target) if target else None, server_draft=str(server_draft) if server_draft else None,
+        send_report=str(send_report) if send_report else None, steps=steps, max_sequences=max_sequences))
+
+
+@main.command()
+@click.argument("reference", type=click.Path(path_type=Path))
+@click.argument("candidate", type=click.Path(path_type=Path))
+@click.option("--tap", help="Tap to replay on both sides (default: as compare picks it).")
+@click.option("--ref-tap", help="Tap of the reference, when the names differ.")
+@click.option("--cand-tap", help="Tap of the candidate, when the names differ.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the JSON report (compare + replay).")
+@click.option("--markdown", "markdown_path", type=click.Path(path_type=Path), help="Write a Markdown report here.")
+@click.option("--html", "html_path", type=click.Path(path_type=Path), help="Write a self-contained HTML report here.")
+@_replay_options
+def replay(reference: Path, candidate: Path, tap: str | None, ref_tap: str | None, cand_tap: str | None,
+           json_path: Path | None, markdown_path: Path | None, html_path: Path | None, draft: Path | None,
+           target: Path | None, server_draft: Path | None, send_report: Path | None, steps: int,
+           max_sequences: int | None) -> None:
+    """What a mismatch costs: run the EAGLE-3 draft (--draft DIR: config.json + safetensors) teacher-forced
+    on REFERENCE's (trainer's) and CANDIDATE's (server's) recorded fc rows: step-0 and multi-step accuracy
+    and accept length, (a) on the reference's rows, (b) on the candidate's, (c) on the candidate's with
+    compare's proposed fix, next to (d) the accept length the engine reported (--send-report from
+    `tracediff send --report`).
+
+    Exit code: 0 nothing found, 1 compare or replay found a problem, 2 usage or input error.
+    """
+    from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
+    from tracediff.report import write_report  # noqa: PLC0415
+    from tracediff.report.text import render_replay  # noqa: PLC0415
+
+    if draft is None:
+        raise UsageError("replay needs --draft DIR (the draft checkpoint folder: config.json + *.safetensors)")
+    for out in (json_path, markdown_path, html_path):
+        if out is not None and not out.parent.resolve().is_dir():
+            raise UsageError(f"{out}: its folder does not exist")
+    report = compare_stores(reference, candidate, CompareOptions(tap=tap, reference_tap=ref_tap, candidate_tap=cand_tap))
+    _replay(report, draft, target, server_draft, send_report, steps, max_sequences)
+    write_report(report, json_path=json_path, markdown_path=markdown_path, html_path=html_path)
+    click.echo(render_replay(report))
+    sys.exit(report.exit_code("error"))
 
 
 # ---------------------------------------------------------------------------------- identify

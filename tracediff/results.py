@@ -34,6 +34,10 @@ FINDING_KINDS: tuple[str, ...] = (
     "token_pairing",
     "segment_subset",
     "sequence_insertion",
+    "replay",
+    "draft_vocabulary",
+    "draft_embedding",
+    "draft_path",
 )
 SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
 
@@ -186,6 +190,7 @@ class Report:
     tracediff_version: str
     schema_version: int = REPORT_SCHEMA_VERSION
     matrix_standardised: list[list[float]] = field(default_factory=list)  # what segment matching decided on
+    replay: dict[str, Any] | None = None  # compare --draft / tracediff replay (tracediff.replay.ReplayResult)
 
     @property
     def verdict(self) -> str:

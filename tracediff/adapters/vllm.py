@@ -46,7 +46,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import hashlib
 import importlib
 import inspect
 import logging
@@ -62,6 +61,7 @@ import numpy as np
 import torch
 
 from tracediff.adapters._serving import activate_from_plugin, all_ranks_requested, claim_rank, command_flags
+from tracediff.drafts import d2t_facts, tensor_sha256
 from tracediff.recorder import Recorder
 
 log = logging.getLogger("tracediff")
@@ -596,37 +596,6 @@ def _first(obj: Any, paths: Sequence[str]) -> Any:
         if cur is not None:
             return cur
     return None
-
-
-def tensor_sha256(t: torch.Tensor, limit: int = 1 << 26) -> str:
-    """sha256 of a tensor's bytes (the first ``limit`` bytes of very large ones, said in the value)."""
-    data = t.detach().to("cpu").contiguous().reshape(-1)
-    raw = data.view(torch.uint8) if data.dtype != torch.bool else data.to(torch.uint8)
-    n = raw.numel()
-    digest = hashlib.sha256(raw[:limit].numpy().tobytes()).hexdigest()
-    return digest if n <= limit else f"{digest} (first {limit} of {n} bytes)"
-
-
-def d2t_facts(d2t: Any, vocab: Any) -> dict[str, Any]:
-    """Present or not, size, hash, and whether it reads as offsets (target id = i + d2t[i], what
-    every engine expects) or as absolute ids (a known converter bug: draft id i then maps to i + id)."""
-    if not isinstance(d2t, torch.Tensor):
-        return {"present": False}
-    values = d2t.detach().to("cpu").long().reshape(-1)
-    out: dict[str, Any] = {"present": True, "size": int(values.numel()), "sha256": tensor_sha256(values)}
-    if values.numel() == 0:
-        return out
-    idx = torch.arange(values.numel())
-    as_offsets = idx + values
-    increasing = bool((values[1:] > values[:-1]).all()) if values.numel() > 1 else False
-    in_range = isinstance(vocab, int) and int(as_offsets.max()) < vocab and int(as_offsets.min()) >= 0
-    if increasing and (not in_range or int(values[0]) == 0 and bool((values >= idx).all())):
-        out["kind"] = "absolute ids"
-    elif bool((as_offsets[1:] > as_offsets[:-1]).all()) and (in_range or not isinstance(vocab, int)):
-        out["kind"] = "offsets"
-    else:
-        out["kind"] = "neither (not a strictly increasing map)"
-    return out
 
 
 # ---------------------------------------------------------------------------------- process facts

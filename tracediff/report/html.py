@@ -113,6 +113,15 @@ def _e(text: Any) -> str:
     return html.escape(str(text), quote=True)
 
 
+def _replay(report: Report) -> str:
+    if not report.replay:
+        return ""
+    from tracediff.report.replay import html_table  # noqa: PLC0415
+
+    return ("<section><h2>Replay: what the mismatch costs the draft</h2>"
+            f"<p>{_e(report.replay.get('conclusion', ''))}</p>{html_table(report.replay, _e)}</section>")
+
+
 def render_html(report: Report) -> str:
     """The whole report as one self-contained HTML document (inline CSS and SVG, no script)."""
     title = f"tracediff: {report.verdict} ({report.reference.path} vs {report.candidate.path})"
@@ -131,6 +140,7 @@ def render_html(report: Report) -> str:
         _metrics(report),
         _plan(report),
         _config_diff(report),
+        _replay(report),
         f"<footer>tracediff {_e(report.tracediff_version)} &middot; report schema {report.schema_version}"
         " &middot; the JSON report (--json) holds every number</footer>",
         "</main></body></html>",

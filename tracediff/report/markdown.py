@@ -75,6 +75,11 @@ def render_markdown(report: Report) -> str:
     lines += _metrics(report)
     lines += _plan(report)
     lines += _config_diff(report)
+    if report.replay:
+        from tracediff.report.replay import markdown_lines  # noqa: PLC0415
+
+        lines += ["", "### Replay: what the mismatch costs the draft", "", _md(report.replay.get("conclusion", "")), ""]
+        lines += markdown_lines(report.replay, lambda c: _md(str(c)))
     lines += [
         "",
         f"<sub>tracediff {html.escape(report.tracediff_version)}, report schema {report.schema_version}</sub>",

@@ -407,6 +407,7 @@ def render_text(report: Report, color: bool = False) -> str:
     lines += _metrics(report, paint)
     lines += _plan(report, paint)
     lines += _config_diff(report, paint)
+    lines += _replay(report, paint)
     lines.append("")
     lines.append(
         paint(
@@ -415,6 +416,28 @@ def render_text(report: Report, color: bool = False) -> str:
             "dim",
         )
     )
+    return "\n".join(lines) + "\n"
+
+
+def _replay(report: Report, paint: _Painter) -> list[str]:
+    if not report.replay:
+        return []
+    from tracediff.report.replay import text_lines  # noqa: PLC0415
+
+    lines = _heading("Replay (what the mismatch costs the draft)", paint)
+    lines += _wrap(clean(report.replay.get("conclusion", "")), "  ")
+    return lines + [clean(line) for line in text_lines(report.replay)]
+
+
+def render_replay(report: Report, color: bool = False) -> str:
+    """The replay part alone, with the verdict line and the errors (``tracediff replay``)."""
+    paint = _Painter(color)
+    lines = _summary(report, paint)[:1] + _replay(report, paint)
+    problems = [f for f in report.findings if f.severity in ("error", "warning")]
+    if problems:
+        lines += _heading("Findings", paint)
+        for f in problems:
+            lines += _wrap(f"{f.severity.upper()} {f.kind}: {clean(f.message)}", "  ")
     return "\n".join(lines) + "\n"
 
 

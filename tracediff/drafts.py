@@ -1,0 +1,116 @@
+"""Facts about an EAGLE-3 draft's vocabulary map and weights that both the recorders (provenance)
+and replay (checks) need; no framework import, no I/O.
+
+``d2t`` maps a draft-vocabulary id to a target id. Every engine reads it as *offsets*: target id =
+``i + d2t[i]``. A map holding the target ids themselves (*absolute ids*, a converter bug seen in the
+wild) then sends draft id i to ``i + id_i``: nearly every drafted token is wrong while the fc input
+is perfect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+
+def tensor_sha256(t: torch.Tensor, limit: int = 1 << 26) -> str:
+    """sha256 of a tensor's bytes (of the first ``limit`` bytes of very large ones, said in the value)."""
+    data = t.detach().to("cpu").contiguous().reshape(-1)
+    raw = data.to(torch.uint8) if data.dtype == torch.bool else data.view(torch.uint8)
+    n = raw.numel()
+    digest = hashlib.sha256(raw[:limit].numpy().tobytes()).hexdigest()
+    return digest if n <= limit else f"{digest} (first {limit} of {n} bytes)"
+
+
+def d2t_kind(d2t: torch.Tensor, vocab: int | None, t2d: torch.Tensor | None = None) -> str:
+    """``offsets``, ``absolute ids``, ``ambiguous`` or ``neither (not a strictly increasing map)``.
+
+    As offsets, ``i + d2t[i]`` must be strictly increasing target ids inside the vocabulary; as
+    absolute ids, ``d2t[i]`` itself must be. A map can be both only when every kept target id is at
+    least 2 from the next (``d2t`` then strictly increases either way): ``t2d`` (the kept target ids'
+    mask, which engines ignore) decides then, else the answer is ``ambiguous``."""
+    values = d2t.detach().to("cpu").long().reshape(-1)
+    if values.numel() == 0:
+        return "neither (not a strictly increasing map)"
+    idx = torch.arange(values.numel())
+
+    def valid(ids: torch.Tensor) -> bool:
+        inside = vocab is None or (int(ids.max()) < vocab and int(ids.min()) >= 0)
+        return inside and (ids.numel() == 1 or bool((ids[1:] > ids[:-1]).all()))
+
+    as_offsets, as_absolute = valid(idx + values), valid(values) and values.numel() > 1
+    if as_offsets and as_absolute:
+        if t2d is not None:
+            kept = torch.nonzero(t2d.detach().to("cpu").reshape(-1).bool()).reshape(-1)
+            if kept.numel() == values.numel():
+                if torch.equal(kept, idx + values):
+                    return "offsets"
+                if torch.equal(kept, values):
+                    return "absolute ids"
+        return "ambiguous"
+    if as_absolute:
+        return "absolute ids"
+    return "offsets" if as_offsets else "neither (not a strictly increasing map)"
+
+
+def d2t_facts(d2t: Any, vocab: int | None, t2d: Any = None) -> dict[str, Any]:
+    """Present, size, sha256 and kind of a d2t map (``{"present": False}`` without one)."""
+    if not isinstance(d2t, torch.Tensor):
+        return {"present": False}
+    values = d2t.detach().to("cpu").long().reshape(-1)
+    return {"present": True, "size": int(values.numel()), "sha256": tensor_sha256(values),
+            "kind": d2t_kind(values, vocab, t2d if isinstance(t2d, torch.Tensor) else None)}
+
+
+def _find(meta: Any, key: str) -> Any:
+    """The first value under ``key`` anywhere in nested dicts (shallowest first)."""
+    stack = [meta]
+    while stack:
+        cur = stack.pop(0)
+        if isinstance(cur, dict):
+            if key in cur:
+                return cur[key]
+            stack.extend(v for v in cur.values() if isinstance(v, dict))
+    return None
+
+
+def compare_provenance(draft: Any, server_draft: Any, candidate_meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """Differences between the draft replay loaded and what the server recorded about its own draft
+    (``d2t``, embedding source), each ``{severity, kind, message, ...}``."""
+    out: list[dict[str, Any]] = []
+    engine_draft = _find(candidate_meta, "draft") or {}
+    served = engine_draft.get("d2t") if isinstance(engine_draft, dict) else None
+    mine = getattr(server_draft, "d2t", None) or {}
+    if isinstance(served, dict):
+        if served.get("present") and served.get("kind") == "absolute ids":
+            out.append({"severity": "error", "kind": "d2t_absolute",
+                        "message": "the server's d2t is absolute ids: draft id i maps to i + d2t[i] instead of d2t's "
+                                   "own target id (convert it to offsets: d2t[i] = target_id[i] - i)",
+                        "server": served})
+        elif served.get("present") != mine.get("present"):
+            out.append({"severity": "error", "kind": "d2t_presence",
+                        "message": f"the server's draft {'has' if served.get('present') else 'has no'} d2t map, the "
+                                   f"replayed draft {'has' if mine.get('present') else 'has none'}",
+                        "server": served, "replayed": mine})
+        elif served.get("present") and served.get("sha256") != mine.get("sha256"):
+            out.append({"severity": "warning", "kind": "d2t_differs",
+                        "message": f"the server's d2t (sha256 {str(served.get('sha256'))[:12]}, {served.get('kind')}) is "
+                                   f"not the replayed draft's ({str(mine.get('sha256'))[:12]}, {mine.get('kind')})",
+                        "server": served, "replayed": mine})
+    mine_kind = mine.get("kind")
+    if mine.get("present") and mine_kind == "absolute ids":
+        out.append({"severity": "error", "kind": "d2t_absolute_checkpoint",
+                    "message": f"the draft checkpoint {getattr(server_draft, 'path', '')}'s d2t is absolute ids: every "
+                               f"engine reads it as offsets, so draft id i maps to i + d2t[i]"})
+    served_embed = engine_draft.get("embed_tokens_from") if isinstance(engine_draft, dict) else None
+    my_embed = getattr(server_draft, "embed_from", None)
+    if served_embed and my_embed and served_embed != my_embed and my_embed != "missing":
+        out.append({"severity": "warning", "kind": "embedding_source",
+                    "message": f"the server's draft took its embedding from the {served_embed}, the replayed one from "
+                               f"the {my_embed}"})
+    return out
+
+
+__all__ = ["compare_provenance", "d2t_facts", "d2t_kind", "tensor_sha256"]

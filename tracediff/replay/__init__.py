@@ -1,0 +1,318 @@
+"""What a mismatch costs: the draft replayed, teacher-forced, on each side's recorded rows.
+
+The split that answers "where is the gap" (all on the sequences both sides recorded, positions both
+cover, labels = the reference's tokens):
+
+(a) the draft on the reference's (trainer's) fc rows and input tokens;
+(b) the draft on the candidate's (server's) rows and input tokens;
+(c) the candidate's rows with compare's proposed fix applied: each reference slot fed by the
+    candidate segment the segment map puts there; a slot the candidate does not feed at all is taken
+    from the reference (what the fixed config would capture) and counted in the report;
+(z) a baseline: the draft with no fc input at all (zeros) on the reference's tokens, what it gets
+    from the tokens alone: "near chance" for a draft is near z;
+(d) the accept length the engine itself reported for those requests (``send --report``), next to
+    (b) replayed at the positions the engine drafted from, over the server's whole sequence
+    (generated tokens are the labels of greedy serving).
+
+a - b is what the fc-input mismatch costs, c - a what the fix leaves, b - d what everything past
+the fc input costs (draft KV, tree, verification, sampling, vocabulary map, embedding). The
+numbers are :class:`~tracediff.replay.score.Tally` summaries (trainer and engine definitions).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tracediff.drafts import compare_provenance
+from tracediff.errors import UsageError
+from tracediff.replay.draft import Eagle3Draft
+from tracediff.replay.rows import SideRows, SideSequence
+from tracediff.replay.score import Tally, draft_sequence
+from tracediff.results import Finding, Report
+from tracediff.store import open_store
+
+RAW_TAPS = ("aux_hidden", "fc_in_raw")
+MATCHED = ("same", "moved")
+
+
+@dataclass
+class ReplayOptions:
+    draft: str
+    target: str | None = None
+    server_draft: str | None = None  # the checkpoint the server loaded, when it differs from --draft
+    send_report: str | None = None
+    steps: int = 3
+    max_sequences: int | None = None
+
+
+@dataclass
+class ReplayResult:
+    draft: dict[str, Any]
+    server_draft: dict[str, Any] | None
+    steps: int
+    sequences: int
+    positions: int
+    a: dict[str, Any]
+    b: dict[str, Any]
+    c: dict[str, Any] | None
+    z: dict[str, Any] | None = None  # no fc input (zeros): what the draft gets from the tokens alone
+    b_engine: dict[str, Any] | None = None  # (b) at the positions the engine drafted from
+    d: dict[str, Any] | None = None  # what the engine reported
+    fix: dict[str, Any] = field(default_factory=dict)  # how (c) was built
+    provenance: list[dict[str, Any]] = field(default_factory=list)  # draft-input differences
+    conclusion: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def fixed_rows(cand: np.ndarray, ref: np.ndarray, segment_map: list[Any], ref_size: int, cand_size: int,
+               k_ref: int) -> tuple[np.ndarray, list[int]]:
+    """The candidate's rows rearranged per the segment map (reference slot j <- the candidate segment
+    matched to it); slots no candidate segment feeds are taken from ``ref``. Returns (rows, the
+    reference slots filled from the reference)."""
+    out = np.empty((cand.shape[0], k_ref * ref_size), dtype=np.float32)
+    source: dict[int, int] = {}
+    for m in segment_map:
+        if m.reference is not None and m.status in MATCHED and m.reference not in source and ref_size == cand_size:
+            source[m.reference] = m.candidate
+    borrowed = []
+    for j in range(k_ref):
+        dst = slice(j * ref_size, (j + 1) * ref_size)
+        if j in source:
+            c = source[j]
+            out[:, dst] = cand[:, c * cand_size:(c + 1) * cand_size]
+        else:
+            out[:, dst] = ref[:, dst]
+            borrowed.append(j)
+    return out, borrowed
+
+
+def engine_accept(send_report: str | Path | None, keys: list[str]) -> dict[str, Any] | None:
+    """(d): the accept length the engine reported for ``keys`` (tracediff send --report): vLLM's
+    per-request ``speculative_decoding`` block, or SGLang's ``spec_verify_ct`` / completion tokens."""
+    if send_report is None:
+        return None
+    path = Path(send_report)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise UsageError(f"--send-report {path}: no such file (write it with tracediff send --report)") from exc
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--send-report {path}: not a JSON send report ({exc})") from exc
+    responses = doc.get("responses") if isinstance(doc, dict) else None
+    if not isinstance(responses, dict):
+        raise UsageError(f"--send-report {path}: no 'responses' (write it with tracediff send --report)")
+    steps = accepted = 0
+    per_step: dict[str, list[int]] = {}
+    used = 0
+    for key in keys:
+        spec = (responses.get(key) or {}).get("spec_decoding") or {}
+        if "num_spec_steps" in spec and "num_accepted_draft_tokens" in spec:
+            steps += int(spec["num_spec_steps"])
+            accepted += int(spec["num_accepted_draft_tokens"])
+            if isinstance(spec.get("per_step_accepted"), list):
+                per_step[key] = [int(x) for x in spec["per_step_accepted"]]
+            used += 1
+        elif "spec_verify_ct" in spec and "completion_tokens" in spec and int(spec["spec_verify_ct"]):
+            steps += int(spec["spec_verify_ct"])
+            accepted += int(spec["completion_tokens"]) - int(spec["spec_verify_ct"])
+            used += 1
+    if not steps:
+        return {"engine": doc.get("engine"), "requests": 0, "accept_engine": None,
+                "note": f"{path} has no speculative-decoding numbers for these sequences (vLLM: "
+                        f"--per-request-spec-decode-metrics detailed)"}
+    return {"engine": doc.get("engine"), "requests": used, "verify_steps": steps, "accepted_drafts": accepted,
+            "accept_engine": 1 + accepted / steps, "per_step_accepted": per_step}
+
+
+def _sequence_tokens(seq: SideSequence) -> np.ndarray:
+    tokens = seq.token_id.copy()
+    if seq.length and seq.next_token_id[-1] >= 0:
+        tokens = np.append(tokens, seq.next_token_id[-1])
+    return tokens
+
+
+def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
+    """The a/b/c/d split for the two stores of ``report`` (compare's result for them)."""
+    if opts.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {opts.steps}")
+    draft = Eagle3Draft(opts.draft, opts.target)
+    server_draft = Eagle3Draft(opts.server_draft, opts.target) if opts.server_draft else draft
+    k_ref, size_ref = report.reference.segments, report.reference.segment_size
+    size_cand = report.candidate.segment_size
+    for name, d in (("--draft", draft), ("--server-draft", server_draft)):
+        if d.info.num_aux * d.info.target_hidden_size != report.reference.width:
+            raise UsageError(f"{name} {d.info.path}: its fc takes {d.info.num_aux} x {d.info.target_hidden_size} inputs, "
+                             f"the reference rows are {report.reference.width} wide: another draft?")
+    with open_store(report.reference.path) as ref_store, open_store(report.candidate.path) as cand_store:
+        ref = SideRows(ref_store, report.reference.tap)
+        cand = SideRows(cand_store, report.candidate.tap)
+        keys = [k for k in ref.sequences if k in cand.sequences]
+        if opts.max_sequences is not None:
+            keys = keys[: opts.max_sequences]
+        if not keys:
+            raise UsageError(f"no sequence is recorded on both sides ({report.reference.path}: {len(ref.sequences)}, "
+                             f"{report.candidate.path}: {len(cand.sequences)}): replay needs the same request ids")
+        tallies = {name: Tally(opts.steps) for name in ("a", "b", "c", "z", "b_engine")}
+        borrowed: list[int] = []
+        positions = 0
+        engine_runs: dict[str, list[int]] = {}
+        ref_raw = report.reference.tap in RAW_TAPS
+        cand_raw = report.candidate.tap in RAW_TAPS
+        for key in keys:
+            rs, cs = ref.sequences[key], cand.sequences[key]
+            n = min(rs.length, cs.length)
+            tokens = torch.from_numpy(_sequence_tokens(rs))
+            rv, cv = ref.values(rs)[:n], cand.values(cs)
+            positions += n
+            for name, d, rows, first, raw in (
+                    ("a", draft, rv, rs.next_token_id[:n], ref_raw),
+                    ("b", server_draft, cv[:n], cs.next_token_id[:n], cand_raw)):
+                correct, known, _ = draft_sequence(d, torch.from_numpy(rows), torch.from_numpy(first), tokens,
+                                                   opts.steps, raw=raw)
+                tallies[name].add(correct, known, rs.positions[:n])
+            fixed, borrowed = fixed_rows(cv[:n], rv, report.segment_map, size_ref, size_cand, k_ref)
+            correct, known, _ = draft_sequence(draft, torch.from_numpy(fixed), torch.from_numpy(cs.next_token_id[:n]),
+                                               tokens, opts.steps, raw=cand_raw)
+            tallies["c"].add(correct, known, rs.positions[:n])
+            # z: no fc input at all (zeros), the reference's tokens: what the draft gets from tokens alone.
+            correct, known, _ = draft_sequence(draft, torch.zeros_like(torch.from_numpy(rv)),
+                                               torch.from_numpy(rs.next_token_id[:n]), tokens, opts.steps)
+            tallies["z"].add(correct, known, rs.positions[:n])
+            # (b) over the server's whole sequence (its generated tokens are the labels), at the
+            # positions the engine drafted from.
+            starts = cand.engine_starts(cs)
+            if starts.size:
+                full_tokens = torch.from_numpy(_sequence_tokens(cs))
+                correct, known, _ = draft_sequence(server_draft, torch.from_numpy(cv),
+                                                   torch.from_numpy(cs.next_token_id), full_tokens, opts.steps,
+                                                   raw=cand_raw)
+                tallies["b_engine"].add(correct[starts], known[starts], starts, every_start=True)
+                engine_runs[key] = np.cumprod(correct[starts], axis=1).sum(1).tolist()
+        result = ReplayResult(
+            draft=draft.info.to_dict(), server_draft=server_draft.info.to_dict() if opts.server_draft else None,
+            steps=opts.steps, sequences=len(keys), positions=positions,
+            a=tallies["a"].summary(), b=tallies["b"].summary(), c=tallies["c"].summary(), z=tallies["z"].summary(),
+            fix={"slots_from_candidate": k_ref - len(borrowed), "slots_from_reference": borrowed,
+                 "segment_map": [(m.candidate, m.reference, m.status) for m in report.segment_map]})
+        if tallies["b_engine"].sequences:
+            result.b_engine = tallies["b_engine"].summary()
+        result.d = engine_accept(opts.send_report, keys)
+        if result.d and result.d.get("per_step_accepted") and engine_runs:
+            result.d["replay_agrees"] = _agreement(result.d["per_step_accepted"], engine_runs)
+        result.provenance = compare_provenance(draft.info, server_draft.info, report.candidate.meta)
+        result.conclusion = conclusion(result)
+        gaps = {k: cand.gaps[k] for k in keys if k in cand.gaps}
+        if gaps:
+            result.notes.append(f"{len(gaps)} candidate sequence(s) have a missing position and were replayed up to it "
+                                f"(e.g. {next(iter(gaps))} at {next(iter(gaps.values()))})")
+        if report.plan.label_offset:
+            result.notes.append(f"compare found a position offset of {report.plan.label_offset} between the sides; "
+                                f"replay pairs rows by their recorded positions")
+        return result
+
+
+def _agreement(engine: dict[str, list[int]], replay: dict[str, list[int]]) -> dict[str, Any]:
+    """How often replay's leading-run at an engine drafting step equals what the engine accepted."""
+    same = total = 0
+    for key, runs in replay.items():
+        mine = engine.get(key)
+        if not mine:
+            continue
+        for r, e in zip(runs, mine, strict=False):
+            total += 1
+            same += int(r == e)
+    return {"steps": total, "same": same, "rate": (same / total) if total else None}
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def conclusion(r: ReplayResult) -> str:
+    """One sentence a person acts on."""
+    a0, b0 = r.a["acc"][0], r.b["acc"][0]
+    parts = []
+    if a0 is None or b0 is None:
+        return "No position had a label: nothing to score."
+    cost = 100 * (a0 - b0)
+    if abs(cost) < 1.0:
+        parts.append(f"the fc input costs nothing measurable (step-0 accuracy {_pct(a0)} on the reference's rows, "
+                     f"{_pct(b0)} on the candidate's)")
+    else:
+        parts.append(f"the candidate's fc input costs {cost:.1f} points of step-0 accuracy ({_pct(a0)} -> {_pct(b0)}; "
+                     f"accept length {r.a['accept_engine'] or 0:.2f} -> {r.b['accept_engine'] or 0:.2f})")
+        if r.c is not None and r.c["acc"][0] is not None:
+            left = 100 * (a0 - r.c["acc"][0])
+            how = "all of it" if abs(left) < 1.0 else f"all but {left:.1f} points"
+            parts.append(f"the proposed fix recovers {how} ({_pct(r.c['acc'][0])})")
+    if r.d and r.d.get("accept_engine") is not None and r.b_engine and r.b_engine.get("accept_engine") is not None:
+        gap = r.b_engine["accept_engine"] - r.d["accept_engine"]
+        if abs(gap) < 0.05:
+            parts.append(f"the engine's own accept length ({r.d['accept_engine']:.2f}) is what replay predicts from its "
+                         f"rows ({r.b_engine['accept_engine']:.2f}): nothing past the fc input costs more")
+        else:
+            parts.append(f"the engine's own accept length is {abs(gap):.2f} {'below' if gap > 0 else 'above'} replay "
+                         f"on its own rows ({r.d['accept_engine']:.2f} vs {r.b_engine['accept_engine']:.2f}): look past "
+                         f"the fc input (draft KV, vocabulary map, embedding, sampling)")
+    for p in r.provenance:
+        if p.get("severity") == "error":
+            parts.append(p["message"])
+            break
+    text = "; ".join(parts)
+    return text[0].upper() + text[1:] + "."
+
+
+_PROVENANCE_KINDS = {"d2t_absolute": "draft_vocabulary", "d2t_presence": "draft_vocabulary",
+                     "d2t_differs": "draft_vocabulary", "d2t_absolute_checkpoint": "draft_vocabulary",
+                     "embedding_source": "draft_embedding"}
+
+
+def attach_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
+    """Run the replay for ``report``'s stores and add it, and its findings, to the report."""
+    result = run_replay(report, opts)
+    report.replay = result.to_dict()
+    report.findings.append(Finding("replay", "info", result.conclusion, {
+        "a": _brief(result.a), "b": _brief(result.b), "c": _brief(result.c) if result.c else None,
+        "b_engine": _brief(result.b_engine) if result.b_engine else None,
+        "d": result.d.get("accept_engine") if result.d else None}))
+    for p in result.provenance:
+        report.findings.append(Finding(_PROVENANCE_KINDS.get(p["kind"], "draft_vocabulary"), p["severity"],
+                                       p["message"][0].upper() + p["message"][1:] + ".",
+                                       {k: v for k, v in p.items() if k not in ("severity", "message")}))
+    gap = _engine_gap(result)
+    if gap is not None:
+        report.findings.append(Finding("draft_path", "warning", gap[0], gap[1]))
+    return result
+
+
+def _brief(t: dict[str, Any]) -> dict[str, Any]:
+    return {"acc": t["acc"], "accept_engine": t["accept_engine"], "accept_specforge": t["accept_specforge"],
+            "starts": t["starts"]}
+
+
+def _engine_gap(r: ReplayResult) -> tuple[str, dict[str, Any]] | None:
+    """A warning when the engine accepts fewer (or more) drafts than replay on its own rows predicts,
+    beyond 3 standard errors of replay's own estimate."""
+    if not (r.d and r.d.get("accept_engine") is not None and r.b_engine and r.b_engine.get("accept_engine")):
+        return None
+    gap = r.b_engine["accept_engine"] - r.d["accept_engine"]
+    se = r.b_engine.get("accept_engine_se") or 0.0
+    if abs(gap) <= max(3 * se, 0.05):
+        return None
+    return (f"The engine's accept length ({r.d['accept_engine']:.2f}) is {abs(gap):.2f} "
+            f"{'below' if gap > 0 else 'above'} what its own fc rows give the draft in replay "
+            f"({r.b_engine['accept_engine']:.2f} +- {se:.2f}): the loss is past the fc input (draft KV or positions, "
+            f"vocabulary map, embedding, verification, sampling).",
+            {"engine": r.d["accept_engine"], "replay": r.b_engine["accept_engine"], "replay_se": se, "gap": gap})
+
+
+__all__ = ["ReplayOptions", "ReplayResult", "attach_replay", "engine_accept", "fixed_rows", "run_replay"]
