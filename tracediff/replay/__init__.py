@@ -4,7 +4,8 @@ The split that answers "where is the gap" (all on the sequences both sides recor
 cover, labels = the reference's tokens):
 
 (a) the draft on the reference's (trainer's) fc rows and input tokens;
-(b) the draft on the candidate's (server's) rows and input tokens;
+(b) the draft on the candidate's (server's) rows and input tokens (and, with ``--server-draft``, the
+    checkpoint the server loaded on the same rows: what the checkpoint itself costs);
 (c) the candidate's rows with compare's proposed fix applied: each reference slot fed by the
     candidate segment the segment map puts there; a slot the candidate does not feed at all is taken
     from the reference (what the fixed config would capture) and counted in the report;
@@ -62,6 +63,7 @@ class ReplayResult:
     b: dict[str, Any]
     c: dict[str, Any] | None
     z: dict[str, Any] | None = None  # no fc input (zeros): what the draft gets from the tokens alone
+    b_server: dict[str, Any] | None = None  # (b) with the server's checkpoint (--server-draft)
     b_engine: dict[str, Any] | None = None  # (b) at the positions the engine drafted from
     d: dict[str, Any] | None = None  # what the engine reported
     fix: dict[str, Any] = field(default_factory=dict)  # how (c) was built
@@ -161,7 +163,7 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
         if not keys:
             raise UsageError(f"no sequence is recorded on both sides ({report.reference.path}: {len(ref.sequences)}, "
                              f"{report.candidate.path}: {len(cand.sequences)}): replay needs the same request ids")
-        tallies = {name: Tally(opts.steps) for name in ("a", "b", "c", "z", "b_engine")}
+        tallies = {name: Tally(opts.steps) for name in ("a", "b", "b_server", "c", "z", "b_engine")}
         borrowed: list[int] = []
         positions = 0
         engine_runs: dict[str, list[int]] = {}
@@ -173,9 +175,10 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
             tokens = torch.from_numpy(_sequence_tokens(rs))
             rv, cv = ref.values(rs)[:n], cand.values(cs)
             positions += n
-            for name, d, rows, first, raw in (
-                    ("a", draft, rv, rs.next_token_id[:n], ref_raw),
-                    ("b", server_draft, cv[:n], cs.next_token_id[:n], cand_raw)):
+            runs = [("a", draft, rv, rs.next_token_id[:n], ref_raw), ("b", draft, cv[:n], cs.next_token_id[:n], cand_raw)]
+            if server_draft is not draft:
+                runs.append(("b_server", server_draft, cv[:n], cs.next_token_id[:n], cand_raw))
+            for name, d, rows, first, raw in runs:
                 correct, known, _ = draft_sequence(d, torch.from_numpy(rows), torch.from_numpy(first), tokens,
                                                    opts.steps, raw=raw)
                 tallies[name].add(correct, known, rs.positions[:n])
@@ -205,6 +208,8 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
                  "segment_map": [(m.candidate, m.reference, m.status) for m in report.segment_map]})
         if tallies["b_engine"].sequences:
             result.b_engine = tallies["b_engine"].summary()
+        if server_draft is not draft:
+            result.b_server = tallies["b_server"].summary()
         result.d = engine_accept(opts.send_report, keys)
         if result.d and result.d.get("per_step_accepted") and engine_runs:
             result.d["replay_agrees"] = _agreement(result.d["per_step_accepted"], engine_runs)
@@ -254,6 +259,13 @@ def conclusion(r: ReplayResult) -> str:
             left = 100 * (a0 - r.c["acc"][0])
             how = "all of it" if abs(left) < 1.0 else f"all but {left:.1f} points"
             parts.append(f"the proposed fix recovers {how} ({_pct(r.c['acc'][0])})")
+    if r.b_server is not None and r.b_server["acc"][0] is not None:
+        lost = 100 * (b0 - r.b_server["acc"][0])
+        if abs(lost) >= 1.0:
+            parts.append(f"the server's checkpoint costs {lost:.1f} more points on the same rows ({_pct(b0)} -> "
+                         f"{_pct(r.b_server['acc'][0])}): it is not the trained draft")
+        else:
+            parts.append("the server's checkpoint drafts as the trained one on the same rows")
     if r.d and r.d.get("accept_engine") is not None and r.b_engine and r.b_engine.get("accept_engine") is not None:
         gap = r.b_engine["accept_engine"] - r.d["accept_engine"]
         if abs(gap) < 0.05:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 ROWS = (("a", "a  reference's rows (trainer)"), ("b", "b  candidate's rows (server)"),
+        ("b_server", "b  same rows, the server's checkpoint"),
         ("c", "c  candidate's rows, fix applied"), ("z", "z  no fc input (tokens alone)"),
         ("b_engine", "b' candidate, at the engine's draft starts"))
 
@@ -44,7 +45,7 @@ def table(replay: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 def by_position(replay: dict[str, Any]) -> list[str]:
     """Step-0 accuracy per position bucket, one line per side."""
     out = []
-    for key, name in ROWS[:3]:
+    for key, _name in ROWS[:3]:
         t = replay.get(key) or {}
         buckets = t.get("acc_by_position") or []
         if buckets:
