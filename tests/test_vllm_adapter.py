@@ -38,7 +38,7 @@ def test_d2t_as_offsets_and_as_absolute_ids_are_told_apart() -> None:
     even = torch.arange(0, 12, 2)
     t2d = torch.zeros(16, dtype=torch.bool)
     t2d[even] = True
-    assert d2t_facts(even - torch.arange(6), vocab=16)["kind"] == "ambiguous"
+    assert d2t_facts(even - torch.arange(6), vocab=16)["kind"].startswith("absolute ids (probably")
     assert d2t_facts(even - torch.arange(6), vocab=16, t2d=t2d)["kind"] == "offsets"
     assert d2t_facts(even, vocab=16, t2d=t2d)["kind"] == "absolute ids"
     assert d2t_facts(None, vocab=16) == {"present": False}

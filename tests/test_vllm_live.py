@@ -4,7 +4,8 @@ A tiny random-weight Llama target (head_dim 64) and two one-layer EAGLE-3 drafts
 ``draft_vllm`` lists the aux layer ids ``[2, 4, 5]`` at the top level of its config (vLLM reads id k
 as the input of layer k = HF ``hidden_states[k]``: the trainer's hs2, hs4, hs5) and ``draft_sglang``
 has the ids ``[1, 3, 4]`` in ``eagle_config``, which are right for SGLang (it adds 1) and name
-hs1, hs3, hs4 in vLLM. The trainer trace is recorded from the same target in transformers.
+hs1, hs3, hs4 in vLLM; it also has a 100-token draft vocabulary whose ``d2t`` holds absolute ids (draft id i -> 2i: still
+inside the vocabulary, so vLLM runs, drafting wrong tokens). The trainer trace is recorded from the same target in transformers.
 
 * ``live``: ``tracediff record --adapter vllm -- python -m vllm.entrypoints.openai.api_server ...``
   with ``draft_vllm``, ``tracediff send --engine vllm`` replays the trainer's sequences (12 new
@@ -52,7 +53,15 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     h.record_trainer(root / "train.zarr", tl, RIGHT, seqs)
     return {"root": root, "python": python, "target": root / "target", "train": root / "train.zarr", "tl": tl,
             "draft_vllm": h.build_draft(root, "draft_vllm", tl, [2, 4, 5], "top"),
-            "draft_sglang": h.build_draft(root, "draft_sglang", tl, [1, 3, 4], "eagle_config")}
+            "draft_sglang": _with_absolute_d2t(h.build_draft(root, "draft_sglang", tl, [1, 3, 4], "eagle_config",
+                                                            draft_vocab_size=100))}
+
+
+def _with_absolute_d2t(path: Path) -> Path:
+    """The converter bug on top: d2t holding the target ids themselves instead of offsets."""
+    from tracediff.testing.eagle3 import with_absolute_d2t
+
+    return with_absolute_d2t(path, path)
 
 
 @pytest.fixture(scope="module")
@@ -285,3 +294,37 @@ def test_sglang_vs_vllm_with_each_engines_own_ids_for_the_same_layers_match(sgla
     assert report["verdict"] == "match"
     notes = [f for f in report["findings"] if f["kind"] == "config" and "same physical layers" in f["message"]]
     assert notes, [f["message"] for f in report["findings"]]
+
+
+# ------------------------------------------------------------------------------------ replay, live
+def test_replay_on_the_servers_rows_predicts_the_engines_own_accept_length(live, models) -> None:
+    """(d) is what vLLM measured; replay of the same draft on the rows vLLM recorded gives the same
+    accepted count at every drafting step: b' - d = 0, nothing past the fc input costs anything."""
+    out = models["root"] / "replay.json"
+    result = tracediff("replay", models["train"], live["store"], "--draft", models["draft_vllm"], "--target",
+                       models["target"], "--send-report", models["root"] / "send.json", "--json", out)
+    assert result.returncode == 0, result.stdout + result.stderr
+    r = json.loads(out.read_text())["replay"]
+    d, b_engine = r["d"], r["b_engine"]
+    assert d["engine"] == "vllm" and d["requests"] == 4
+    assert d["replay_agrees"]["steps"] == d["verify_steps"] > 0
+    assert d["replay_agrees"]["rate"] == 1.0, d["replay_agrees"]
+    assert b_engine["accept_engine"] == pytest.approx(d["accept_engine"], abs=1e-9)
+    assert d["accept_engine"] > 1.0  # the engine accepted drafts: the check is not vacuous
+    assert "nothing past the fc input costs more" in r["conclusion"]
+
+
+def test_the_servers_absolute_d2t_is_flagged_from_its_own_provenance(offline, models) -> None:
+    from tracediff.store import open_store
+
+    with open_store(offline["store"]) as s:
+        (stream,) = s.tap_streams("fc_in")
+        d2t = stream.attrs["meta"]["vllm"]["draft"]["d2t"]
+    assert d2t["present"] and d2t["size"] == 100 and d2t["kind"].startswith("absolute ids")
+    out = models["root"] / "abs.json"
+    result = tracediff("compare", models["train"], offline["store"], "--draft", models["draft_vllm"], "--target",
+                       models["target"], "--json", out)
+    assert result.returncode == 1
+    findings = json.loads(out.read_text())["findings"]
+    vocab = [f for f in findings if f["kind"] == "draft_vocabulary"]
+    assert vocab and vocab[0]["severity"] == "error" and "d2t is absolute ids" in vocab[0]["message"], findings

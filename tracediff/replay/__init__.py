@@ -50,6 +50,8 @@ class ReplayOptions:
     send_report: str | None = None
     steps: int = 3
     max_sequences: int | None = None
+    multi_step_starts: int = 2048  # steps >= 1 from at most this many starts per replay (evenly spread)
+    dtype: str = "auto"  # auto (the checkpoint's: bf16 stays bf16) | float32 | bfloat16
 
 
 @dataclass
@@ -95,6 +97,31 @@ def fixed_rows(cand: np.ndarray, ref: np.ndarray, segment_map: list[Any], ref_si
             out[:, dst] = ref[:, dst]
             borrowed.append(j)
     return out, borrowed
+
+
+def _dtype(name: str, folder: str) -> torch.dtype:
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    if name != "auto":
+        raise UsageError(f"--dtype {name!r}: auto, float32 or bfloat16")
+    from safetensors import safe_open  # noqa: PLC0415
+
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118  (safe_open has no __iter__)
+                if key.endswith("fc.weight"):
+                    return torch.bfloat16 if st.get_slice(key).get_dtype() in ("BF16", "F16") else torch.float32
+    return torch.float32
+
+
+def _fix_is_identity(segment_map: list[Any], k_ref: int, ref_size: int, cand_size: int) -> bool:
+    """The fix would feed the candidate's rows unchanged: (c) is (b)."""
+    if ref_size != cand_size:
+        return False
+    placed = {m.reference: m.candidate for m in segment_map if m.reference is not None and m.status in MATCHED}
+    return len(placed) == k_ref and all(placed.get(j) == j for j in range(k_ref))
 
 
 def engine_accept(send_report: str | Path | None, keys: list[str]) -> dict[str, Any] | None:
@@ -146,8 +173,11 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
     """The a/b/c/d split for the two stores of ``report`` (compare's result for them)."""
     if opts.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {opts.steps}")
-    draft = Eagle3Draft(opts.draft, opts.target)
-    server_draft = Eagle3Draft(opts.server_draft, opts.target) if opts.server_draft else draft
+    if opts.multi_step_starts < 1:
+        raise UsageError(f"--multi-step-starts must be >= 1, got {opts.multi_step_starts}")
+    draft = Eagle3Draft(opts.draft, opts.target, dtype=_dtype(opts.dtype, opts.draft))
+    server_draft = (Eagle3Draft(opts.server_draft, opts.target, dtype=_dtype(opts.dtype, opts.server_draft))
+                    if opts.server_draft else draft)
     k_ref, size_ref = report.reference.segments, report.reference.segment_size
     size_cand = report.candidate.segment_size
     for name, d in (("--draft", draft), ("--server-draft", server_draft)):
@@ -164,6 +194,9 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
             raise UsageError(f"no sequence is recorded on both sides ({report.reference.path}: {len(ref.sequences)}, "
                              f"{report.candidate.path}: {len(cand.sequences)}): replay needs the same request ids")
         tallies = {name: Tally(opts.steps) for name in ("a", "b", "b_server", "c", "z", "b_engine")}
+        common = sum(min(ref.sequences[k].length, cand.sequences[k].length) for k in keys)
+        stride = max(1, -(-common // opts.multi_step_starts))
+        c_is_b = _fix_is_identity(report.segment_map, k_ref, size_ref, size_cand)
         borrowed: list[int] = []
         positions = 0
         engine_runs: dict[str, list[int]] = {}
@@ -175,35 +208,42 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
             tokens = torch.from_numpy(_sequence_tokens(rs))
             rv, cv = ref.values(rs)[:n], cand.values(cs)
             positions += n
+            sample = torch.arange(positions - n, positions)
+            sample = sample[(sample % stride) == 0] - (positions - n)  # steps >= 1 from these starts
             runs = [("a", draft, rv, rs.next_token_id[:n], ref_raw), ("b", draft, cv[:n], cs.next_token_id[:n], cand_raw)]
             if server_draft is not draft:
                 runs.append(("b_server", server_draft, cv[:n], cs.next_token_id[:n], cand_raw))
             for name, d, rows, first, raw in runs:
                 correct, known, _ = draft_sequence(d, torch.from_numpy(rows), torch.from_numpy(first), tokens,
-                                                   opts.steps, raw=raw)
+                                                   opts.steps, raw=raw, starts=sample)
                 tallies[name].add(correct, known, rs.positions[:n])
             fixed, borrowed = fixed_rows(cv[:n], rv, report.segment_map, size_ref, size_cand, k_ref)
-            correct, known, _ = draft_sequence(draft, torch.from_numpy(fixed), torch.from_numpy(cs.next_token_id[:n]),
-                                               tokens, opts.steps, raw=cand_raw)
-            tallies["c"].add(correct, known, rs.positions[:n])
+            if not c_is_b:
+                correct, known, _ = draft_sequence(draft, torch.from_numpy(fixed),
+                                                   torch.from_numpy(cs.next_token_id[:n]), tokens, opts.steps,
+                                                   raw=cand_raw, starts=sample)
+                tallies["c"].add(correct, known, rs.positions[:n])
             # z: no fc input at all (zeros), the reference's tokens: what the draft gets from tokens alone.
             correct, known, _ = draft_sequence(draft, torch.zeros_like(torch.from_numpy(rv)),
-                                               torch.from_numpy(rs.next_token_id[:n]), tokens, opts.steps)
+                                               torch.from_numpy(rs.next_token_id[:n]), tokens, opts.steps,
+                                               starts=sample)
             tallies["z"].add(correct, known, rs.positions[:n])
             # (b) over the server's whole sequence (its generated tokens are the labels), at the
             # positions the engine drafted from.
             starts = cand.engine_starts(cs)
             if starts.size:
                 full_tokens = torch.from_numpy(_sequence_tokens(cs))
+                index = torch.from_numpy(np.searchsorted(cs.positions, starts))
                 correct, known, _ = draft_sequence(server_draft, torch.from_numpy(cv),
                                                    torch.from_numpy(cs.next_token_id), full_tokens, opts.steps,
-                                                   raw=cand_raw)
+                                                   raw=cand_raw, starts=index)
                 tallies["b_engine"].add(correct[starts], known[starts], starts, every_start=True)
                 engine_runs[key] = np.cumprod(correct[starts], axis=1).sum(1).tolist()
         result = ReplayResult(
             draft=draft.info.to_dict(), server_draft=server_draft.info.to_dict() if opts.server_draft else None,
             steps=opts.steps, sequences=len(keys), positions=positions,
-            a=tallies["a"].summary(), b=tallies["b"].summary(), c=tallies["c"].summary(), z=tallies["z"].summary(),
+            a=tallies["a"].summary(), b=tallies["b"].summary(),
+            c=(tallies["b"] if c_is_b else tallies["c"]).summary(), z=tallies["z"].summary(),
             fix={"slots_from_candidate": k_ref - len(borrowed), "slots_from_reference": borrowed,
                  "segment_map": [(m.candidate, m.reference, m.status) for m in report.segment_map]})
         if tallies["b_engine"].sequences:

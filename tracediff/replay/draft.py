@@ -227,10 +227,12 @@ class Eagle3Draft(torch.nn.Module):
 
     def step(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
              keys: list[torch.Tensor], values: list[torch.Tensor], step: int,
-             block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafting step for every start p of a sequence (row p). ``hidden`` [n, H] is ``fc``'s
-        output at step 0, the previous step's fed-back state later; the new keys/values are appended
-        to ``keys``/``values``. Returns (logits over the draft vocabulary [n, V'], fed-back state)."""
+             starts: torch.Tensor | None = None, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting step. Step 0 runs every row of a sequence (``starts`` None: row p is start p);
+        a later step runs the starts ``starts`` (row indices of step 0), each query attending to the
+        step-0 keys of rows 0..start and its own keys of steps 1..k. ``hidden`` is ``fc``'s output at
+        step 0 and the previous step's fed-back state later; this step's keys/values are appended to
+        ``keys``/``values``. Returns (logits over the draft vocabulary, fed-back state)."""
         n = hidden.shape[0]
         emb = self._rms(self.embed_ids(ids), self.ln_in)
         h_norm = self._rms(hidden, self.ln_hidden)
@@ -242,24 +244,25 @@ class Eagle3Draft(torch.nn.Module):
         q, k = self._rope(q, positions), self._rope(k, positions)
         keys.append(k)
         values.append(v)
-        kk = torch.cat(keys, 0).transpose(0, 1)  # [kv, (step+1) n, D]
+        kk = torch.cat(keys, 0).transpose(0, 1)  # [kv, n0 + step * n, D]
         vv = torch.cat(values, 0).transpose(0, 1)
         rep = self.heads // self.kv_heads
         if rep > 1:
             kk, vv = kk.repeat_interleave(rep, 0), vv.repeat_interleave(rep, 0)
+        n0 = keys[0].shape[0]
+        start_rows = torch.arange(n) if starts is None else starts.reshape(-1).long()
         out = torch.empty(n, self.heads, self.head_dim, dtype=q.dtype)
         scale = 1.0 / math.sqrt(self.head_dim)
-        for start in range(0, n, block):
-            stop = min(n, start + block)
-            rows = torch.arange(start, stop)
-            cols = torch.arange(n)
-            allowed = [cols[None, :] <= rows[:, None]]  # step-0 keys of positions 0..p
-            for _ in range(step):  # own keys of steps 1..k at start p
-                allowed.append(cols[None, :] == rows[:, None])
+        for first in range(0, n, block):
+            last = min(n, first + block)
+            rows = start_rows[first:last]
+            allowed = [torch.arange(n0)[None, :] <= rows[:, None]]  # step-0 keys of rows 0..start
+            own = torch.arange(n)[None, :] == torch.arange(first, last)[:, None]
+            allowed += [own] * step  # its own keys of steps 1..k
             mask = torch.cat(allowed, 1)
-            qh = q[start:stop].transpose(0, 1)
-            att = F.scaled_dot_product_attention(qh, kk, vv, attn_mask=mask[None], scale=scale)
-            out[start:stop] = att.transpose(0, 1)
+            att = F.scaled_dot_product_attention(q[first:last].transpose(0, 1), kk, vv, attn_mask=mask[None],
+                                                 scale=scale)
+            out[first:last] = att.transpose(0, 1)
         h = residual + out.reshape(n, -1) @ self.o.T
         residual = h
         h2 = self._rms(h, self.ln_post)

@@ -97,41 +97,49 @@ class Tally:
 
 @torch.no_grad()
 def draft_sequence(draft: Any, fc_rows: torch.Tensor, first_ids: torch.Tensor, tokens: torch.Tensor,
-                   steps: int, *, raw: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Teacher-forced ``steps``-step drafting from every row of one sequence.
+                   steps: int, *, raw: bool = False,
+                   starts: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Teacher-forced ``steps``-step drafting from the rows of one sequence.
 
     ``fc_rows`` [n, W]: the side's fc input at positions 0..n-1; ``first_ids`` [n]: the side's step-0
     input token per row (-1 unknown); ``tokens`` [m]: the sequence's tokens x_0..x_{m-1} (labels and
-    later inputs). Returns (correct [n, K], known [n, K], predictions [n, K] in target ids)."""
+    later inputs). Step 0 runs every row (later starts attend to them); steps >= 1 run the rows
+    ``starts`` only (default: all). Returns (correct [n, K], known [n, K], predictions [n, K] in
+    target ids); rows not in ``starts`` are unknown past step 0."""
     n = int(fc_rows.shape[0])
     m = int(tokens.numel())
     p = torch.arange(n)
-    hidden = draft.project(fc_rows, raw=raw)
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
+    sel = p if starts is None else starts.reshape(-1).long()
     correct = np.zeros((n, steps), dtype=bool)
     known = np.zeros((n, steps), dtype=bool)
     preds = np.full((n, steps), -1, dtype=np.int64)
+    hidden = draft.project(fc_rows, raw=raw)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
     first_ok = first_ids >= 0
     for k in range(steps):
-        at = p + 1 + k
+        rows = p if k == 0 else sel
         if k == 0:
             ids = torch.where(first_ok, first_ids, torch.zeros_like(first_ids))
             usable = first_ok
         else:
+            at = rows + 1 + k
             usable = at < m
             ids = torch.where(usable, tokens[at.clamp(max=m - 1)], torch.zeros_like(at))
-        logits, hidden = draft.step(hidden, ids.long(), p + k, keys, values, k)
+            if hidden.shape[0] != rows.numel():
+                hidden = hidden[sel]
+        logits, hidden = draft.step(hidden, ids.long(), rows + k, keys, values, k, starts=None if k == 0 else sel)
         pred = draft.to_target_ids(logits.argmax(-1))
-        label_at = p + 2 + k
+        label_at = rows + 2 + k
         has_label = label_at < m
         label = tokens[label_at.clamp(max=m - 1)]
         ok = (usable & has_label).numpy()
+        r = rows.numpy()
         if k > 0:
-            ok &= known[:, k - 1]
-        known[:, k] = ok
-        correct[:, k] = ok & (pred == label).numpy()
-        preds[:, k] = pred.numpy()
+            ok &= known[r, k - 1]
+        known[r, k] = ok
+        correct[r, k] = ok & (pred == label).numpy()
+        preds[r, k] = pred.numpy()
     return correct, known, preds
 
 

@@ -251,7 +251,8 @@ def with_absolute_d2t(src: str | Path, dst: str | Path) -> Path:
     from safetensors.torch import load_file
 
     out = Path(dst)
-    shutil.copytree(src, out, dirs_exist_ok=True)
+    if out.resolve() != Path(src).resolve():
+        shutil.copytree(src, out, dirs_exist_ok=True)
     weights = load_file(str(out / "model.safetensors"))
     d2t = weights["d2t"]
     weights["d2t"] = (d2t + torch.arange(d2t.numel())).contiguous()
