@@ -113,8 +113,9 @@ def test_an_in_process_recorder_captures_and_removes_its_patches_at_close(tmp_pa
     assert result["summary"]["fc_in"]["rows"] > 0 and result["summary"]["fc_in"]["skipped"] is None
     assert result["patched"] is False  # closing the recorder put vLLM's methods back
     s = open_store(store)
-    assert {t: s.rows(t) for t in s.taps} == {"aux_hidden": result["summary"]["aux_hidden"]["rows"],
-                                              "fc_in": result["summary"]["fc_in"]["rows"]}
+    assert {t: s.rows(t) for t in s.taps} == {t: result["summary"][t]["rows"]
+                                              for t in ("aux_hidden", "fc_in", "draft_steps")}
+    assert result["summary"]["draft_steps"]["rows"] > 0
 
 
 @pytest.mark.slow

@@ -312,6 +312,31 @@ def test_replay_on_the_servers_rows_predicts_the_engines_own_accept_length(live,
     assert b_engine["accept_engine"] == pytest.approx(d["accept_engine"], abs=1e-9)
     assert d["accept_engine"] > 1.0  # the engine accepted drafts: the check is not vacuous
     assert "nothing past the fc input costs more" in r["conclusion"]
+    # The engine's own draft tokens (draft_steps tap): replay proposes the same ones from the same rows.
+    steps = r["engine_drafts"]["steps"]
+    assert steps[0]["compared"] >= d["verify_steps"] and steps[0]["same"] == steps[0]["compared"], steps
+    assert all(s["unrelated"] == 0 for s in steps)
+
+
+def test_the_draft_steps_tap_holds_what_the_draft_proposed_per_step(live) -> None:
+    from tracediff.store import PHASES, decode_values, open_store
+
+    with open_store(live["store"]) as s:
+        (stream,) = s.tap_streams("draft_steps")
+        labels, names = stream.labels(), stream.seq_names
+        top = decode_values(stream.read(), stream.dtype)
+    assert stream.width == 4
+    assert (top[:, 0] == labels["next_token_id"]).all()  # the proposed token is the top-1
+    for code, key in names.items():
+        mine = labels["seq"] == code
+        for step in np.unique(labels["step"][mine]):
+            rows = np.flatnonzero(mine & (labels["step"] == step))
+            assert len(rows) == 3  # K = 3 draft steps per drafter call
+            assert labels["phase"][rows].tolist() == [PHASES.index("draft_extend")] + [PHASES.index("decode")] * 2
+            pos = labels["position"][rows]
+            assert (np.diff(pos) == 1).all()
+            # Step k's input is step k-1's proposal.
+            assert (labels["token_id"][rows[1:]] == labels["next_token_id"][rows[:-1]]).all()
 
 
 def test_the_servers_absolute_d2t_is_flagged_from_its_own_provenance(offline, models) -> None:

@@ -14,6 +14,12 @@ Capture points, in the process that runs the model (vLLM's Worker; tensor-parall
 ``fc_in_raw``
     with ``norm_before_fc`` / ``fc_norm``, the concatenation before those norms (the same tensor as
     ``aux_hidden``, kept under the name the SGLang adapter uses for it).
+``draft_steps``
+    what the draft itself did, one row per request and draft step k: values = its top-4 target ids
+    (after ``d2t``; top-1 only with vocab-parallel argmax), ``position`` = the draft position
+    (p + k from the request's last valid row p), ``token_id`` = the draft's input token at that step
+    (the sampled token, then its own previous draft), ``next_token_id`` = the token it proposed,
+    ``phase`` = ``draft_extend`` for k = 0 and ``decode`` after, ``step`` = the drafter call.
 
 Row labels (one per row of ``propose``): ``seq`` = the client's request id (vLLM's engine id is
 ``cmpl-<id>-<i>-<8 random hex>`` for ``/v1/completions``, ``chatcmpl-<id>-<8 hex>`` for chat,
@@ -79,6 +85,8 @@ PROPOSE_ARGS = ("target_token_ids", "target_positions", "target_hidden_states", 
 FC_TAP = "fc_in"
 FC_RAW_TAP = "fc_in_raw"
 AUX_TAP = "aux_hidden"
+DRAFT_TAP = "draft_steps"
+TOPK = 4  # draft_steps values: the draft's top-k target ids per step (float32 holds ids < 2**24 exactly)
 ENV_STORE = "TRACEDIFF_VLLM_STORE"
 ENV_ALL_RANKS = "TRACEDIFF_VLLM_ALL_RANKS"
 ENV_COMMIT = "TRACEDIFF_VLLM_COMMIT"
@@ -255,6 +263,7 @@ def _wrap_propose(original: Any) -> Any:
             return original(self, *args, **kwargs)
         finally:
             _state.local.fc = None
+            _state.local.draft = None
             if binding is not None and commit_mode() == "step":
                 # Before vLLM returns this step's tokens: a client that has its response has its rows
                 # committed, even if vLLM SIGKILLs this worker right after (default --shutdown-timeout 0).
@@ -305,14 +314,26 @@ class _Binding:
             recorder.declare(FC_RAW_TAP, **kw, module="SpecDecodeBaseProposer.propose(target_hidden_states)",
                              capture="raw_concatenation",
                              note="the target's concatenated aux states before norm_before_fc / fc_norm")
-        for point in (FC_TAP, AUX_TAP) + ((FC_RAW_TAP,) if self.raw_differs else ()):
+        recorder.declare(DRAFT_TAP, module=f"{type(draft).__qualname__}.compute_logits",
+                         capture="draft_top_k_target_ids", top_k=TOPK)
+        for point in (FC_TAP, AUX_TAP, DRAFT_TAP) + ((FC_RAW_TAP,) if self.raw_differs else ()):
             _state.point(point)["attached"] += 1
+        self.instance_patches: list[str] = []
+        for name in ("compute_logits", "get_top_tokens"):
+            method = getattr(draft, name, None)
+            if callable(method) and name not in draft.__dict__:
+                setattr(draft, name, self._wrap_logits(method, name == "get_top_tokens"))
+                self.instance_patches.append(name)
 
     def active(self) -> bool:
         return not self.removed and not self.recorder.closed and self.draft() is not None
 
     def remove(self) -> None:  # the recorder closes: a hook handle
         self.removed = True
+        draft = self.draft()
+        for name in getattr(self, "instance_patches", []):
+            if draft is not None and name in draft.__dict__:
+                delattr(draft, name)
         with _state.lock:
             if self in _state.bindings:
                 _state.bindings.remove(self)
@@ -348,6 +369,7 @@ class _Binding:
             aux_labels["phase"] = labels["phase"]
             for lab in (aux_labels, fc_labels):
                 lab.pop("fc_phase", None)
+                lab.pop("_draft", None)
             rows = int(hidden.shape[0])
             self._count(AUX_TAP, rows)
             self.recorder.capture(AUX_TAP, hidden, labels=aux_labels)
@@ -355,9 +377,49 @@ class _Binding:
                 self._count(FC_RAW_TAP, rows)
                 self.recorder.capture(FC_RAW_TAP, hidden, labels=fc_labels)
             _state.local.fc = (rows, fc_labels)
+            _state.local.draft = labels.get("_draft")
         except Exception as exc:  # noqa: BLE001
             _skip_point(AUX_TAP, f"{type(exc).__name__}: {exc}")
             _skip_point(FC_TAP, f"{type(exc).__name__}: {exc}")
+
+    def _wrap_logits(self, method: Any, top1_only: bool) -> Any:
+        """The draft's ``compute_logits`` / ``get_top_tokens``: record each draft step's top ids."""
+        binding = self
+
+        @functools.wraps(method)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            out = method(*args, **kwargs)
+            ctx = getattr(_state.local, "draft", None)
+            if ctx is not None and binding.active() and _state.point(DRAFT_TAP)["skipped"] is None:
+                try:
+                    binding._draft_step(ctx, out, top1_only)
+                except Exception as exc:  # noqa: BLE001
+                    _skip_point(DRAFT_TAP, f"{type(exc).__name__}: {exc}")
+            return out
+
+        return wrapper
+
+    def _draft_step(self, ctx: dict[str, Any], out: torch.Tensor, top1_only: bool) -> None:
+        n = ctx["n"]
+        if not isinstance(out, torch.Tensor) or out.shape[0] < n or ctx["k"] >= 64:
+            return
+        out = out[:n]
+        if top1_only or out.dim() == 1:
+            top = torch.full((n, TOPK), -1, dtype=torch.long, device=out.device)
+            top[:, 0] = out.reshape(n).long()
+        else:
+            top = out.topk(min(TOPK, out.shape[-1]), dim=-1).indices
+            if top.shape[1] < TOPK:
+                top = torch.cat([top, torch.full((n, TOPK - top.shape[1]), -1, dtype=top.dtype,
+                                                 device=top.device)], 1)
+        k = ctx["k"]
+        labels = {"seq": ctx["seq"], "position": ctx["pos0"] + k, "token_id": ctx["inputs"],
+                  "next_token_id": top[:, 0], "phase": "draft_extend" if k == 0 else "decode", "step": ctx["step"],
+                  "valid": True}
+        self._count(DRAFT_TAP, n)
+        self.recorder.capture(DRAFT_TAP, top.to(torch.float32), labels=labels, fresh=True)
+        ctx["inputs"] = top[:, 0]
+        ctx["k"] = k + 1
 
     def fc_pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         pending = getattr(_state.local, "fc", None)
@@ -441,9 +503,12 @@ def batch_labels(bound: dict[str, Any], runner: Any, step: int) -> dict[str, Any
     phase = torch.where(in_prompt, torch.full_like(pos, 2), torch.full_like(pos, later)).to(torch.int8)
     if not any(prompt):
         phase = torch.zeros_like(phase)
-    seq = np.repeat(np.array([client_request_id(r) for r in req_ids], dtype=object), counts)
+    clients = [client_request_id(r) for r in req_ids]
+    seq = np.repeat(np.array(clients, dtype=object), counts)
+    draft = {"seq": np.array(clients, dtype=object), "pos0": pos[last], "inputs": nxt[last], "k": 0, "step": step,
+             "n": num_reqs}
     return {"seq": seq, "position": pos, "token_id": tok, "next_token_id": nxt, "valid": valid, "step": step,
-            "phase": phase, "fc_phase": "draft_extend"}
+            "phase": phase, "fc_phase": "draft_extend", "_draft": draft}
 
 
 # -------------------------------------------------------------------------------------- provenance

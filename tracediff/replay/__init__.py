@@ -69,6 +69,7 @@ class ReplayResult:
     b_engine: dict[str, Any] | None = None  # (b) at the positions the engine drafted from
     d: dict[str, Any] | None = None  # what the engine reported
     fix: dict[str, Any] = field(default_factory=dict)  # how (c) was built
+    engine_drafts: dict[str, Any] | None = None  # replay's draft tokens vs the engine's own (draft_steps tap)
     provenance: list[dict[str, Any]] = field(default_factory=list)  # draft-input differences
     conclusion: str = ""
     notes: list[str] = field(default_factory=list)
@@ -200,6 +201,7 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
         borrowed: list[int] = []
         positions = 0
         engine_runs: dict[str, list[int]] = {}
+        engine_drafts = EngineDrafts(cand_store) if DRAFT_TAP in cand_store.taps else None
         ref_raw = report.reference.tap in RAW_TAPS
         cand_raw = report.candidate.tap in RAW_TAPS
         for key in keys:
@@ -234,9 +236,11 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
             if starts.size:
                 full_tokens = torch.from_numpy(_sequence_tokens(cs))
                 index = torch.from_numpy(np.searchsorted(cs.positions, starts))
-                correct, known, _ = draft_sequence(server_draft, torch.from_numpy(cv),
-                                                   torch.from_numpy(cs.next_token_id), full_tokens, opts.steps,
-                                                   raw=cand_raw, starts=index)
+                correct, known, preds = draft_sequence(server_draft, torch.from_numpy(cv),
+                                                       torch.from_numpy(cs.next_token_id), full_tokens, opts.steps,
+                                                       raw=cand_raw, starts=index)
+                if engine_drafts is not None:
+                    engine_drafts.compare(key, starts, preds[starts], _sequence_tokens(cs))
                 tallies["b_engine"].add(correct[starts], known[starts], starts, every_start=True)
                 engine_runs[key] = np.cumprod(correct[starts], axis=1).sum(1).tolist()
         result = ReplayResult(
@@ -254,6 +258,8 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
         if result.d and result.d.get("per_step_accepted") and engine_runs:
             result.d["replay_agrees"] = _agreement(result.d["per_step_accepted"], engine_runs)
         result.provenance = compare_provenance(draft.info, server_draft.info, report.candidate.meta)
+        if engine_drafts is not None:
+            result.engine_drafts = engine_drafts.summary()
         result.conclusion = conclusion(result)
         gaps = {k: cand.gaps[k] for k in keys if k in cand.gaps}
         if gaps:
@@ -263,6 +269,57 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
             result.notes.append(f"compare found a position offset of {report.plan.label_offset} between the sides; "
                                 f"replay pairs rows by their recorded positions")
         return result
+
+
+DRAFT_TAP = "draft_steps"
+
+
+class EngineDrafts:
+    """The tokens the engine's draft proposed at each step (the vLLM adapter's ``draft_steps`` tap),
+    compared with replay's from the same rows: step 0 always (same inputs), step k where the engine's
+    input there is the sequence's own token (its earlier drafts were right)."""
+
+    def __init__(self, store: Any) -> None:
+        self.calls: dict[str, dict[int, list[tuple[int, int, list[int]]]]] = {}
+        for stream in store.tap_streams(DRAFT_TAP):
+            if not stream.rows:
+                continue
+            labels = stream.labels()
+            from tracediff.store import decode_values  # noqa: PLC0415
+
+            top = decode_values(stream.read(), stream.dtype).astype(np.int64)
+            for i in np.lexsort((labels["position"], labels["step"], labels["seq"])):
+                key = stream.seq_names.get(int(labels["seq"][i]), str(int(labels["seq"][i])))
+                calls = self.calls.setdefault(key, {})
+                calls.setdefault(int(labels["step"][i]), []).append(
+                    (int(labels["position"][i]), int(labels["token_id"][i]), top[i].tolist()))
+        self.same: dict[int, int] = {}
+        self.compared: dict[int, int] = {}
+        self.unrelated: dict[int, int] = {}
+
+    def compare(self, key: str, starts: np.ndarray, preds: np.ndarray, tokens: np.ndarray) -> None:
+        by_start = {int(rows[0][0]): rows for rows in self.calls.get(key, {}).values() if rows}
+        for start, pred in zip(starts.tolist(), preds, strict=True):
+            rows = by_start.get(int(start))
+            if rows is None:
+                continue
+            for k, (position, given, top) in enumerate(rows[: pred.shape[0]]):
+                truth = position + 1
+                if k > 0 and not (truth < tokens.size and given == int(tokens[truth])):
+                    break  # the engine's input differs from replay's teacher-forced one from here on
+                if pred[k] < 0:
+                    break
+                self.compared[k] = self.compared.get(k, 0) + 1
+                if int(pred[k]) == top[0]:
+                    self.same[k] = self.same.get(k, 0) + 1
+                elif int(pred[k]) not in top:
+                    self.unrelated[k] = self.unrelated.get(k, 0) + 1
+
+    def summary(self) -> dict[str, Any]:
+        steps = sorted(self.compared)
+        return {"steps": [{"step": k, "compared": self.compared[k], "same": self.same.get(k, 0),
+                           "unrelated": self.unrelated.get(k, 0),
+                           "rate": self.same.get(k, 0) / self.compared[k]} for k in steps]}
 
 
 def _agreement(engine: dict[str, list[int]], replay: dict[str, list[int]]) -> dict[str, Any]:
@@ -343,7 +400,28 @@ def attach_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
     gap = _engine_gap(result)
     if gap is not None:
         report.findings.append(Finding("draft_path", "warning", gap[0], gap[1]))
+    drafts = _engine_draft_finding(result)
+    if drafts is not None:
+        report.findings.append(Finding("draft_path", drafts[0], drafts[1], drafts[2]))
     return result
+
+
+def _engine_draft_finding(r: ReplayResult) -> tuple[str, str, dict[str, Any]] | None:
+    """The engine's draft proposes tokens replay's does not even rank in its top 4, from the same rows
+    and inputs: its draft computes something else (positions, KV, embedding, d2t, lm_head). Near ties
+    (replay's token in the engine's top 4) are numerics and only counted."""
+    steps = (r.engine_drafts or {}).get("steps") or []
+    if not steps:
+        return None
+    first = steps[0]
+    compared, same, unrelated = first["compared"], first["same"], first["unrelated"]
+    if not unrelated:
+        return None
+    severity = "error" if unrelated * 10 >= compared else "warning"
+    return (severity, f"The engine's draft proposed a token outside replay's top 4 at {unrelated} of {compared} step-0 "
+                      f"drafts ({same} identical) from the same fc rows and input tokens: the engine's draft path "
+                      f"computes something else (draft positions or KV, embedding, lm_head, d2t).",
+            {"engine_drafts": r.engine_drafts})
 
 
 def _brief(t: dict[str, Any]) -> dict[str, Any]:

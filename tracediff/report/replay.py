@@ -65,6 +65,10 @@ def text_lines(replay: dict[str, Any]) -> list[str]:
                  f"{draft.get('draft_vocab_size')} of {draft.get('vocab_size')}, d2t "
                  f"{(draft.get('d2t') or {}).get('kind', 'none')}, embedding from the {draft.get('embed_from')}); "
                  f"{replay.get('sequences')} sequences, {replay.get('positions')} positions, {replay.get('steps')} steps")
+    drafts = (replay.get("engine_drafts") or {}).get("steps") or []
+    if drafts:
+        lines.append("  the engine's own draft tokens (draft_steps): " + ", ".join(
+            f"step {d['step']} {d['same']}/{d['compared']} same as replay" for d in drafts))
     fix = replay.get("fix") or {}
     if fix.get("slots_from_reference"):
         lines.append(f"  c: slots {fix['slots_from_reference']} are fed by no candidate segment; taken from the reference "
