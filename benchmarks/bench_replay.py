@@ -7,7 +7,7 @@ What it does:
      stores of ``--rows`` rows of width 3 x 4096 bf16 in sequences of ``--seq-len`` (the "server"
      store = the trainer's rows plus bf16-size noise).
   2. Runs ``tracediff replay TRAIN SERVER --draft DRAFT`` in a fresh process with the default
-     options (3 steps; step 0 on every row, steps 1-2 from 2048 evenly spread starts; the
+     options (3 steps; step 0 scored at 4,096 evenly spread starts, steps 1-2 from 1,024 of them; the
      checkpoint's bf16; a, b, z replayed, c reused from b when the fix changes nothing). Wall time of
      the whole process (imports and the compare included), its CPU time and peak RSS (``wait4``).
   3. Writes (replaces) the ``## bench_replay`` section of ``--out``; deletes every file it made.
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| `tracediff replay` wall time (whole process: imports, compare, a, b, z) | {result['wall']:.1f} s |",
         f"| CPU time | {result['cpu']:.1f} s |",
         f"| peak RSS | {result['peak_rss'] / 2**20:,.0f} MiB |",
-        "", "Defaults: 3 draft steps; step 0 on every row, steps 1-2 from 2,048 evenly spread starts; bf16 "
+        "", "Defaults: 3 draft steps; every row's step-0 key computed, step 0 scored at 4,096 evenly spread starts, steps 1-2 from 1,024 of them, z at a quarter; bf16 "
         "(the checkpoint's dtype); (c) reused from (b) (the fix changes nothing on a matching pair).", ""])
     print(text)
     out = args.out if args.out is not None else (HERE / "RESULTS.md" if args.rows == 10_000 else None)

@@ -66,8 +66,10 @@ def _replay_options(func: Any) -> Any:
                      help="tracediff send --report FILE: the engine's own accept length per request, for (d)."),
         click.option("--steps", type=int, default=3, show_default=True, help="Draft steps to replay (K)."),
         click.option("--max-sequences", type=int, help="Replay only the first N common sequences."),
-        click.option("--multi-step-starts", type=int, default=2048, show_default=True,
-                     help="Draft steps >= 1 from at most N starts per replay, evenly spread (step 0: every row)."),
+        click.option("--score-rows", type=int, default=4096, show_default=True,
+                     help="Score step 0 at most at N starts per replay, evenly spread (every row's key is computed)."),
+        click.option("--multi-step-starts", type=int, default=1024, show_default=True,
+                     help="Draft steps >= 1 from at most N of the scored starts."),
         click.option("--dtype", "replay_dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
                      show_default=True, help="Replay compute dtype (auto: the checkpoint's; bf16 stays bf16)."),
     ]
@@ -310,6 +312,7 @@ def compare(
     send_report: Path | None,
     steps: int,
     max_sequences: int | None,
+    score_rows: int,
     multi_step_starts: int,
     replay_dtype: str,
 ) -> None:
@@ -349,8 +352,8 @@ def compare(
         if bar is not None:
             bar.__exit__(None, None, None)
     if draft is not None:
-        _replay(report, draft, target, server_draft, send_report, steps, max_sequences, multi_step_starts,
-                replay_dtype)
+        _replay(report, draft, target, server_draft, send_report, steps, max_sequences, score_rows,
+                multi_step_starts, replay_dtype)
     write_report(report, json_path=json_path, markdown_path=markdown_path, html_path=html_path)
     if quiet:
         counts = report.counts()
@@ -362,7 +365,8 @@ def compare(
 
 # ---------------------------------------------------------------------------------- replay
 def _replay(report: Any, draft: Path, target: Path | None, server_draft: Path | None, send_report: Path | None,
-            steps: int, max_sequences: int | None, multi_step_starts: int, replay_dtype: str) -> Any:
+            steps: int, max_sequences: int | None, score_rows: int, multi_step_starts: int,
+            replay_dtype: str) -> Any:
     from tracediff.replay import ReplayOptions, attach_replay  # noqa: PLC0415
 
     if max_sequences is not None and max_sequences <= 0:
@@ -370,7 +374,7 @@ def _replay(report: Any, draft: Path, target: Path | None, server_draft: Path | 
     return attach_replay(report, ReplayOptions(
         draft=str(draft), target=str(target) if target else None, server_draft=str(server_draft) if server_draft else None,
         send_report=str(send_report) if send_report else None, steps=steps, max_sequences=max_sequences,
-        multi_step_starts=multi_step_starts, dtype=replay_dtype))
+        score_rows=score_rows, multi_step_starts=multi_step_starts, dtype=replay_dtype))
 
 
 @main.command()
@@ -386,7 +390,7 @@ def _replay(report: Any, draft: Path, target: Path | None, server_draft: Path | 
 def replay(reference: Path, candidate: Path, tap: str | None, ref_tap: str | None, cand_tap: str | None,
            json_path: Path | None, markdown_path: Path | None, html_path: Path | None, draft: Path | None,
            target: Path | None, server_draft: Path | None, send_report: Path | None, steps: int,
-           max_sequences: int | None, multi_step_starts: int, replay_dtype: str) -> None:
+           max_sequences: int | None, score_rows: int, multi_step_starts: int, replay_dtype: str) -> None:
     """What a mismatch costs: run the EAGLE-3 draft (--draft DIR: config.json + safetensors) teacher-forced
     on REFERENCE's (trainer's) and CANDIDATE's (server's) recorded fc rows: step-0 and multi-step accuracy
     and accept length, (a) on the reference's rows, (b) on the candidate's, (c) on the candidate's with
@@ -405,7 +409,8 @@ def replay(reference: Path, candidate: Path, tap: str | None, ref_tap: str | Non
         if out is not None and not out.parent.resolve().is_dir():
             raise UsageError(f"{out}: its folder does not exist")
     report = compare_stores(reference, candidate, CompareOptions(tap=tap, reference_tap=ref_tap, candidate_tap=cand_tap))
-    _replay(report, draft, target, server_draft, send_report, steps, max_sequences, multi_step_starts, replay_dtype)
+    _replay(report, draft, target, server_draft, send_report, steps, max_sequences, score_rows, multi_step_starts,
+            replay_dtype)
     write_report(report, json_path=json_path, markdown_path=markdown_path, html_path=html_path)
     click.echo(render_replay(report))
     sys.exit(report.exit_code("error"))

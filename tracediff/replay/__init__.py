@@ -10,7 +10,7 @@ cover, labels = the reference's tokens):
     candidate segment the segment map puts there; a slot the candidate does not feed at all is taken
     from the reference (what the fixed config would capture) and counted in the report;
 (z) a baseline: the draft with no fc input at all (zeros) on the reference's tokens, what it gets
-    from the tokens alone: "near chance" for a draft is near z;
+    from the tokens alone: "near chance" for a draft is near z (scored at a quarter of the starts);
 (d) the accept length the engine itself reported for those requests (``send --report``), next to
     (b) replayed at the positions the engine drafted from, over the server's whole sequence
     (generated tokens are the labels of greedy serving).
@@ -50,7 +50,8 @@ class ReplayOptions:
     send_report: str | None = None
     steps: int = 3
     max_sequences: int | None = None
-    multi_step_starts: int = 2048  # steps >= 1 from at most this many starts per replay (evenly spread)
+    score_rows: int = 4096  # step 0 scored at most at this many starts per replay (evenly spread)
+    multi_step_starts: int = 1024  # steps >= 1 from at most this many of them
     dtype: str = "auto"  # auto (the checkpoint's: bf16 stays bf16) | float32 | bfloat16
 
 
@@ -174,8 +175,9 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
     """The a/b/c/d split for the two stores of ``report`` (compare's result for them)."""
     if opts.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {opts.steps}")
-    if opts.multi_step_starts < 1:
-        raise UsageError(f"--multi-step-starts must be >= 1, got {opts.multi_step_starts}")
+    if opts.multi_step_starts < 1 or opts.score_rows < 1:
+        raise UsageError(f"--score-rows and --multi-step-starts must be >= 1, got {opts.score_rows}, "
+                         f"{opts.multi_step_starts}")
     draft = Eagle3Draft(opts.draft, opts.target, dtype=_dtype(opts.dtype, opts.draft))
     server_draft = (Eagle3Draft(opts.server_draft, opts.target, dtype=_dtype(opts.dtype, opts.server_draft))
                     if opts.server_draft else draft)
@@ -196,7 +198,8 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
                              f"{report.candidate.path}: {len(cand.sequences)}): replay needs the same request ids")
         tallies = {name: Tally(opts.steps) for name in ("a", "b", "b_server", "c", "z", "b_engine")}
         common = sum(min(ref.sequences[k].length, cand.sequences[k].length) for k in keys)
-        stride = max(1, -(-common // opts.multi_step_starts))
+        stride0 = max(1, -(-common // opts.score_rows))
+        stride = max(1, -(-(-(-common // stride0)) // opts.multi_step_starts))  # among the scored starts
         c_is_b = _fix_is_identity(report.segment_map, k_ref, size_ref, size_cand)
         borrowed: list[int] = []
         positions = 0
@@ -210,25 +213,28 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
             tokens = torch.from_numpy(_sequence_tokens(rs))
             rv, cv = ref.values(rs)[:n], cand.values(cs)
             positions += n
-            sample = torch.arange(positions - n, positions)
-            sample = sample[(sample % stride) == 0] - (positions - n)  # steps >= 1 from these starts
+            g = torch.arange(positions - n, positions)  # the rows' global index over all sequences
+            score = torch.nonzero(g % stride0 == 0).reshape(-1)  # step 0 scored here
+            sample = score[((g[score] // stride0) % stride) == 0]  # steps >= 1 from these
+            z_score = score[((g[score] // stride0) % 4) == 0]  # the baseline: a quarter of them
             runs = [("a", draft, rv, rs.next_token_id[:n], ref_raw), ("b", draft, cv[:n], cs.next_token_id[:n], cand_raw)]
             if server_draft is not draft:
                 runs.append(("b_server", server_draft, cv[:n], cs.next_token_id[:n], cand_raw))
             for name, d, rows, first, raw in runs:
                 correct, known, _ = draft_sequence(d, torch.from_numpy(rows), torch.from_numpy(first), tokens,
-                                                   opts.steps, raw=raw, starts=sample)
+                                                   opts.steps, raw=raw, score=score, starts=sample)
                 tallies[name].add(correct, known, rs.positions[:n])
             fixed, borrowed = fixed_rows(cv[:n], rv, report.segment_map, size_ref, size_cand, k_ref)
             if not c_is_b:
                 correct, known, _ = draft_sequence(draft, torch.from_numpy(fixed),
                                                    torch.from_numpy(cs.next_token_id[:n]), tokens, opts.steps,
-                                                   raw=cand_raw, starts=sample)
+                                                   raw=cand_raw, score=score, starts=sample)
                 tallies["c"].add(correct, known, rs.positions[:n])
             # z: no fc input at all (zeros), the reference's tokens: what the draft gets from tokens alone.
+            z_multi = z_score[torch.isin(z_score, sample)]
             correct, known, _ = draft_sequence(draft, torch.zeros_like(torch.from_numpy(rv)),
                                                torch.from_numpy(rs.next_token_id[:n]), tokens, opts.steps,
-                                               starts=sample)
+                                               score=z_score, starts=z_multi)
             tallies["z"].add(correct, known, rs.positions[:n])
             # (b) over the server's whole sequence (its generated tokens are the labels), at the
             # positions the engine drafted from.
@@ -238,7 +244,7 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
                 index = torch.from_numpy(np.searchsorted(cs.positions, starts))
                 correct, known, preds = draft_sequence(server_draft, torch.from_numpy(cv),
                                                        torch.from_numpy(cs.next_token_id), full_tokens, opts.steps,
-                                                       raw=cand_raw, starts=index)
+                                                       raw=cand_raw, score=index, starts=index)
                 if engine_drafts is not None:
                     engine_drafts.compare(key, starts, preds[starts], _sequence_tokens(cs))
                 tallies["b_engine"].add(correct[starts], known[starts], starts, every_start=True)

@@ -227,43 +227,49 @@ class Eagle3Draft(torch.nn.Module):
 
     def step(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
              keys: list[torch.Tensor], values: list[torch.Tensor], step: int,
-             starts: torch.Tensor | None = None, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafting step. Step 0 runs every row of a sequence (``starts`` None: row p is start p);
-        a later step runs the starts ``starts`` (row indices of step 0), each query attending to the
-        step-0 keys of rows 0..start and its own keys of steps 1..k. ``hidden`` is ``fc``'s output at
-        step 0 and the previous step's fed-back state later; this step's keys/values are appended to
-        ``keys``/``values``. Returns (logits over the draft vocabulary, fed-back state)."""
+             starts: torch.Tensor | None = None, query: torch.Tensor | None = None,
+             block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting step over this step's input rows.
+
+        Step 0 takes every row of a sequence (row p is start p) and appends every row's key/value, but
+        runs the rest of the layer (attention, MLP, norm, lm_head) only for the rows ``query`` (default
+        all): the rows to score. A later step takes the starts ``starts`` (row indices of step 0), each
+        attending to the step-0 keys of rows 0..start and its own keys of steps 1..k. ``hidden`` is
+        ``fc``'s output at step 0 and the previous step's fed-back state later. Returns (logits over the
+        draft vocabulary, fed-back state) of the query rows."""
         n = hidden.shape[0]
         emb = self._rms(self.embed_ids(ids), self.ln_in)
         h_norm = self._rms(hidden, self.ln_hidden)
-        residual = h_norm if self.norm_before_residual else hidden
         x = torch.cat([emb, h_norm], -1)
-        q = (x @ self.q.T).view(n, self.heads, self.head_dim)
-        k = (x @ self.k.T).view(n, self.kv_heads, self.head_dim)
+        k = self._rope((x @ self.k.T).view(n, self.kv_heads, self.head_dim), positions)
         v = (x @ self.v.T).view(n, self.kv_heads, self.head_dim)
-        q, k = self._rope(q, positions), self._rope(k, positions)
         keys.append(k)
         values.append(v)
+        qi = torch.arange(n) if query is None else query.reshape(-1).long()
+        m = qi.numel()
+        xq, hq = x[qi], hidden[qi]
+        residual = h_norm[qi] if self.norm_before_residual else hq
+        q = self._rope((xq @ self.q.T).view(m, self.heads, self.head_dim), positions[qi])
         kk = torch.cat(keys, 0).transpose(0, 1)  # [kv, n0 + step * n, D]
         vv = torch.cat(values, 0).transpose(0, 1)
         rep = self.heads // self.kv_heads
         if rep > 1:
             kk, vv = kk.repeat_interleave(rep, 0), vv.repeat_interleave(rep, 0)
         n0 = keys[0].shape[0]
-        start_rows = torch.arange(n) if starts is None else starts.reshape(-1).long()
-        out = torch.empty(n, self.heads, self.head_dim, dtype=q.dtype)
+        start_rows = qi if starts is None else starts.reshape(-1).long()[qi]
+        out = torch.empty(m, self.heads, self.head_dim, dtype=q.dtype)
         scale = 1.0 / math.sqrt(self.head_dim)
-        for first in range(0, n, block):
-            last = min(n, first + block)
+        for first in range(0, m, block):
+            last = min(m, first + block)
             rows = start_rows[first:last]
             allowed = [torch.arange(n0)[None, :] <= rows[:, None]]  # step-0 keys of rows 0..start
-            own = torch.arange(n)[None, :] == torch.arange(first, last)[:, None]
+            own = torch.arange(n)[None, :] == qi[first:last][:, None]
             allowed += [own] * step  # its own keys of steps 1..k
             mask = torch.cat(allowed, 1)
             att = F.scaled_dot_product_attention(q[first:last].transpose(0, 1), kk, vv, attn_mask=mask[None],
                                                  scale=scale)
             out[first:last] = att.transpose(0, 1)
-        h = residual + out.reshape(n, -1) @ self.o.T
+        h = residual + out.reshape(m, -1) @ self.o.T
         residual = h
         h2 = self._rms(h, self.ln_post)
         h = residual + (F.silu(h2 @ self.gate.T) * (h2 @ self.up.T)) @ self.down.T

@@ -97,43 +97,50 @@ class Tally:
 
 @torch.no_grad()
 def draft_sequence(draft: Any, fc_rows: torch.Tensor, first_ids: torch.Tensor, tokens: torch.Tensor,
-                   steps: int, *, raw: bool = False,
+                   steps: int, *, raw: bool = False, score: torch.Tensor | None = None,
                    starts: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Teacher-forced ``steps``-step drafting from the rows of one sequence.
 
     ``fc_rows`` [n, W]: the side's fc input at positions 0..n-1; ``first_ids`` [n]: the side's step-0
     input token per row (-1 unknown); ``tokens`` [m]: the sequence's tokens x_0..x_{m-1} (labels and
-    later inputs). Step 0 runs every row (later starts attend to them); steps >= 1 run the rows
-    ``starts`` only (default: all). Returns (correct [n, K], known [n, K], predictions [n, K] in
-    target ids); rows not in ``starts`` are unknown past step 0."""
+    later inputs). Every row's step-0 key is computed (later rows attend to it); step 0 is scored at
+    the rows ``score`` (default all) and steps >= 1 run from the rows ``starts`` (default ``score``;
+    must be a subset of it). Returns (correct [n, K], known [n, K], predictions [n, K] in target ids);
+    rows not run are unknown."""
     n = int(fc_rows.shape[0])
     m = int(tokens.numel())
     p = torch.arange(n)
-    sel = p if starts is None else starts.reshape(-1).long()
+    scored = p if score is None else score.reshape(-1).long()
+    sel = scored if starts is None else starts.reshape(-1).long()
     correct = np.zeros((n, steps), dtype=bool)
     known = np.zeros((n, steps), dtype=bool)
     preds = np.full((n, steps), -1, dtype=np.int64)
-    hidden = draft.project(fc_rows, raw=raw)
+    if scored.numel() == 0:
+        return correct, known, preds
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
-    first_ok = first_ids >= 0
+    ids = torch.where(first_ids >= 0, first_ids, torch.zeros_like(first_ids)).long()
+    logits, hidden = draft.step(draft.project(fc_rows, raw=raw), ids, p, keys, values, 0, query=scored)
+    out_rows = scored
     for k in range(steps):
-        rows = p if k == 0 else sel
-        if k == 0:
-            ids = torch.where(first_ok, first_ids, torch.zeros_like(first_ids))
-            usable = first_ok
-        else:
-            at = rows + 1 + k
+        if k > 0:
+            if sel.numel() == 0:
+                break
+            if out_rows is not sel:
+                where = torch.searchsorted(out_rows, sel)
+                hidden = hidden[where]
+                out_rows = sel
+            at = sel + 1 + k
             usable = at < m
-            ids = torch.where(usable, tokens[at.clamp(max=m - 1)], torch.zeros_like(at))
-            if hidden.shape[0] != rows.numel():
-                hidden = hidden[sel]
-        logits, hidden = draft.step(hidden, ids.long(), rows + k, keys, values, k, starts=None if k == 0 else sel)
+            ids = torch.where(usable, tokens[at.clamp(max=m - 1)], torch.zeros_like(at)).long()
+            logits, hidden = draft.step(hidden, ids, sel + k, keys, values, k, starts=sel)
+        else:
+            usable = first_ids[scored] >= 0
+        rows = out_rows
         pred = draft.to_target_ids(logits.argmax(-1))
         label_at = rows + 2 + k
-        has_label = label_at < m
         label = tokens[label_at.clamp(max=m - 1)]
-        ok = (usable & has_label).numpy()
+        ok = (usable & (label_at < m)).numpy()
         r = rows.numpy()
         if k > 0:
             ok &= known[r, k - 1]
