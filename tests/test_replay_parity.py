@@ -59,17 +59,17 @@ def test_replay_equals_sglang_llama_for_causal_lm_eagle3(tmp_path: Path) -> None
     from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
     from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
 
-    H, VOCAB = 32, 128
-    target_config = h.llama_config(6, hidden=H, vocab=VOCAB)
+    hidden, vocab = 32, 128
+    target_config = h.llama_config(6, hidden=hidden, vocab=vocab)
     spec = write_eagle3_draft(tmp_path / "draft", target_config, [1, 3, 4], where="eagle_config", seed=5,
                               own_embedding=True)
-    config = h.llama_config(1, hidden=H, vocab=VOCAB, draft_vocab_size=None,
+    config = h.llama_config(1, hidden=hidden, vocab=vocab, draft_vocab_size=None,
                             eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 4]})
     draft = LlamaForCausalLMEagle3(config)
     draft.load_weights(load_file(str(spec.path / "model.safetensors")).items())
     gen = torch.Generator().manual_seed(2)
-    fc_in = torch.randn(T, 3 * H, generator=gen)
-    ids = torch.randint(0, VOCAB, (T,), generator=gen)
+    fc_in = torch.randn(T, 3 * hidden, generator=gen)
+    ids = torch.randint(0, vocab, (T,), generator=gen)
     batch = h.forward_batch("EXTEND", ids, [T], ["r0"], spec_info=EagleDraftExtendInput(
         hidden_states=fc_in, num_tokens_for_logprob_per_req=1))
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=h.CausalSDPA())):

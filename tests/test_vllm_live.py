@@ -327,7 +327,8 @@ def test_the_draft_steps_tap_holds_what_the_draft_proposed_per_step(live) -> Non
         top = decode_values(stream.read(), stream.dtype)
     assert stream.width == 4
     assert (top[:, 0] == labels["next_token_id"]).all()  # the proposed token is the top-1
-    for code, key in names.items():
+    assert len(names) == 4
+    for code in names:
         mine = labels["seq"] == code
         for step in np.unique(labels["step"][mine]):
             rows = np.flatnonzero(mine & (labels["step"] == step))

@@ -7,9 +7,38 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 from typing import Any
 
 log = logging.getLogger("tracediff")
+
+
+class CaptureState:
+    """What an adapter's hooks share in one process: the capture points (attached hooks, calls, rows,
+    the reason a point stopped), one-time log messages, the engine step counter."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.step = -1
+        self.points: dict[str, dict[str, Any]] = {}  # capture point -> {"attached", "calls", "rows", "skipped"}
+        self.logged: set[str] = set()
+        self.exit_hook = False
+
+    def point(self, name: str) -> dict[str, Any]:
+        return self.points.setdefault(name, {"attached": 0, "calls": 0, "rows": 0, "skipped": None})
+
+    def log_once(self, key: str, level: int, fmt: str, *args: Any) -> None:
+        if key not in self.logged:
+            self.logged.add(key)
+            log.log(level, fmt, *args)
+
+    def skip(self, point: str, reason: str, message: str, *args: Any) -> None:
+        """Stop recording one capture point in this process (the engine's internals moved, or a bug):
+        ``message % args`` once; the engine goes on."""
+        info = self.point(point)
+        if info["skipped"] is None:
+            info["skipped"] = reason
+            log.warning(message, *args)
 
 
 def all_ranks_requested(env_name: str) -> bool:

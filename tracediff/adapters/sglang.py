@@ -50,7 +50,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracediff.adapters._serving import activate_from_plugin, all_ranks_requested, claim_rank, command_flags
+from tracediff.adapters._serving import (
+    CaptureState,
+    activate_from_plugin,
+    all_ranks_requested,
+    claim_rank,
+    command_flags,
+)
 from tracediff.recorder import Recorder
 
 log = logging.getLogger("tracediff")
@@ -76,42 +82,30 @@ _DRAFT_PHASES = {"EXTEND": "draft_extend", "MIXED": "draft_extend", "DRAFT_EXTEN
 
 
 # ------------------------------------------------------------------------------------ process state
-class _Process:
+class _Process(CaptureState):
     """What the hooks of one process share: the iteration counter, the first token of each request of
     the latest target forward (the draft rows' x_p there), provenance, and which points fired."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.step = -1
+        super().__init__()
         self.last_rids: list[str] | None = None
         self.last_first_tokens: torch.Tensor | None = None
         self.target: dict[str, Any] = {}
         self.draft: dict[str, Any] = {}
-        self.points: dict[str, dict[str, Any]] = {}  # capture point -> {"calls", "rows", "attached", "skipped"}
-        self.logged: set[str] = set()
         self.recorders: weakref.WeakSet[Recorder] = weakref.WeakSet()
-        self.exit_hook = False
-
-    def point(self, name: str) -> dict[str, Any]:
-        return self.points.setdefault(name, {"attached": 0, "calls": 0, "rows": 0, "skipped": None})
 
 
 _state = _Process()
 
 
 def _log_once(key: str, level: int, fmt: str, *args: Any) -> None:
-    if key not in _state.logged:
-        _state.logged.add(key)
-        log.log(level, fmt, *args)
+    _state.log_once(key, level, fmt, *args)
 
 
 def _skip_point(point: str, reason: str) -> None:
     """Stop recording one capture point in this process (SGLang internals moved); the server goes on."""
-    info = _state.point(point)
-    if info["skipped"] is None:
-        info["skipped"] = reason
-        log.warning("tracediff: sglang adapter: %s not recorded in pid %d: %s (SGLang internals moved? the server "
-                    "goes on)", point, os.getpid(), reason)
+    _state.skip(point, reason, "tracediff: sglang adapter: %s not recorded in pid %d: %s (SGLang internals moved? "
+                "the server goes on)", point, os.getpid(), reason)
 
 
 # ------------------------------------------------------------------------------------------- attach

@@ -66,7 +66,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracediff.adapters._serving import activate_from_plugin, all_ranks_requested, claim_rank, command_flags
+from tracediff.adapters._serving import (
+    CaptureState,
+    activate_from_plugin,
+    all_ranks_requested,
+    claim_rank,
+    command_flags,
+)
 from tracediff.drafts import d2t_facts, tensor_sha256
 from tracediff.recorder import Recorder
 
@@ -112,36 +118,24 @@ def client_request_id(engine_id: str) -> str:
 
 
 # ------------------------------------------------------------------------------------ process state
-class _Process:
+class _Process(CaptureState):
     def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.step = -1
-        self.local = threading.local()  # .runner during propose_draft_token_ids, .fc = pending fc labels
-        self.points: dict[str, dict[str, Any]] = {}
-        self.logged: set[str] = set()
+        super().__init__()
+        self.local = threading.local()  # .runner during propose_draft_token_ids, .fc / .draft pending labels
         self.bindings: list[_Binding] = []
         self.patches: list[_Patch] = []
-        self.exit_hook = False
-
-    def point(self, name: str) -> dict[str, Any]:
-        return self.points.setdefault(name, {"attached": 0, "calls": 0, "rows": 0, "skipped": None})
 
 
 _state = _Process()
 
 
 def _log_once(key: str, level: int, fmt: str, *args: Any) -> None:
-    if key not in _state.logged:
-        _state.logged.add(key)
-        log.log(level, fmt, *args)
+    _state.log_once(key, level, fmt, *args)
 
 
 def _skip_point(point: str, reason: str) -> None:
-    info = _state.point(point)
-    if info["skipped"] is None:
-        info["skipped"] = reason
-        log.warning("tracediff: vllm adapter: %s not recorded in pid %d: %s (vLLM %s internals moved? serving goes "
-                    "on)", point, os.getpid(), reason, vllm_version())
+    _state.skip(point, reason, "tracediff: vllm adapter: %s not recorded in pid %d: %s (vLLM %s internals moved? "
+                "serving goes on)", point, os.getpid(), reason, vllm_version())
 
 
 # ------------------------------------------------------------------------------------------- attach

@@ -199,7 +199,8 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
         tallies = {name: Tally(opts.steps) for name in ("a", "b", "b_server", "c", "z", "b_engine")}
         common = sum(min(ref.sequences[k].length, cand.sequences[k].length) for k in keys)
         stride0 = max(1, -(-common // opts.score_rows))
-        stride = max(1, -(-(-(-common // stride0)) // opts.multi_step_starts))  # among the scored starts
+        scored = -(-common // stride0)  # ceil: the starts step 0 is scored at
+        stride = max(1, -(-scored // opts.multi_step_starts))  # steps >= 1 from every stride-th of them
         c_is_b = _fix_is_identity(report.segment_map, k_ref, size_ref, size_cand)
         borrowed: list[int] = []
         positions = 0
