@@ -334,3 +334,24 @@ def test_versions_without_forward_batch_rids_take_request_ids_from_the_schedule_
     made = OldForwardBatch.init_new(ScheduleBatch(), None)
     assert made._tracediff_rids == ["a", "b"]
     assert adapter._request_keys(made) == ["a", "b"]
+
+
+@pytest.mark.parametrize(("map_kind", "expected"), [("offsets", "offsets"), ("absolute", "absolute ids")])
+def test_the_drafts_d2t_as_sglang_loaded_it_is_in_the_provenance(tmp_path: Path, models, map_kind: str,
+                                                                  expected: str) -> None:
+    _, target = models
+    draft = make_draft()
+    kept = torch.tensor([0, 1, 2, 5, 6, 9, 40, 41, 99, 127])  # the target ids a 10-token draft vocabulary keeps
+    d2t = kept - torch.arange(kept.numel()) if map_kind == "offsets" else kept
+    draft.load_weights([("d2t", d2t)])  # SGLang's own loader: hot_token_id = d2t + arange
+    store = tmp_path / "server.zarr"
+    with Recorder(store, role="server") as rec:
+        assert adapter.attach(rec, target) and adapter.attach(rec, draft)
+        _, out = prefill(target)
+        rotated = torch.tensor(SEQS[0][1:] + [11] + SEQS[1][1:] + [22])
+        dbatch = h.forward_batch("EXTEND", rotated, [7, 5], ["r0", "r1"],
+                                 spec_info=draft_extend_input(out.hidden_states, num_tokens_per_req=1), capture="LAST")
+        h.run_model(draft, dbatch)
+    _, _, _, attrs = read(store, "fc_in")
+    facts = attrs["meta"]["sglang"]["draft"]["d2t"]
+    assert facts["present"] and facts["size"] == 10 and facts["kind"] == expected

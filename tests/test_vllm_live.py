@@ -179,6 +179,9 @@ def test_provenance_names_vllm_the_resolved_layers_and_the_draft_weights(live) -
     assert v["draft"]["embed_tokens_from"] == "target" and v["draft"]["lm_head_from"] == "draft"
     assert v["draft"]["d2t"] == {"present": False}
     assert v["num_speculative_tokens"] == 3 and v["tensor_parallel_size"] == 1 and v["cuda_graphs"] is False
+    assert v["draft_attention_backends"] and all(isinstance(b, str) for b in v["draft_attention_backends"])
+    assert v["draft"]["max_position_embeddings"] == 4096
+    assert "rope_theta" in v["draft"] or "theta" in str(v["draft"].get("rope_parameters"))
     assert meta["aux_layers"]["convention"] == "vllm" and meta["aux_layers"]["ids"] == [2, 4, 5]
     assert stream.segment_labels == RIGHT
 

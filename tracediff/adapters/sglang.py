@@ -23,7 +23,8 @@ the forward mode, ``step`` = the scheduler iteration in this process, ``valid`` 
 rank is the writer group's ``rank`` attribute.
 
 Provenance (writer ``meta.sglang``): SGLang version, the draft config and where its aux layer ids were
-read from, the target's resolved ``layers_to_capture``, the speculative server args and whether CUDA
+read from, its ``d2t`` (SGLang's ``hot_token_id`` - arange: present, size, sha256, offsets or absolute
+ids), the target's resolved ``layers_to_capture``, the speculative server args and whether CUDA
 graphs are on (graph replay never runs Python hooks).
 
 Runs inside SGLang's forward: hooks read arguments, build small label tensors with a few device ops
@@ -57,6 +58,7 @@ from tracediff.adapters._serving import (
     claim_rank,
     command_flags,
 )
+from tracediff.drafts import d2t_facts
 from tracediff.recorder import Recorder
 
 log = logging.getLogger("tracediff")
@@ -93,6 +95,7 @@ class _Process(CaptureState):
         self.target: dict[str, Any] = {}
         self.draft: dict[str, Any] = {}
         self.recorders: weakref.WeakSet[Recorder] = weakref.WeakSet()
+        self.draft_module: weakref.ref[torch.nn.Module] | None = None
 
 
 _state = _Process()
@@ -382,6 +385,7 @@ def _attach_draft(recorder: Recorder, draft: torch.nn.Module, fc_owner: torch.nn
     raw_differs = getattr(fc_owner, "input_norm", None) is not None or getattr(fc_owner, "fc_norm", None) is not None
     draft_info = _draft_provenance(draft, fc_owner, in_features, raw_differs)
     _state.draft.update(draft_info)
+    _state.draft_module = weakref.ref(draft)
     segment = draft_info.get("target_hidden_size")
     ids = draft_info.get("aux_layer_ids")
     seg_labels = None
@@ -756,6 +760,14 @@ def _publish_meta(recorder: Recorder) -> None:
         meta["target"] = dict(_state.target)
     if _state.draft:
         meta["draft"] = dict(_state.draft)
+        draft = _state.draft_module() if _state.draft_module is not None else None
+        hot = getattr(draft, "hot_token_id", None)
+        if isinstance(hot, torch.Tensor):
+            # SGLang keeps d2t as hot_token_id = d2t + arange: the file's map is hot - arange.
+            flat = hot.detach().reshape(-1).long().cpu()
+            meta["draft"]["d2t"] = d2t_facts(flat - torch.arange(flat.numel()), _state.draft.get("vocab_size"))
+        elif draft is not None:
+            meta["draft"]["d2t"] = {"present": False}
     args = meta["server_args"]
     if args.get("aux_hidden_state_capture") or args.get("enable_return_aux_hidden_states"):
         ids = args.get("return_aux_hidden_state_layer_ids")

@@ -517,6 +517,10 @@ def draft_config_facts(draft: torch.nn.Module) -> dict[str, Any]:
         value = getattr(config, key, None)
         if isinstance(value, (int, float, str, bool)) and value != "":
             out[key.lstrip("_")] = value
+    for key in ("rope_parameters", "rope_scaling"):
+        value = getattr(config, key, None)
+        if isinstance(value, dict):
+            out[key] = {k: v for k, v in value.items() if isinstance(v, (int, float, str, bool))}
     hidden = out.get("target_hidden_size") or out.get("hidden_size")
     if isinstance(hidden, int):
         out["target_hidden_size"] = hidden
@@ -556,6 +560,14 @@ def provenance(proposer: Any, runner: Any, draft: Any, info: dict[str, Any]) -> 
                 f"duplicates): the concatenation follows {resolved}")
     config = getattr(proposer, "vllm_config", None)
     meta.update(_engine_config(config))
+    groups = getattr(proposer, "draft_attn_groups", None) or []
+    backends = sorted({getattr(getattr(g, "backend", None), "__name__", str(getattr(g, "backend", "")))
+                       for g in groups if getattr(g, "backend", None) is not None})
+    if backends:
+        meta["draft_attention_backends"] = backends
+    block = getattr(proposer, "block_size", None)
+    if isinstance(block, int):
+        meta["draft_kv_block_size"] = block
     if draft is not None:
         meta["draft"].update(_weights_provenance(draft, target))
     meta["target_class"] = type(target).__qualname__ if target is not None else None
