@@ -355,3 +355,12 @@ def test_the_drafts_d2t_as_sglang_loaded_it_is_in_the_provenance(tmp_path: Path,
     _, _, _, attrs = read(store, "fc_in")
     facts = attrs["meta"]["sglang"]["draft"]["d2t"]
     assert facts["present"] and facts["size"] == 10 and facts["kind"] == expected
+    # compare reads it from the recorded provenance, with no draft to replay.
+    from tracediff.compare import compare_stores
+
+    report = compare_stores(store, store)
+    vocab = [f for f in report.findings if f.kind == "draft_vocabulary"]
+    if map_kind == "absolute":
+        assert vocab and all(f.severity == "error" and "d2t is absolute ids" in f.message for f in vocab)
+    else:
+        assert not vocab

@@ -19,6 +19,7 @@ from tracediff import __version__
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
 from tracediff.align import RowIndex, align_sequences, pair_rows
 from tracediff.diagnose import StreamResult, stream_metrics
+from tracediff.drafts import recorded_d2t_problems
 from tracediff.errors import CompareError
 from tracediff.findings import build_findings
 from tracediff.metadata import aux_config, config_diff, num_layers, side_aux_layers
@@ -38,7 +39,7 @@ from tracediff.plan import (
     stream_layout,
     tap_summary,
 )
-from tracediff.results import Plan, Report, SegmentMatch, Side
+from tracediff.results import Finding, Plan, Report, SegmentMatch, Side
 from tracediff.segments import SegmentDecision
 from tracediff.store import TraceStore, open_store
 from tracediff.subsets import describe_subset, find_subset, might_hold_subset, subset_labels
@@ -205,6 +206,10 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
     )
     bank = _identify_with_bank(ref_store, cand_store, report, opts) if opts.bank and segplan else None
     report.findings = build_findings(report, alignment, pairs, segplan, stream, ref_aux, cand_aux, bank, subsets)
+    for side, meta in (("candidate", cand_meta), ("reference", ref_meta)):
+        for p in recorded_d2t_problems(meta, side):
+            report.findings.append(Finding("draft_vocabulary", p["severity"], p["message"][0].upper() + p["message"][1:]
+                                           + ".", {k: v for k, v in p.items() if k not in ("severity", "message")}))
     if bank is not None:
         _name_layers(report, bank, opts)
     return report

@@ -118,4 +118,19 @@ def compare_provenance(draft: Any, server_draft: Any, candidate_meta: dict[str, 
     return out
 
 
-__all__ = ["compare_provenance", "d2t_facts", "d2t_kind", "tensor_sha256"]
+def recorded_d2t_problems(meta: dict[str, Any], side: str) -> list[dict[str, Any]]:
+    """What a side's own recorded draft provenance says is wrong with its vocabulary map, without a
+    draft to replay: a d2t of absolute ids (compare reports it from provenance alone)."""
+    engine_draft = _find(meta, "draft") or {}
+    d2t = engine_draft.get("d2t") if isinstance(engine_draft, dict) else None
+    if isinstance(d2t, dict) and d2t.get("present") and str(d2t.get("kind", "")).startswith("absolute ids"):
+        return [{"severity": "error", "kind": "d2t_absolute",
+                 "message": f"the {side}'s d2t is absolute ids (as its engine recorded it, {d2t.get('size')} entries, "
+                            f"sha256 {str(d2t.get('sha256'))[:12]}): the engine reads d2t as offsets, so draft id i "
+                            f"maps to i + d2t[i] and nearly every drafted token is wrong while the fc input can be "
+                            f"perfect; convert it to offsets (d2t[i] = target_id[i] - i)",
+                 "recorded": d2t}]
+    return []
+
+
+__all__ = ["compare_provenance", "d2t_facts", "d2t_kind", "recorded_d2t_problems", "tensor_sha256"]

@@ -400,7 +400,10 @@ def attach_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
         "a": _brief(result.a), "b": _brief(result.b), "c": _brief(result.c) if result.c else None,
         "b_engine": _brief(result.b_engine) if result.b_engine else None,
         "d": result.d.get("accept_engine") if result.d else None}))
+    already = {f.evidence.get("kind") for f in report.findings if f.kind == "draft_vocabulary"}
     for p in result.provenance:
+        if p["kind"] in already:
+            continue  # compare reported it from the recorded provenance already
         report.findings.append(Finding(_PROVENANCE_KINDS.get(p["kind"], "draft_vocabulary"), p["severity"],
                                        p["message"][0].upper() + p["message"][1:] + ".",
                                        {k: v for k, v in p.items() if k not in ("severity", "message")}))
