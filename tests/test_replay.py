@@ -144,3 +144,15 @@ def test_replay_reads_the_speculators_naming_and_refuses_pickles(world, tmp_path
     torch.save({"fc.weight": torch.zeros(1)}, pickled / "pytorch_model.bin")
     with pytest.raises(UsageError, match="never unpickles"):
         Eagle3Draft(pickled)
+
+
+def test_the_replay_table_is_in_every_report_format(world) -> None:
+    root = world["root"]
+    md, html = root / "r.md", root / "r.html"
+    _, run = replay(world, "server_seed", "--markdown", md, "--html", html)
+    text = md.read_text()
+    assert "### Replay: what the mismatch costs the draft" in text
+    assert "| c  candidate's rows, fix applied |" in text and "the proposed fix recovers" in text
+    page = html.read_text()
+    assert "<table class='replay'>" in page and "candidate&#x27;s rows, fix applied" in page
+    assert "Replay (what the mismatch costs the draft)" in run.stdout
