@@ -156,3 +156,23 @@ def test_the_replay_table_is_in_every_report_format(world) -> None:
     page = html.read_text()
     assert "<table class='replay'>" in page and "candidate&#x27;s rows, fix applied" in page
     assert "Replay (what the mismatch costs the draft)" in run.stdout
+
+
+def test_server_rows_of_another_width_are_a_note_not_a_crash(world) -> None:
+    root = world["root"]
+    if not (root / "server_two.zarr").exists():
+        from tracediff.testing.models import server_model as _server
+
+        _record(root / "server_two.zarr", _server(world["tl"], "bf16"), ["hs0", "hs3"], _held_out(world),
+                torch.bfloat16)
+    report, run = replay(world, "server_two")
+    r = report["replay"]
+    assert run.returncode == 1 and r["b"] is None
+    assert any("cannot run" in n for n in r["notes"])
+    assert "do not fit the draft's fc" in r["conclusion"]
+
+
+def _held_out(world) -> list[list[int]]:
+    from tracediff.send import sequences_from_trace
+
+    return [s.input_ids for s in sequences_from_trace(world["root"] / "train.zarr")]

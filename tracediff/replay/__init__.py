@@ -63,7 +63,7 @@ class ReplayResult:
     sequences: int
     positions: int
     a: dict[str, Any]
-    b: dict[str, Any]
+    b: dict[str, Any] | None
     c: dict[str, Any] | None
     z: dict[str, Any] | None = None  # no fc input (zeros): what the draft gets from the tokens alone
     b_server: dict[str, Any] | None = None  # (b) with the server's checkpoint (--server-draft)
@@ -202,6 +202,7 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
         scored = -(-common // stride0)  # ceil: the starts step 0 is scored at
         stride = max(1, -(-scored // opts.multi_step_starts))  # steps >= 1 from every stride-th of them
         c_is_b = _fix_is_identity(report.segment_map, k_ref, size_ref, size_cand)
+        cand_fits = cand.width == report.reference.width  # else the draft's fc cannot read the server's rows
         borrowed: list[int] = []
         positions = 0
         engine_runs: dict[str, list[int]] = {}
@@ -218,8 +219,10 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
             score = torch.nonzero(g % stride0 == 0).reshape(-1)  # step 0 scored here
             sample = score[((g[score] // stride0) % stride) == 0]  # steps >= 1 from these
             z_score = score[((g[score] // stride0) % 4) == 0]  # the baseline: a quarter of them
-            runs = [("a", draft, rv, rs.next_token_id[:n], ref_raw), ("b", draft, cv[:n], cs.next_token_id[:n], cand_raw)]
-            if server_draft is not draft:
+            runs = [("a", draft, rv, rs.next_token_id[:n], ref_raw)]
+            if cand_fits:
+                runs.append(("b", draft, cv[:n], cs.next_token_id[:n], cand_raw))
+            if cand_fits and server_draft is not draft:
                 runs.append(("b_server", server_draft, cv[:n], cs.next_token_id[:n], cand_raw))
             for name, d, rows, first, raw in runs:
                 correct, known, _ = draft_sequence(d, torch.from_numpy(rows), torch.from_numpy(first), tokens,
@@ -240,7 +243,7 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
             # (b) over the server's whole sequence (its generated tokens are the labels), at the
             # positions the engine drafted from.
             starts = cand.engine_starts(cs)
-            if starts.size:
+            if starts.size and cand_fits:
                 full_tokens = torch.from_numpy(_sequence_tokens(cs))
                 index = torch.from_numpy(np.searchsorted(cs.positions, starts))
                 correct, known, preds = draft_sequence(server_draft, torch.from_numpy(cv),
@@ -253,8 +256,8 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
         result = ReplayResult(
             draft=draft.info.to_dict(), server_draft=server_draft.info.to_dict() if opts.server_draft else None,
             steps=opts.steps, sequences=len(keys), positions=positions,
-            a=tallies["a"].summary(), b=tallies["b"].summary(),
-            c=(tallies["b"] if c_is_b else tallies["c"]).summary(), z=tallies["z"].summary(),
+            a=tallies["a"].summary(), b=tallies["b"].summary() if cand_fits else None,
+            c=(tallies["b"] if c_is_b and cand_fits else tallies["c"]).summary(), z=tallies["z"].summary(),
             fix={"slots_from_candidate": k_ref - len(borrowed), "slots_from_reference": borrowed,
                  "segment_map": [(m.candidate, m.reference, m.status) for m in report.segment_map]})
         if tallies["b_engine"].sequences:
@@ -268,6 +271,9 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
         if engine_drafts is not None:
             result.engine_drafts = engine_drafts.summary()
         result.conclusion = conclusion(result)
+        if not cand_fits:
+            result.notes.append(f"the candidate's rows are {cand.width} wide, the draft's fc reads "
+                                f"{report.reference.width}: (b) cannot run; (c) is the fix's rows")
         gaps = {k: cand.gaps[k] for k in keys if k in cand.gaps}
         if gaps:
             result.notes.append(f"{len(gaps)} candidate sequence(s) have a missing position and were replayed up to it "
@@ -348,8 +354,12 @@ def _pct(x: float | None) -> str:
 
 def conclusion(r: ReplayResult) -> str:
     """One sentence a person acts on."""
-    a0, b0 = r.a["acc"][0], r.b["acc"][0]
     parts = []
+    if r.b is None:
+        c0 = r.c["acc"][0] if r.c else None
+        return (f"The server's rows do not fit the draft's fc (another hidden size): step-0 accuracy "
+                f"{_pct(r.a['acc'][0])} on the reference's rows, {_pct(c0)} with the proposed fix's rows.")
+    a0, b0 = r.a["acc"][0], r.b["acc"][0]
     if a0 is None or b0 is None:
         return "No position had a label: nothing to score."
     cost = 100 * (a0 - b0)
@@ -397,7 +407,8 @@ def attach_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
     result = run_replay(report, opts)
     report.replay = result.to_dict()
     report.findings.append(Finding("replay", "info", result.conclusion, {
-        "a": _brief(result.a), "b": _brief(result.b), "c": _brief(result.c) if result.c else None,
+        "a": _brief(result.a), "b": _brief(result.b) if result.b else None,
+        "c": _brief(result.c) if result.c else None,
         "b_engine": _brief(result.b_engine) if result.b_engine else None,
         "d": result.d.get("accept_engine") if result.d else None}))
     already = {f.evidence.get("kind") for f in report.findings if f.kind == "draft_vocabulary"}
