@@ -137,3 +137,29 @@ def test_a_vllm_whose_internals_moved_gets_a_clear_skip_not_a_crash(tmp_path: Pa
     assert any("cannot find vllm.v1.spec_decode.no_such_module" in line and "internals moved" in line
                for line in lines), run.stderr[-3000:]
     assert result["patched"] is False
+
+
+@pytest.mark.slow
+def test_vllm_loads_the_plugin_entry_point_gated_by_its_variable(tmp_path: Path) -> None:
+    """No `tracediff record`: vLLM's own general-plugins loading records into TRACEDIFF_VLLM_STORE in
+    the processes it spawns; without the variable the installed plugin does nothing."""
+    import vllm_harness as h
+
+    from tracediff.store import open_store
+    from tracediff.testing.tiny_llama import make_sequences
+
+    python = h.vllm_python()
+    tl = h.build_target(tmp_path)
+    draft = h.build_draft(tmp_path, "draft", tl, [2, 4, 5], "top")
+    train = tmp_path / "train.zarr"
+    h.record_trainer(train, tl, ["hs2", "hs4", "hs5"], make_sequences(n_seqs=2, min_len=6, max_len=9,
+                                                                     vocab_size=h.VOCAB, seed=3))
+    store = tmp_path / "plugin.zarr"
+    env = dict(h.vllm_env(), TRACEDIFF_VLLM_STORE=str(store))
+    run = subprocess.run([str(python), str(HERE / "vllm_children.py"), "offline", str(train), str(tmp_path / "target"),
+                          str(draft), "2"], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open_store(store) as s:
+        assert s.rows("fc_in") > 0 and s.source.get("recorded_by") == ["vllm plugin", "TRACEDIFF_VLLM_STORE"]
+        (stream,) = s.tap_streams("fc_in")
+        assert sorted(stream.seq_names.values()) == ["0", "1"]
