@@ -176,3 +176,28 @@ def _held_out(world) -> list[list[int]]:
     from tracediff.send import sequences_from_trace
 
     return [s.input_ids for s in sequences_from_trace(world["root"] / "train.zarr")]
+
+
+@pytest.mark.parametrize("case", ["no_config", "wrong_width", "no_send_report", "bad_send_report"])
+def test_bad_replay_input_is_a_one_line_error_naming_the_file(world, tmp_path: Path, case: str) -> None:
+    from tracediff.testing.eagle3 import write_eagle3_draft
+
+    draft, extra, expect = world["draft"], [], ""
+    if case == "no_config":
+        draft = tmp_path / "empty_draft"
+        draft.mkdir()
+        expect = f"{draft / 'config.json'}: missing"
+    elif case == "wrong_width":
+        draft = write_eagle3_draft(tmp_path / "two_aux", world["tl"].config, [0, 3]).path  # fc reads 2 x 64
+        expect = "its fc takes 2 x 64 inputs, the reference rows are 192 wide"
+    elif case == "no_send_report":
+        extra, expect = ["--send-report", tmp_path / "nope.json"], "nope.json: no such file"
+    else:
+        bad = tmp_path / "bad.json"
+        bad.write_text("{not json")
+        extra, expect = ["--send-report", bad], "bad.json: not a JSON send report"
+    run = subprocess.run([sys.executable, "-m", "tracediff", "replay", world["root"] / "train.zarr",
+                          world["root"] / "server_right.zarr", "--draft", draft, *extra],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr.strip().count("\n") == 0 and expect in run.stderr, run.stderr

@@ -20,11 +20,14 @@ AMBIGUOUS = "absolute ids (probably: read as offsets it is valid too, but then n
 
 def tensor_sha256(t: torch.Tensor, limit: int = 1 << 26) -> str:
     """sha256 of a tensor's bytes (of the first ``limit`` bytes of very large ones, said in the value)."""
-    data = t.detach().to("cpu").contiguous().reshape(-1)
+    flat = t.detach().reshape(-1)
+    size = 1 if flat.dtype == torch.bool else flat.element_size()
+    n = flat.numel() * size
+    # Cut on the tensor's own device: a 1 GB embedding on a GPU copies only the hashed part to the host.
+    data = flat[: max(limit // size, 1)].to("cpu").contiguous()
     raw = data.to(torch.uint8) if data.dtype == torch.bool else data.view(torch.uint8)
-    n = raw.numel()
-    digest = hashlib.sha256(raw[:limit].numpy().tobytes()).hexdigest()
-    return digest if n <= limit else f"{digest} (first {limit} of {n} bytes)"
+    digest = hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+    return digest if n <= limit else f"{digest} (first {raw.numel()} of {n} bytes)"
 
 
 def d2t_kind(d2t: torch.Tensor, vocab: int | None, t2d: torch.Tensor | None = None) -> str:

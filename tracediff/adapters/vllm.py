@@ -258,7 +258,7 @@ def _wrap_propose(original: Any) -> Any:
         finally:
             _state.local.fc = None
             _state.local.draft = None
-            if binding is not None and commit_mode() == "step":
+            if binding is not None and binding.commit == "step":
                 # Before vLLM returns this step's tokens: a client that has its response has its rows
                 # committed, even if vLLM SIGKILLs this worker right after (default --shutdown-timeout 0).
                 binding.recorder.flush(timeout=COMMIT_TIMEOUT)
@@ -288,6 +288,7 @@ class _Binding:
         self.fc = weakref.ref(fc)
         self.removed = False
         self.published = False
+        self.commit = commit_mode()  # read once: propose runs every step
         owner = draft.model  # type: ignore[attr-defined]
         self.raw_differs = getattr(owner, "input_norm", None) is not None or getattr(owner, "fc_norm", None) is not None
         info = draft_config_facts(draft)

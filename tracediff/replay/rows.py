@@ -9,13 +9,11 @@ without a gap (the draft attends to every earlier position).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
-from tracediff.errors import UsageError
-from tracediff.store import PHASES, TraceStore, decode_values
+from tracediff.store import TraceStore, decode_values
 
 
 @dataclass
@@ -92,12 +90,3 @@ class SideRows:
         steps = seq.step
         last = np.flatnonzero(np.concatenate([steps[1:] != steps[:-1], [True]]))
         return seq.positions[last[:-1]]
-
-
-def phase_names(codes: Iterable[int]) -> list[str]:
-    return [PHASES[int(c)] if 0 <= int(c) < len(PHASES) else "unknown" for c in codes]
-
-
-def require_tap(store: TraceStore, tap: str) -> None:
-    if tap not in store.taps:
-        raise UsageError(f"{store.path}: no tap {tap!r} (it has {', '.join(store.taps) or 'none'})")

@@ -182,7 +182,6 @@ def train_eagle3_draft(path: str | Path, tl: Any, layers: Sequence[str], sequenc
     from collections import Counter
 
     from tracediff.replay.draft import Eagle3Draft
-    from tracediff.replay.score import draft_sequence  # noqa: F401  (the same forward replay runs)
     from tracediff.testing.tiny_llama import layer_states
 
     spec = write_eagle3_draft(path, tl.config, aux_layer_ids, where=where, seed=seed,
