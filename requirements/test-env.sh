@@ -2,7 +2,8 @@
 # Sets up .venv with everything the test suite needs: torch (the CPU build on these machines),
 # tracediff with its test extras, and the frameworks the adapter tests run for real on CPU
 # (speculators, SpecForge, SGLang; installed without their CUDA dependency trees, see each script),
-# and vLLM (CPU build) in a venv of its own, .venv-vllm (its pins conflict with SGLang's).
+# vLLM (CPU build) in a venv of its own, .venv-vllm (its pins conflict with SGLang's), and Debian's
+# Chromium for the HTML report's browser test.
 # Idempotent: a second run installs nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,3 +13,4 @@ cd "$(dirname "$0")/.."
 PIP=.venv/bin/pip bash requirements/frameworks-trainers.sh
 PIP=.venv/bin/pip bash requirements/frameworks-sglang.sh
 bash requirements/frameworks-vllm.sh
+bash requirements/browser.sh
