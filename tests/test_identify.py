@@ -8,6 +8,7 @@ not hold matches no layer; inputs that cannot be identified at all are a one-lin
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -175,7 +176,6 @@ def test_cli_exits_1_when_a_segment_matches_no_layer(fresh):
         ("engine", "bank_other_seqs", "holds none of the token sequences"),
         ("engine", "samples_bank", "differs from the bank's hidden size 64"),
         ("samples_train", "bank", "segment size 64 differs from the bank's hidden size 32"),
-        ("engine", "perm", "expected one bank tap"),
         ("engine", "missing", "no such trace store"),
     ],
 )
@@ -188,3 +188,25 @@ def test_bad_input_is_one_line_exit_2(fresh, tmp_path, store, bank, expected):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tracediff: error: "), result.stderr
     assert expected in lines[0]
+
+
+def test_a_trainer_store_as_the_bank_names_each_segment_and_the_ids_to_set(tmp_path):
+    fixed = invoke_tracediff("identify", SAMPLES / "server_fixed.zarr", "--bank", SAMPLES / "train.zarr")
+    assert fixed.returncode == 0, fixed.stderr
+    assert "hf_hidden_states_indices = [0, 3, 6]" in fixed.stdout
+    assert "sglang_eagle_config.eagle_aux_hidden_state_layer_ids = [-1, 2, 5]" in fixed.stdout
+    assert "None" not in fixed.stdout
+    assert "columns are named from its recorded aux layers (store.aux_layers, hf numbering)" in fixed.stdout
+    out = tmp_path / "identify.json"
+    broken = invoke_tracediff("identify", SAMPLES / "server_broken.zarr", "--bank", SAMPLES / "train.zarr",
+                              "--json", out)
+    segments = json.loads(out.read_text())["segments"]
+    assert [s["best"]["hf_index"] if s["best"] else None for s in segments] == [3, 6, None]
+    assert "None" not in broken.stdout
+
+
+def test_identify_against_a_bank_without_the_layers_suggests_no_ids(fresh):
+    result = invoke_tracediff("identify", fresh["engine"], "--bank", fresh["perm"])
+    assert result.returncode == 1
+    assert "no layer matches" in result.stdout
+    assert "None" not in result.stdout and "hf_hidden_states_indices" not in result.stdout

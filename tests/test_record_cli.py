@@ -153,13 +153,15 @@ def test_store_root_describes_the_recorded_command(recorded: Recorded) -> None:
     assert shown.returncode == 0 and "tap fc_in: " in shown.stdout and "3 x 32 [hs1, hs3, pre_norm]" in shown.stdout
 
 
-def test_a_command_that_records_nothing_still_leaves_a_valid_store_and_says_so(tmp_path: Path) -> None:
+def test_a_command_that_records_nothing_leaves_no_store_and_the_rerun_needs_no_overwrite(tmp_path: Path) -> None:
     store = tmp_path / "empty.zarr"
-    result = invoke_tracediff("record", "--tap", "NoSuchClass.fc", "-o", store, "--", sys.executable, "-c", "pass")
-    assert result.returncode == 0
-    assert "tracediff: no rows were recorded" in result.stderr
-    assert "tap 'fc_in' never fired in any process" in result.stderr
-    assert json.loads(invoke_tracediff("inspect", "--json", store).stdout)["taps"] == {}
+    for _attempt in range(2):
+        result = invoke_tracediff("record", "--tap", "NoSuchClass.fc", "-o", store, "--", sys.executable, "-c", "pass")
+        assert result.returncode == 0, result.stderr
+        assert "tracediff: no rows were recorded" in result.stderr
+        assert "tap 'fc_in' never fired in any process" in result.stderr
+        assert f"tracediff: removed {store}: it held no rows" in result.stderr
+        assert not store.exists()
 
 
 # ------------------------------------------------------------------------------------ bad input
@@ -322,9 +324,14 @@ def test_errors_are_one_line_from_the_real_entry_point_too(tmp_path: Path) -> No
 
 def test_overwrite_replaces_an_existing_store(tmp_path: Path) -> None:
     store = _existing_store(tmp_path)
-    (store / "fc_in").mkdir()  # stale content of the old recording
-    result = invoke_tracediff("record", "--tap", "A.fc", "--overwrite", "--role", "new", "-o", store, "--", "true")
+    (store / "fc_in" / "stale").mkdir(parents=True)  # stale content of the old recording
+    script = tmp_path / "one_step.py"
+    script.write_text("import torch\nclass A(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                      "        self.fc = torch.nn.Linear(4, 2)\nA().fc(torch.ones(3, 4))\n")
+    result = invoke_tracediff("record", "--tap", "A.fc", "--overwrite", "--role", "new", "-o", store, "--",
+                              sys.executable, script)
     assert result.returncode == 0, result.stderr
     shown = json.loads(invoke_tracediff("inspect", "--json", store).stdout)
-    assert shown["source"]["role"] == "new" and shown["taps"] == {}
+    assert shown["source"]["role"] == "new" and shown["taps"]["fc_in"]["rows"] == 3
+    assert not (store / "fc_in" / "stale").exists()
     shutil.rmtree(store)

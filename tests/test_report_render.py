@@ -238,9 +238,9 @@ def _one_line(text: str) -> str:
     return re.sub(r"\s+", " ", text)
 
 
-def test_text_report_of_seed_bug_says_how_the_segments_moved():
+def test_verbose_text_report_of_seed_bug_says_how_the_segments_moved():
     report = seed_bug_report()
-    text = render_text(report)
+    text = render_text(report, verbose=True)
     flat = _one_line(text)
     assert text.startswith("tracediff compare: MISMATCH")
     for line in SEED_MAP_LINES:
@@ -261,8 +261,8 @@ def test_text_report_of_seed_bug_says_how_the_segments_moved():
     assert "values_changed" in text and "server_args.cuda_graph_max_bs: added" in text
 
 
-def test_text_report_puts_the_summary_first_then_sections_in_order():
-    text = render_text(seed_bug_report())
+def test_verbose_text_report_puts_the_summary_first_then_sections_in_order():
+    text = render_text(seed_bug_report(), verbose=True)
     summary = text.split("\nFindings\n")[0]
     assert "ERROR segment_order" in summary and "ERROR segment_missing" in summary and "WARN" not in summary
     assert "aux layers: eagle_aux_hidden_state_layer_ids=[1, 15, 28]" in summary
@@ -271,18 +271,68 @@ def test_text_report_puts_the_summary_first_then_sections_in_order():
     assert positions == sorted(positions)
 
 
+@pytest.mark.parametrize("verbose", [False, True])
 @pytest.mark.parametrize("name", list(ALL_REPORTS))
-def test_text_report_fits_100_columns_and_has_no_colour_by_default(name):
-    text = render_text(ALL_REPORTS[name]())
+def test_text_report_fits_100_columns_and_has_no_colour_by_default(name, verbose):
+    text = render_text(ALL_REPORTS[name](), verbose=verbose)
     assert max(len(line) for line in text.splitlines()) <= 100
     assert "\x1b[" not in text
 
 
-def test_text_report_colours_only_when_asked_and_stays_the_same_text():
+@pytest.mark.parametrize("verbose", [False, True])
+def test_text_report_colours_only_when_asked_and_stays_the_same_text(verbose):
     report = seed_bug_report()
-    coloured = render_text(report, color=True)
+    coloured = render_text(report, color=True, verbose=verbose)
     assert "\x1b[31m" in coloured
-    assert re.sub(r"\x1b\[[0-9;]*m", "", coloured) == render_text(report)
+    assert re.sub(r"\x1b\[[0-9;]*m", "", coloured) == render_text(report, verbose=verbose)
+
+
+def test_default_text_report_is_the_news_only_findings_fix_map_and_one_line_per_pair():
+    report = seed_bug_report()
+    text = render_text(report)
+    flat = _one_line(text)
+    assert text.startswith("tracediff compare: MISMATCH")
+    # Every finding's message once, errors before warnings before info, without its evidence.
+    for finding in report.findings:
+        assert flat.count(_one_line(finding.message)) == 1
+    tags = [m.group(1) for m in re.finditer(r"^  (ERROR|WARN|INFO) ", text, re.M)]
+    assert tags == sorted(tags, key=["ERROR", "WARN", "INFO"].index)
+    for line in SEED_MAP_LINES:
+        assert line in flat
+    assert "[0.999980]" in text and "cosine matrix" in text
+    assert len(re.findall(r"^  c\d+->r\d+ \(", text, re.M)) == len(report.metrics)
+    for verbose_only in ("\nPlan", "\nConfig diff", "worst row:", "Segment metrics", "label offset"):
+        assert verbose_only not in text
+    assert "--verbose" in text
+    assert len(text.splitlines()) < len(render_text(report, verbose=True).splitlines()) / 1.5
+
+
+def test_default_text_report_gives_the_fix_value_on_its_own():
+    report = seed_bug_report()
+    order = next(f for f in report.findings if f.kind == "segment_order")
+    order.evidence["fix"] = {"value": [-1, 14, 27], "field": "eagle_config.eagle_aux_hidden_state_layer_ids",
+                             "engine": "sglang", "convention": "sglang", "config_can_fix": True, "reasons": []}
+    text = render_text(report)
+    fix = text[text.index("\nFix\n"):text.index("\nSegment map")]
+    assert "set eagle_config.eagle_aux_hidden_state_layer_ids = [-1, 14, 27] (sglang numbering)" in _one_line(fix)
+    order.evidence["fix"] = {"value": None, "config_can_fix": False, "reasons": ["The order is set in code."]}
+    assert "No config value fixes this: The order is set in code." in _one_line(render_text(report))
+
+
+def test_default_text_report_says_segments_of_a_size_not_a_shape():
+    text = render_text(seed_bug_report())
+    assert re.search(r"tap fc_in, 3 segments of \d+, ", text)
+    assert " x 4096" not in text
+
+
+def test_quiet_verdict_line_uses_correct_plurals():
+    from tracediff.report.text import render_verdict_line
+
+    report = clean_match_report()
+    assert render_verdict_line(report) == "match: 0 errors, 0 warnings, 1 info"
+    report.findings = [Finding("config", "warning", "one"), Finding("shape", "error", "two"),
+                       Finding("shape", "error", "three")]
+    assert render_verdict_line(report) == f"{report.verdict}: 2 errors, 1 warning, 0 info"
 
 
 def test_text_report_neutralises_terminal_escapes_in_labels():
@@ -361,8 +411,9 @@ def test_every_renderer_accepts_nan_and_empty_parts(name):
 
 def test_report_with_nan_metrics_shows_nan_not_zero():
     report = nan_report(with_metrics=True)
-    text = render_text(report)
+    text = render_text(report, verbose=True)
     assert "c0->r0  2040       nan" in text
+    assert "cos mean nan min nan" in _one_line(render_text(report))
     assert "inf" in text and "3/0" in text
     assert "no finite per-position cosine" not in render_html(report)  # one NaN bucket is a gap, not no data
 

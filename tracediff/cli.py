@@ -39,6 +39,15 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except click.UsageError as exc:
+            # click's own three lines (usage, hint, message) as one, like every other error here.
+            where = exc.ctx or ctx
+            usage = where.get_usage().replace("Usage: ", "", 1).strip()
+            message = exc.format_message().rstrip(".")
+            message = message[:1].lower() + message[1:]
+            help_hint = f"{where.command_path} -h"
+            click.echo(f"tracediff: error: {message} (usage: {usage}; see '{help_hint}')", err=True)
+            ctx.exit(2)
         except TracediffError as exc:
             # One line whatever the message embeds (a library's multi-line text, a file name with a
             # newline): scripts and CI logs read the first line only.
@@ -82,7 +91,8 @@ def _replay_options(func: Any) -> Any:
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="Store to create.")
 @click.option("--adapter", "adapters", multiple=True, help="Framework adapter: sglang, vllm, speculators, specforge, hf (a bank of every layer), generic; repeatable.")
-@click.option("--tap", "taps", multiple=True, help="Tap spec [NAME=]CLASS[.ATTR.PATH][:input|:output]; repeatable.")
+@click.option("--tap", "taps", multiple=True,
+              help="Tap spec [NAME=]CLASS[.ATTR.PATH][:input|:output][@ARG] (grammar below); repeatable.")
 @click.option("--labels-from", "labels_from", multiple=True,
               help="Class whose forward's input_ids/position_ids label the rows captured after it.")
 @click.option("--segment-size", type=int, help="Width of one segment of the tapped rows (e.g. hidden size).")
@@ -97,8 +107,10 @@ def _replay_options(func: Any) -> Any:
 @click.option("--on-full", type=click.Choice(["drop", "block"]), default="drop", show_default=True,
               help="When the writer falls behind: drop and count the batch, or wait (bounded) for it.")
 @click.option("--queue-bytes", default="1GiB", show_default=True, help="Host memory the queue may hold.")
-@click.option("--compressor", type=click.Choice(["none", "lz4", "zstd"]), default="none", show_default=True)
-@click.option("--chunk-rows", type=int, default=256, show_default=True)
+@click.option("--compressor", type=click.Choice(["none", "lz4", "zstd"]), default="none", show_default=True,
+              help="Compress value chunks (none is the fastest to write and to compare; zstd the smallest).")
+@click.option("--chunk-rows", type=int, default=256, show_default=True,
+              help="Rows per chunk file: larger chunks mean fewer files, smaller ones less lost on a kill.")
 @click.option("--durable", is_flag=True, help="fsync each batch before committing it.")
 @click.option("--all-ranks", is_flag=True,
               help="Record every tensor-parallel rank (sglang: default is attention-TP rank 0 only).")
@@ -132,6 +144,18 @@ def record(
     """Run COMMAND with recording injected into each of its Python processes.
 
     Example: tracediff record --tap Eagle3DraftModel.fc:input -o train.zarr -- python train.py
+
+    \b
+    Tap spec grammar: [NAME=]CLASS[.ATTR.PATH][:input|:output][@ARG]
+      NAME=       the tap's name in the store (default: the last attribute + _in or _out, e.g. fc_in)
+      CLASS       a class name, qualified name or module.qualname; subclasses match too
+      .ATTR.PATH  the module below each instance of CLASS (.fc, .model.fc, .layers.0.fc)
+      :input      record the module's input (the default; :in works too)
+      :output     record its output (:out; the first tensor of a tuple)
+      @ARG        which input: a position (@0, the default) or a keyword (@hidden_states)
+    Examples: Eagle3DraftModel.fc:input, fc_in=LlamaForCausalLMEagle3.model.fc, MyDraft.layers.0.fc:output
+
+    A run that records no row leaves no store behind.
     """
     from tracediff.adapters import adapter_info, check_installed  # noqa: PLC0415
     from tracediff.limits import Limits  # noqa: PLC0415
@@ -210,6 +234,13 @@ def record(
     click.echo(_record_summary(desc, returncode), err=True)
     for warning in warnings_for(desc, expected_taps=names) + _adapter_warnings(adapters, command, desc):
         click.echo(f"tracediff: warning: {warning}", err=True)
+    if not any(info["rows"] for info in desc["taps"].values()):
+        # A store without one row only blocks the rerun (it would need --overwrite): leave nothing.
+        from tracediff.store import remove_store  # noqa: PLC0415
+
+        remove_store(output)
+        click.echo(f"tracediff: removed {output}: it held no rows (rerun with the same -o; no --overwrite needed)",
+                   err=True)
     sys.exit(returncode)
 
 
@@ -274,6 +305,12 @@ def _record_summary(desc: dict[str, Any], returncode: int) -> str:
 
 
 # ---------------------------------------------------------------------------------- compare
+def _progress(command: str, flag: bool | None) -> Any:
+    from tracediff.progress import Progress, progress_mode  # noqa: PLC0415
+
+    return Progress(command, progress_mode(flag))
+
+
 @main.command()
 @click.argument("reference", type=click.Path(path_type=Path))
 @click.argument("candidate", type=click.Path(path_type=Path))
@@ -289,7 +326,11 @@ def _record_summary(desc: dict[str, Any], returncode: int) -> str:
 @click.option("--bank", type=click.Path(path_type=Path), help="A bank recorded with --adapter hf: name each segment's layer.")
 @click.option("--sample-rows", type=int, default=2048, show_default=True, help="Rows sampled to plan the comparison.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the verdict line.")
-@click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when it is a terminal).")
+@click.option("--verbose", "-v", is_flag=True,
+              help="Print everything: the plan, every metric, worst rows, every finding's evidence, the config diff.")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress on stderr: a live line on a terminal, a status line every few seconds in a log "
+                   "(default); --no-progress prints none.")
 @_replay_options
 def compare(
     reference: Path,
@@ -305,6 +346,7 @@ def compare(
     bank: Path | None,
     sample_rows: int,
     quiet: bool,
+    verbose: bool,
     progress: bool | None,
     draft: Path | None,
     target: Path | None,
@@ -324,42 +366,29 @@ def compare(
     """
     from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
     from tracediff.report import render_text, write_report  # noqa: PLC0415
+    from tracediff.report.text import render_verdict_line  # noqa: PLC0415
 
     if sample_rows <= 0:
         raise UsageError(f"--sample-rows must be positive, got {sample_rows}")
     for out in (json_path, markdown_path, html_path):
         if out is not None and not out.parent.resolve().is_dir():
             raise UsageError(f"{out}: its folder does not exist")
-    show = sys.stderr.isatty() if progress is None else progress
-    bar: Any = None
-
-    def total(n: int) -> None:
-        nonlocal bar
-        if show and n:
-            bar = click.progressbar(length=n, label="comparing rows", file=sys.stderr)
-            bar.__enter__()
-
-    def step(n: int) -> None:
-        if bar is not None:
-            bar.update(n)
-
-    opts = CompareOptions(tap=tap, reference_tap=ref_tap, candidate_tap=cand_tap, segment_size=segment_size,
-                          sample_rows=sample_rows, progress=step, progress_total=total,
-                          bank=str(bank) if bank else None)
-    try:
+    with _progress("compare", progress) as prog:
+        prog.stage("opening stores")
+        opts = CompareOptions(tap=tap, reference_tap=ref_tap, candidate_tap=cand_tap, segment_size=segment_size,
+                              sample_rows=sample_rows, progress=prog.advance, progress_total=prog.total,
+                              stage=prog.stage, bank=str(bank) if bank else None)
         report = compare_stores(reference, candidate, opts)
-    finally:
-        if bar is not None:
-            bar.__exit__(None, None, None)
-    if draft is not None:
-        _replay(report, draft, target, server_draft, send_report, steps, max_sequences, score_rows,
-                multi_step_starts, replay_dtype)
-    write_report(report, json_path=json_path, markdown_path=markdown_path, html_path=html_path)
+        if draft is not None:
+            prog.stage("replaying the draft")
+            _replay(report, draft, target, server_draft, send_report, steps, max_sequences, score_rows,
+                    multi_step_starts, replay_dtype)
+        prog.stage("writing reports")
+        write_report(report, json_path=json_path, markdown_path=markdown_path, html_path=html_path)
     if quiet:
-        counts = report.counts()
-        click.echo(f"{report.verdict}: {counts['error']} errors, {counts['warning']} warnings")
+        click.echo(render_verdict_line(report))
     else:
-        click.echo(render_text(report, color=sys.stdout.isatty()))
+        click.echo(render_text(report, color=sys.stdout.isatty(), verbose=verbose))
     sys.exit(report.exit_code(fail_on))
 
 
@@ -535,7 +564,9 @@ def demo(out: Path, samples: Path | None) -> None:
 @click.option("--report", "report_path", type=click.Path(path_type=Path),
               help="Write what was sent and each response's output ids and the engine's speculative-decoding numbers "
                    "(accept length) as JSON.")
-@click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when it is a terminal).")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress on stderr: a live line on a terminal, a status line every few seconds in a log "
+                   "(default); --no-progress prints none.")
 def send(trace: Path, url: str, engine: str, model: str | None, tap: str | None, concurrency: int,
          max_new_tokens: int, limit: int | None, retries: int, timeout: float, rid_prefix: str,
          report_path: Path | None, progress: bool | None) -> None:
@@ -604,7 +635,7 @@ def inspect(store: Path, as_json: bool) -> None:
 @main.command()
 @click.argument("store", type=click.Path(path_type=Path))
 @click.argument("dest", type=click.Path(path_type=Path), required=False)
-@click.option("--overwrite", is_flag=True)
+@click.option("--overwrite", is_flag=True, help="Replace DEST if it exists already.")
 def pack(store: Path, dest: Path | None, overwrite: bool) -> None:
     """Pack a store folder into one .zarr.zip file (to attach to a bug report)."""
     from tracediff.store import pack_store  # noqa: PLC0415

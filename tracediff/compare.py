@@ -22,7 +22,7 @@ from tracediff.diagnose import StreamResult, stream_metrics
 from tracediff.drafts import recorded_d2t_problems
 from tracediff.errors import CompareError
 from tracediff.findings import build_findings
-from tracediff.metadata import aux_config, config_diff, num_layers, side_aux_layers
+from tracediff.metadata import aux_config, config_diff, num_layers, same_recording, side_aux_layers
 from tracediff.pairing import check_token_pairing
 from tracediff.plan import (
     DRIFT_FACTOR,
@@ -58,8 +58,14 @@ def compare_stores(reference_path: str | Path, candidate_path: str | Path, opts:
         cand_store.close()
 
 
+def _stage(opts: CompareOptions, name: str) -> None:
+    if opts.stage is not None:
+        opts.stage(name)
+
+
 def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions) -> Report:
     rtap, ctap = pick_taps(ref_store, cand_store, opts)
+    _stage(opts, "reading labels")
     rl, cl = stream_layout(ref_store, rtap), stream_layout(cand_store, ctap)
     # The two row indexes load concurrently: reading labels is mostly zarr's per-chunk overhead.
     with ThreadPoolExecutor(2, thread_name_prefix="tracediff-labels") as ex:
@@ -70,6 +76,7 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
     notes = list(opts.extra_notes)
 
     # -- sequences
+    _stage(opts, "aligning sequences")
     alignment = align_sequences(ref_index, cand_index)
     notes += alignment.notes
     base_pairs = pair_rows(alignment, 0)
@@ -104,8 +111,10 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
     if sizes.comparable:
         size = sizes.reference
         # -- label offset, then the pairs every later stage uses
+        _stage(opts, "planning: label offset")
         offset, offset_scores, pairs = offset_search(alignment, size, opts, base_pairs)
         # -- segment decisions on a sample
+        _stage(opts, "planning: segment map")
         pick = sample_pairs(pairs, opts.sample_rows, opts.seed + 1)
         c_sample = read_rows(cand_index, pairs.candidate[pick])
         r_sample = read_rows(ref_index, pairs.reference[pick])
@@ -120,12 +129,14 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
         probes = _same_slot_probes(segplan, matched, rl.width // size, cl.width // size)
         pass_pairs = matched + probes
         scales = [(segplan.ref_scales.mean[j], segplan.ref_scales.scale[j]) for _, j in pass_pairs]
+        _stage(opts, "comparing rows")
         if opts.progress_total is not None:
             opts.progress_total(len(pairs))
         stream = stream_metrics(pairs, ref_index, cand_index, pass_pairs, size, scales, progress=opts.progress)
         matched_set = set(matched)
         stream.metrics = [m for m in stream.metrics if (m.candidate, m.reference) in matched_set]
         subsets = localise_subsets(pass_pairs, pairs, ref_index, cand_index, stream, segplan, _labels_of(rl, size))
+        _stage(opts, "localising")
 
     if pairs.replicas:
         writers = sorted({cand_index.streams[int(k)].writer for k in np.unique(cand_index.stream[pairs.candidate])})
@@ -207,7 +218,10 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
     bank = _identify_with_bank(ref_store, cand_store, report, opts) if opts.bank and segplan else None
     report.findings = build_findings(report, alignment, pairs, segplan, stream, ref_aux, cand_aux, bank, subsets)
     for side, meta in (("candidate", cand_meta), ("reference", ref_meta)):
+    if opts.bank and segplan:
+        _stage(opts, "naming layers (bank)")
         for p in recorded_d2t_problems(meta, side):
+    _stage(opts, "findings")
             report.findings.append(Finding("draft_vocabulary", p["severity"], p["message"][0].upper() + p["message"][1:]
                                            + ".", {k: v for k, v in p.items() if k not in ("severity", "message")}))
     if bank is not None:
@@ -215,6 +229,15 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
     return report
 
 
+    same = same_recording(ref_store, cand_store)
+    if same is not None:
+        what = ("the same store" if same == "same store"
+                else f"two copies of one recording ({ref_store.path.name} and {cand_store.path.name})")
+        report.findings.insert(0, Finding(
+            "same_recording", "warning",
+            f"Both sides are {what}: this compare checks the store against itself and says nothing about "
+            f"the server. Compare the trainer's store with one the server recorded.",
+            {"how": same, "reference": str(ref_store.path), "candidate": str(cand_store.path)}))
 def _labels_of(layout: Any, size: int) -> list[str]:
     """A side's segment labels as recorded, or ``seg<k>`` when they do not fit its layout."""
     k = layout.width // size

@@ -19,7 +19,7 @@ from tracediff.compare import CompareOptions, compare_stores
 from tracediff.errors import ReportWriteError, UsageError
 from tracediff.identify import Identification, identify_segments, render_identification
 from tracediff.report import write_json, write_report
-from tracediff.report.text import render_summary
+from tracediff.report.text import fix_lines, render_summary
 from tracediff.results import Report
 from tracediff.store import open_store
 
@@ -159,7 +159,28 @@ def run_demo(
         done = (f"tracediff demo: the broken server feeds cat({', '.join(served)}): compare found the seed bug, "
                 f"the fixed server matches the trainer, identify named every layer.")
         echo("\n".join(textwrap.wrap(done, width=100, subsequent_indent="  ", break_on_hyphens=False)))
+    for fix in fix_lines(broken_report):
+        line = f"the fix: {fix[:1].lower()}{fix[1:]} ({_shown(fixed)} is the server recorded with that setting.)"
+        echo("\n".join(textwrap.wrap(line, width=100, subsequent_indent="  ", break_on_hyphens=False)))
+    echo("")
+    echo("next, on your own trainer and server:")
+    for step, command, doc in NEXT_STEPS:
+        echo(f"  {step:<28}{command}")
+        echo(f"  {'':<28}({doc})")
     return result
+
+
+#: What a user runs after the demo: their own two recordings, the same tokens, one compare.
+NEXT_STEPS: tuple[tuple[str, str, str], ...] = (
+    ("1. record a training step", "tracediff record --adapter speculators -o train.zarr -- python train.py ...",
+     "or --adapter specforge, or --tap YourDraft.fc:input; docs/trainers.md"),
+    ("2. record the server", "tracediff record --adapter sglang -o server.zarr -- python -m sglang.launch_server ...",
+     "or --adapter vllm; docs/sglang.md, docs/vllm.md"),
+    ("3. send it the same tokens", "tracediff send train.zarr --url http://127.0.0.1:30000",
+     "add --engine vllm for vLLM"),
+    ("4. compare", "tracediff compare train.zarr server.zarr --html report.html",
+     "add --draft DIR to see what a mismatch costs in accepted tokens"),
+)
 
 
 def _problems(result: DemoResult, served: list[str]) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from tracediff.adapters.conventions import FINAL_NORM, layer_text
 from tracediff.align import RowIndex, align_sequences
 from tracediff.errors import CompareError
 from tracediff.plan import (
@@ -104,11 +105,41 @@ def _bank_names(bank_attrs: dict[str, Any], count: int) -> list[LayerName]:
     return names
 
 
+def _names_from_aux_layers(bank: TraceStore, tap: str, names: list[LayerName]) -> tuple[list[LayerName], str | None]:
+    """Bank columns named from the bank's recorded aux layers (a trainer's or a server's store used as
+    a bank): column j is physical layer ``aux.physical[j]``. Returns the names and where they came from."""
+    from tracediff.metadata import num_layers, side_aux_layers  # noqa: PLC0415
+    from tracediff.plan import collect_meta  # noqa: PLC0415
+
+    meta = collect_meta(bank, tap)
+    aux = side_aux_layers(meta)
+    if aux is None or aux.physical is None or len(aux.physical) != len(names):
+        return names, None
+    layers = num_layers(meta)
+    out = []
+    for name, p in zip(names, aux.physical, strict=True):
+        if p == FINAL_NORM:
+            hf, kind, layer = layers, "post_norm", (layers - 1 if layers else None)
+            text = f"{name.label} = the final norm's output (HF hidden_states[-1])"
+        else:
+            hf, layer = int(p), int(p) - 1
+            kind = "embedding" if hf == 0 else ("pre_norm" if layers is not None and hf == layers else "layer")
+            text = f"{name.label} = hidden_states[{hf}] = {layer_text(p).removeprefix('the ')}"
+        sglang = -1 if kind == "embedding" else (layer if kind in ("layer", "pre_norm") else None)
+        vllm = hf if kind in ("embedding", "layer", "pre_norm") else None
+        out.append(LayerName(name.bank_segment, name.label, text, kind, hf, sglang, vllm))
+    return out, f"recorded aux layers ({aux.field}, {aux.convention} numbering)"
+
+
 def _pick_bank_tap(bank: TraceStore, tap: str | None) -> str:
     if tap:
         bank.tap_streams(tap)
         return tap
     banks = [t for t in bank.taps if t.startswith("bank")]
+    if not banks:
+        # Another trace as the bank (a trainer's store): its fc input, named by its aux layers.
+        with_rows = [t for t in bank.taps if bank.rows(t)]
+        banks = ["fc_in"] if "fc_in" in with_rows else with_rows
     if len(banks) != 1:
         raise CompareError(
             f"{bank.path}: expected one bank tap (recorded with --adapter hf), found {banks or 'none'}; "
@@ -178,6 +209,11 @@ def _identify(store: TraceStore, bank: TraceStore, tap: str | None, bank_tap: st
     std = standardised_cosine_matrix(c, b, c_scales, b_scales)
     floor = noise_floor(b, size, bfirst.dtype, first.dtype, b_scales, seed=seed)
     names = _bank_names(bfirst.attrs, bfirst.width // size)
+    named_from = None
+    if not isinstance(bfirst.attrs.get("segment_info"), list):
+        # Not an --adapter hf bank (e.g. a trainer's store): its recorded aux layers say what each
+        # column is, if it recorded them.
+        names, named_from = _names_from_aux_layers(bank, btap, names)
     layers = max((n.hf_index for n in names if n.hf_index is not None), default=DEFAULT_DEPTH)
     budgets = [numerics_budget(floor.errors[j] if j < len(floor.errors) else floor.error, bfirst.dtype, first.dtype,
                                n.hf_index if n.hf_index is not None else layers)[0] for j, n in enumerate(names)]
@@ -235,6 +271,11 @@ def _identify(store: TraceStore, bank: TraceStore, tap: str | None, bank_tap: st
     ident = Identification(store=str(store.path), tap=tap, bank=str(bank.path), bank_tap=btap, segment_size=size,
                            pairs=len(pairs), label_offset=offset, segments=segments)
     ident.suggestions, ident.notes = _suggest(segments)
+    if named_from:
+        ident.notes.insert(0, f"the bank is not an --adapter hf bank: its columns are named from its {named_from}")
+    elif named_from is None and not isinstance(bfirst.attrs.get("segment_info"), list):
+        ident.notes.insert(0, "the bank records neither segment_info (--adapter hf) nor its aux layers: segments are "
+                              "named by the bank's column labels only, and no config ids can be suggested")
     if offset:
         ident.notes.append(f"rows matched the bank best at label offset {offset}: the store's token labels are shifted")
     return ident
@@ -246,7 +287,9 @@ def _suggest(segments: list[SegmentIdentity]) -> tuple[dict[str, Any], list[str]
     found = [s.best for s in segments if s.verdict in ("match", "scaled") and s.best is not None]
     if len(found) != len(segments):
         return {}, ["not every segment was identified: no config reproduces this trace from the bank's layers"]
-    out: dict[str, Any] = {"hf_hidden_states_indices": [n.hf_index for n in found]}
+    out: dict[str, Any] = {}
+    if all(n.hf_index is not None for n in found):
+        out["hf_hidden_states_indices"] = [n.hf_index for n in found]
     if all(n.sglang_id is not None for n in found):
         ids = [n.sglang_id for n in found]
         out["sglang_eagle_config.eagle_aux_hidden_state_layer_ids"] = ids

@@ -119,3 +119,25 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return str(value)
+
+
+def same_recording(ref_store: Any, cand_store: Any) -> str | None:
+    """Whether both sides are one recording: ``"same store"`` (one path), ``"copy"`` (e.g. a store and
+    its own ``.zarr.zip``: the same source, meta and committed writer groups), else None.
+
+    A recording's root ``source`` names its process, host and start time, and every writer group's
+    commit record its rows and batches: two recordings agree on all of that only when they are one.
+    """
+    try:
+        if ref_store.path.resolve() == cand_store.path.resolve():
+            return "same store"
+    except OSError:
+        pass
+    if not ref_store.source or ref_store.source != cand_store.source or ref_store.meta != cand_store.meta:
+        return None
+
+    def groups(store: Any) -> dict[tuple[str, str], Any]:
+        return {(s.tap, s.writer): (s.rows, s.width, s.dtype, s.commit) for tap in store.taps
+                for s in store.tap_streams(tap)}
+
+    return "copy" if groups(ref_store) == groups(cand_store) else None

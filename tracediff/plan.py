@@ -70,6 +70,8 @@ class CompareOptions:
     seed: int = 0
     progress: Callable[[int], None] | None = None
     progress_total: Callable[[int], None] | None = None
+    #: Called as each stage begins, with its name (tracediff.progress.Progress.stage).
+    stage: Callable[[str], None] | None = None
     bank: str | None = None
     extra_notes: list[str] = field(default_factory=list)
 

@@ -27,6 +27,7 @@ FINDING_KINDS: tuple[str, ...] = (
     "position_offset",
     "sequence_prefix",
     "sequence_mismatch",
+    "same_recording",
     "coverage",
     "nonfinite",
     "config",

@@ -38,10 +38,8 @@ class TapSpec:
         text = text.strip()
         match = _SPEC.match(text)
         if not match:
-            raise UsageError(
-                f"tap spec {text!r} is not of the form [NAME=]CLASS[.ATTR.PATH][:input|:output][@ARG], "
-                f"e.g. 'Eagle3DraftModel.fc:input'"
-            )
+            raise UsageError(f"tap spec {text!r}: {_what_is_wrong(text)}; the form is "
+                             f"[NAME=]CLASS[.ATTR.PATH][:input|:output][@ARG], e.g. 'Eagle3DraftModel.fc:input'")
         # The regex cannot tell `module.Class` from `Class.attr`: class names are CamelCase by
         # convention and attributes are not, so the class ends after its last leading CamelCase part.
         parts = (match["cls"] + match["path"]).split(".")
@@ -74,6 +72,46 @@ class TapSpec:
     @property
     def module_path(self) -> str:
         return ".".join((self.cls, *self.path))
+
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ATTR = re.compile(r"^[A-Za-z0-9_]+$")
+
+
+def _what_is_wrong(text: str) -> str:
+    """Which part of a spec that does not parse is wrong, in words (for the error message)."""
+    if not text:
+        return "it is empty"
+    rest = text
+    if "=" in rest:
+        name, rest = rest.split("=", 1)
+        if not name:
+            return "the NAME before '=' is empty"
+        if not _NAME.match(name):
+            return f"the NAME {name!r} before '=' must be letters, digits, '_' or '-' (and not start with '_' or '-')"
+    arg = None
+    if "@" in rest:
+        rest, arg = rest.rsplit("@", 1)
+        if not _ATTR.match(arg):
+            return f"the @ARG {arg!r} must be an input's position (@0) or keyword name (@hidden_states)"
+    if ":" in rest:
+        rest, capture = rest.rsplit(":", 1)
+        if capture not in ("input", "output", "in", "out"):
+            return f"the capture {capture!r} after ':' must be input or output (or in, out)"
+        if ":" in rest:
+            return "only one ':input' or ':output' may follow the module path"
+    parts = rest.split(".")
+    if not parts[0]:
+        return "the CLASS is missing (the spec starts with a class name, e.g. Eagle3DraftModel)"
+    if not _IDENT.match(parts[0]):
+        return f"the CLASS {parts[0]!r} is not a Python class name"
+    for part in parts[1:]:
+        if not part:
+            return "the attribute path has an empty part ('..' or a trailing '.')"
+        if not _ATTR.match(part):
+            return f"the attribute path part {part!r} is not an attribute name or an index"
+    return "it does not parse"
 
 
 def _names_class(klass: type, name: str) -> bool:

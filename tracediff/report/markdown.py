@@ -36,6 +36,7 @@ from tracediff.report.text import (
     reference_labels,
     segment_map_sentences,
     side_items,
+    verdict_sentence,
 )
 from tracediff.results import SEVERITIES, Report
 
@@ -96,8 +97,9 @@ def _summary(report: Report) -> list[str]:
         "",
     ]
     errors = [f for f in report.findings if f.severity == "error"]
-    if report.verdict == "match":
-        lines += ["The candidate feeds the draft's fc the same rows as the reference, within the noise floor.", ""]
+    sentence = verdict_sentence(report)
+    if sentence:
+        lines += [sentence, ""]
     for f in errors:
         lines.append(f"- **error** `{f.kind}`: {_md(f.message)}")
     if errors:

@@ -240,7 +240,7 @@ def plan_items(report: Report) -> list[tuple[str, str]]:
         taps = f"{p.tap_reference} (reference) -> {p.tap_candidate} (candidate)"
     return [
         ("tap", taps),
-        ("segment size", f"{p.segment_size} (from {p.segment_size_source})"),
+        ("segment size", f"{p.segment_size} ({SEGMENT_SIZE_SOURCES.get(p.segment_size_source, p.segment_size_source)})"),
         (
             "sequences",
             f"{p.sequences_aligned} aligned of {p.sequences_reference} reference / {p.sequences_candidate} candidate",
@@ -340,6 +340,17 @@ def plural_counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{counts.get(s, 0)} {s if counts.get(s, 0) == 1 or s == 'info' else s + 's'}" for s in SEVERITIES)
 
 
+def segments_text(side: Side) -> str:
+    """``3 segments of 64`` (how the fc input is cut; not a tensor shape)."""
+    noun = "segment" if side.segments == 1 else "segments"
+    return f"{side.segments} {noun} of {side.segment_size}"
+
+
+#: How the plan's segment size was decided, as a person says it.
+SEGMENT_SIZE_SOURCES = {"meta": "recorded in the stores", "option": "from --segment-size",
+                        "inferred": "inferred from the data"}
+
+
 def pair_name(m: SegmentMetrics) -> str:
     return f"c{m.candidate}->r{m.reference}"
 
@@ -355,7 +366,7 @@ def side_items(side: Side) -> list[tuple[str, str]]:
             "rows",
             f"{side.rows} ({side.valid_rows} valid) from {len(side.writers)} writer(s): {', '.join(side.writers) or '-'}",
         ),
-        ("width", f"{side.width} {side.dtype} = {side.segments} x {side.segment_size}"),
+        ("width", f"{side.width} {side.dtype} = {segments_text(side)}"),
         ("segments", labels),
         ("sequences", str(side.sequences)),
         ("aux layers", aux_config_text(side)),
@@ -397,26 +408,126 @@ class _Painter:
         return "".join(_ANSI[s] for s in styles) + text + _ANSI["reset"]
 
 
-def render_text(report: Report, color: bool = False) -> str:
-    """The whole report for a terminal: summary, findings, segment map, metrics, plan, config diff."""
+def render_text(report: Report, color: bool = False, *, verbose: bool = False) -> str:
+    """The report for a terminal.
+
+    By default what a person acts on, in about a screen: the verdict, the findings (root cause
+    first, evidence left out), the fix, the segment map and matrix, one line per compared pair.
+    ``verbose`` adds every finding's evidence, the full metrics with worst rows, the plan and the
+    config diff (the JSON and HTML reports always hold everything).
+    """
     paint = _Painter(color)
     lines: list[str] = []
-    lines += _summary(report, paint)
-    lines += _findings(report, paint)
-    lines += _segment_map(report, paint)
-    lines += _metrics(report, paint)
-    lines += _plan(report, paint)
-    lines += _config_diff(report, paint)
-    lines += _replay(report, paint)
-    lines.append("")
-    lines.append(
-        paint(
-            f"tracediff {clean(report.tracediff_version)}, report schema {report.schema_version}; "
-            f"the full numbers are in the JSON report (--json).",
-            "dim",
+    if verbose:
+        lines += _summary(report, paint)
+        lines += _findings(report, paint)
+        lines += _segment_map(report, paint)
+        lines += _metrics(report, paint)
+        lines += _plan(report, paint)
+        lines += _config_diff(report, paint)
+        lines += _replay(report, paint)
+        lines.append("")
+        lines.append(
+            paint(
+                f"tracediff {clean(report.tracediff_version)}, report schema {report.schema_version}; "
+                f"the full numbers are in the JSON report (--json).",
+                "dim",
+            )
         )
-    )
+    else:
+        lines += _summary(report, paint, errors=False)
+        lines += _findings_brief(report, paint)
+        lines += _fixes(report, paint)
+        lines += _segment_map(report, paint)
+        lines += _pairs(report, paint)
+        lines += _replay(report, paint)
+        lines.append("")
+        lines += [paint(t, "dim") for t in _wrap("More: --verbose (plan, metrics, worst rows, evidence, config diff); "
+                                                 "every number: --json FILE or --html FILE.")]
     return "\n".join(lines) + "\n"
+
+
+def verdict_sentence(report: Report) -> str | None:
+    """The sentence under a verdict that needs one (every renderer says it the same way)."""
+    if any(f.kind == "same_recording" for f in report.findings):
+        return "Both sides are one recording: the rows match because they are the same rows."
+    if report.verdict == "match":
+        return "The candidate feeds the draft's fc the same rows as the reference, within the noise floor."
+    return None
+
+
+def render_verdict_line(report: Report) -> str:
+    """The verdict on one line (``compare -q``): ``mismatch: 3 errors, 1 warning, 0 info``."""
+    return f"{report.verdict}: {plural_counts(report.counts())}"
+
+
+def fix_lines(report: Report) -> list[str]:
+    """The proposed fixes, one sentence each: the config value to set (or why no config can), from
+    the findings that carry one."""
+    out: list[str] = []
+    for f in report.findings:
+        fix = f.evidence.get("fix")
+        if not isinstance(fix, dict):
+            continue
+        value, field = fix.get("value"), fix.get("field")
+        if fix.get("config_can_fix") and value is not None and field:
+            engine = f" ({fix['engine']})" if fix.get("engine") else ""
+            text = (f"On the candidate{engine}: set {field} = {fmt_value(value)} ({fix.get('convention')} numbering), "
+                    f"then record it again and rerun this compare.")
+        else:
+            reasons = " ".join(str(r) for r in fix.get("reasons") or [] if r)
+            text = f"No config value fixes this: {reasons}" if reasons else "No config value fixes this."
+        if text not in out:
+            out.append(text)
+    return out
+
+
+def _fixes(report: Report, paint: _Painter) -> list[str]:
+    fixes = fix_lines(report)
+    if not fixes:
+        return []
+    lines = _heading("Fix", paint)
+    for text in fixes:
+        lines += _wrap(clean(text), "  ", hang="      ")
+    return lines
+
+
+def _findings_brief(report: Report, paint: _Painter) -> list[str]:
+    """Every finding's message, errors first, without its evidence."""
+    if not report.findings:
+        return []
+    lines = _heading("Findings (root cause first)", paint)
+    for severity in SEVERITIES:
+        for f in report.findings:
+            if f.severity == severity:
+                lines += _finding_line(f, paint, indent="  ")
+                table = group_table(f)
+                if table is not None:
+                    lines += _table(*table, indent=" " * 6)
+    return lines
+
+
+def pair_line(m: SegmentMetrics, report: Report) -> str:
+    """One compared pair on one line: what it is, on how many rows, how close."""
+    ref_labels, cand_labels = reference_labels(report), candidate_labels(report)
+    cl = cand_labels[m.candidate] if m.candidate < len(cand_labels) else str(m.candidate)
+    rl = ref_labels[m.reference] if m.reference < len(ref_labels) else str(m.reference)
+    names = f"{cl} = {rl}" if cl == rl else f"{cl} vs {rl}"
+    nonfinite = ""
+    if m.nonfinite_candidate or m.nonfinite_reference:
+        nonfinite = f", non-finite {m.nonfinite_candidate}/{m.nonfinite_reference} rows"
+    return (f"{pair_name(m)} ({names}): {m.rows} rows, cos mean {fmt_cos(m.cos_mean)} min {fmt_cos(m.cos_min)}, "
+            f"norm ratio {fmt_num(m.norm_ratio_p50, 4)} (p1 {fmt_num(m.norm_ratio_p1, 4)}, p99 "
+            f"{fmt_num(m.norm_ratio_p99, 4)}), rel L2 {fmt_num(m.rel_l2, 3)}{nonfinite}")
+
+
+def _pairs(report: Report, paint: _Painter) -> list[str]:
+    lines = _heading("Pairs (every aligned row)", paint)
+    if not report.metrics:
+        return lines + ["  no matched segment pairs: nothing to measure"]
+    for m in report.metrics:
+        lines += _wrap(clean(pair_line(m, report)), "  ", hang="      ")
+    return lines
 
 
 def _replay(report: Report, paint: _Painter) -> list[str]:
@@ -460,7 +571,7 @@ def _heading(title: str, paint: _Painter) -> list[str]:
     return ["", paint(title, "bold"), paint("-" * len(title), "dim")]
 
 
-def _summary(report: Report, paint: _Painter) -> list[str]:
+def _summary(report: Report, paint: _Painter, *, errors: bool = True) -> list[str]:
     counts = report.counts()
     verdict = report.verdict.upper()
     tally = plural_counts(counts)
@@ -469,19 +580,31 @@ def _summary(report: Report, paint: _Painter) -> list[str]:
         paint(head, "bold", "green" if report.verdict == "match" else "red")
         + f"  ({tally}; exit code {report.exit_code()})"
     ]
-    if report.verdict == "match":
-        lines += _wrap(
-            "The candidate feeds the draft's fc the same rows as the reference, within the noise floor.", "  "
-        )
-    for f in report.findings:
-        if f.severity == "error":
-            lines += _finding_line(f, paint, indent="  ")
+    sentence = verdict_sentence(report)
+    if sentence:
+        lines += _wrap(sentence, "  ")
+    if errors:
+        for f in report.findings:
+            if f.severity == "error":
+                lines += _finding_line(f, paint, indent="  ")
     lines.append("")
     for label, side in (("reference", report.reference), ("candidate", report.candidate)):
-        first = f"{label:<10} {clean(side.path)}  tap {clean(side.tap)}  {side.segments} x {side.segment_size} {clean(side.dtype)}"
+        first = (f"{label:<10} {clean(side.path)}: tap {clean(side.tap)}, {segments_text(side)}, {clean(side.dtype)}, "
+                 f"{side.rows} rows")
         lines += _wrap(first, "  ", hang="  " + " " * 11)
-        lines += _wrap(f"aux layers: {clean(aux_config_text(side))}", "  " + " " * 11, hang="  " + " " * 15)
+        aux = aux_config_text(side) if errors else aux_brief(side)
+        lines += _wrap(f"aux layers: {clean(aux)}", "  " + " " * 11, hang="  " + " " * 15)
     return lines
+
+
+def aux_brief(side: Side) -> str:
+    """The aux layers a side feeds, in one short phrase (the recorded config is in --verbose)."""
+    aux = side.aux_layers
+    if not aux or aux.get("physical") is None:
+        return "not recorded" if not side.aux_layer_config else f"recorded as {fmt_mapping(side.aux_layer_config)}"
+    physical = "[" + ", ".join(str(p) for p in aux["physical"]) + "]"
+    return (f"{physical} in HF hidden_states numbering (recorded as {aux.get('convention')} ids "
+            f"{fmt_value(aux.get('recorded'))} in {aux.get('field')})")
 
 
 def _finding_line(f: Finding, paint: _Painter, indent: str) -> list[str]:
