@@ -14,6 +14,8 @@
 #   server stub `torchvision` and `vllm` (tests/sglang_stubs/).
 # - transformers is pinned to 5.19.0: sglang 0.5.23 pins it, and tracediff[test] accepts it.
 set -euo pipefail
+# shellcheck source=pip-install.sh
+source "$(dirname "${BASH_SOURCE[0]}")/pip-install.sh"
 : "${PIP:?set PIP to the pip of the venv, e.g. PIP=.venv/bin/pip}"
 PY="$(dirname "$(command -v "$PIP")")/python"
 
@@ -29,16 +31,16 @@ echo "torch==$torch_version" > "$constraints"
 
 # 1. The frameworks themselves, without their (CUDA) dependency trees. pip then reports sglang's
 #    unmet pins (torch 2.14.1, torchvision, flashinfer...) as "dependency conflicts": expected.
-"$PIP" install -q --no-deps sglang==0.5.23 triton==3.9.0 compressed-tensors==0.18.0
+pip_install "$PIP" -q --no-deps sglang==0.5.23 triton==3.9.0 compressed-tensors==0.18.0
 
 # 2. What sglang imports to build models in-process on CPU (tests/test_sglang_adapter.py).
-"$PIP" install -q -c "$constraints" \
+pip_install "$PIP" -q -c "$constraints" \
     transformers==5.19.0 tokenizers==0.23.2 openai==2.8.0 'datasets<=5.1.0' hs-connectors==0.9.0 \
     pydantic pydantic-settings loguru orjson psutil pybase64 requests pillow starlette msgspec pyzmq IPython \
     aiohttp dill apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 gguf partial-json-parser
 
 # 3. What `python -m sglang.launch_server --device cpu` needs on top (tests/test_sglang_live.py).
-"$PIP" install -q -c "$constraints" \
+pip_install "$PIP" -q -c "$constraints" \
     uvicorn uvloop fastapi setproctitle einops jsonschema xgrammar==0.2.7 soundfile==0.13.1 python-multipart
 
 # Nothing above may have replaced the CPU torch with a CUDA build.

@@ -14,6 +14,8 @@
 # datasets (speculators' ArrowDataset). Triton is optional: the tests use speculators' eager loss
 # and replace SpecForge's Triton loss module with a torch one.
 set -euo pipefail
+# shellcheck source=pip-install.sh
+source "$(dirname "${BASH_SOURCE[0]}")/pip-install.sh"
 
 PIP="${PIP:-pip}"
 PYTHON="${PYTHON:-$(dirname "$(command -v "$PIP")")/python}"
@@ -30,17 +32,20 @@ trap 'rm -f "$constraints"' EXIT
 echo "torch==$torch_version" > "$constraints"
 
 # 1. The frameworks and speculators' hidden-states transfer package, without their pinned deps.
-"$PIP" install --quiet --no-deps speculators==0.9.0 specforge==0.2.0 hs-connectors==0.9.0
+pip_install "$PIP" --quiet --no-deps speculators==0.9.0 specforge==0.2.0 hs-connectors==0.9.0
 
 # 2. The dependencies their imported code needs (resolved, torch held where it is).
-"$PIP" install --quiet -c "$constraints" "transformers==5.19.0" "openai==2.8.0" "datasets>=4.0.0,<=5.1.0"
+pip_install "$PIP" --quiet -c "$constraints" "transformers==5.19.0" "openai==2.8.0" "datasets>=4.0.0,<=5.1.0"
 
 # 3. Check: torch untouched, the classes tracediff hooks import.
 TORCH_COMPILE_DISABLE=1 "$PYTHON" - "$torch_version" <<'EOF'
 import sys
+import warnings
 
 import torch
 
+# specforge says on import that flash_attn (a CUDA package) is absent; on CPU that is expected.
+warnings.filterwarnings("ignore", message="flash_attn is not found")
 assert torch.__version__ == sys.argv[1], f"torch changed: {torch.__version__} != {sys.argv[1]}"
 from speculators.models.eagle3 import Eagle3DraftModel  # noqa: F401
 from speculators.train.data import ArrowDataset, CollateFn  # noqa: F401

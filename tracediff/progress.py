@@ -12,12 +12,13 @@ printing, so a stage that runs one long call (planning) still shows; it never to
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
 from typing import IO
 
-#: Seconds between two status lines in a log (and before the first one).
+#: Seconds between two status lines in a log (and before the first one); TRACEDIFF_PROGRESS_SECONDS sets it.
 LOG_INTERVAL = 5.0
 #: Seconds between two redraws of the live line on a terminal.
 LIVE_INTERVAL = 0.2
@@ -51,7 +52,9 @@ class Progress:
         self.mode = mode
         self.stream = stream if stream is not None else sys.stderr
         self.unit = unit
-        self.interval = interval if interval is not None else (LIVE_INTERVAL if mode == "live" else LOG_INTERVAL)
+        if interval is None:
+            interval = LIVE_INTERVAL if mode == "live" else _log_interval()
+        self.interval = interval
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -151,6 +154,16 @@ class Progress:
             self.stream.flush()
         except (OSError, ValueError):  # a closed or broken stderr must not end the command
             self.mode = "off"
+
+
+def _log_interval() -> float:
+    """Seconds between status lines in a log: ``TRACEDIFF_PROGRESS_SECONDS`` or :data:`LOG_INTERVAL`."""
+    text = os.environ.get("TRACEDIFF_PROGRESS_SECONDS", "")
+    try:
+        value = float(text) if text else LOG_INTERVAL
+    except ValueError:
+        return LOG_INTERVAL
+    return value if value > 0 else LOG_INTERVAL
 
 
 def progress_mode(flag: bool | None, stream: IO[str] | None = None) -> str:

@@ -1,0 +1,194 @@
+"""The command line as a new user meets it: one-line errors, help that shows the grammar, progress in
+a terminal and in a log, a compare of a store with itself, a run that records nothing.
+
+Real subprocesses (and a real pseudo-terminal for the live progress line) on the shipped samples.
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+from conftest import cli_env, invoke_tracediff, run_tracediff
+
+from tracediff.cli import main as cli_main
+from tracediff.demo import default_samples_dir
+
+SAMPLES = default_samples_dir()
+TRAIN, BROKEN, FIXED = SAMPLES / "train.zarr", SAMPLES / "server_broken.zarr", SAMPLES / "server_fixed.zarr"
+
+
+def _one_line_error(result, *parts: str) -> str:
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("tracediff: error: "), lines[0]
+    for part in parts:
+        assert part in lines[0], (part, lines[0])
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------ usage errors
+@pytest.mark.parametrize(
+    ("args", "parts"),
+    [
+        (["compare", TRAIN], ["missing argument 'CANDIDATE'", "usage: tracediff compare [OPTIONS] REFERENCE CANDIDATE",
+                              "'tracediff compare -h'"]),
+        (["compare", TRAIN, FIXED, "--bogus"], ["no such option '--bogus'", "tracediff compare -h"]),
+        (["compare", TRAIN, FIXED, "--fail-on", "never"], ["'--fail-on'", "'never' is not one of"]),
+        (["nosuch"], ["no such command 'nosuch'", "usage: tracediff [OPTIONS] COMMAND"]),
+        (["record", "-o", "x.zarr"], ["missing argument 'COMMAND...'", "tracediff record -h"]),
+        (["identify", BROKEN], ["missing option '--bank'"]),
+    ],
+)
+def test_usage_errors_are_one_line_with_the_usage_and_where_help_is(args, parts):
+    _one_line_error(run_tracediff(*args), *parts)
+
+
+@pytest.mark.parametrize(
+    ("spec", "part"),
+    [
+        ("Foo.fc:inptu", "the capture 'inptu' after ':' must be input or output"),
+        ("=Foo.fc", "the NAME before '=' is empty"),
+        ("Foo..fc", "the attribute path has an empty part"),
+        ("Foo.fc@", "the @ARG '' must be an input's position"),
+        ("foo-bar.fc", "the CLASS 'foo-bar' is not a Python class name"),
+        ("Foo.f-c", "the attribute path part 'f-c'"),
+        ("Foo.fc:input:output", "only one ':input' or ':output'"),
+        ("Foo.fc:output@1", "@ARG selects an input"),
+    ],
+)
+def test_a_bad_tap_spec_names_the_part_that_is_wrong(tmp_path, spec, part):
+    store = tmp_path / "never.zarr"
+    line = _one_line_error(invoke_tracediff("record", "--tap", spec, "-o", store, "--", "true"), part)
+    assert repr(spec) in line
+    assert not store.exists()
+
+
+def test_record_help_shows_the_whole_tap_spec_grammar():
+    out = run_tracediff("record", "--help").stdout
+    assert "[NAME=]CLASS[.ATTR.PATH][:input|:output][@ARG]" in out
+    for part in ("NAME=", "CLASS", ".ATTR.PATH", ":input", ":output", "@ARG"):
+        assert re.search(rf"^\s+{re.escape(part)}\s+\S", out, re.M), part
+    assert "@hidden_states" in out
+
+
+def _commands(group: click.Group, prefix: str = "tracediff"):
+    for name, command in group.commands.items():
+        yield f"{prefix} {name}", command
+        if isinstance(command, click.Group):
+            yield from _commands(command, f"{prefix} {name}")
+
+
+@pytest.mark.parametrize(("path", "command"), list(_commands(cli_main)), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_option_of_every_command_says_what_it_does(path, command):
+    undocumented = [p.opts[0] for p in command.params if isinstance(p, click.Option) and not p.hidden
+                    and not (p.help or "").strip()]
+    assert not undocumented, f"{path}: options without help text: {undocumented}"
+
+
+# ------------------------------------------------------------------------------------ quiet, same store
+def test_quiet_prints_one_line_with_correct_plurals():
+    broken = run_tracediff("compare", TRAIN, BROKEN, "-q")
+    assert broken.returncode == 1
+    assert broken.stdout == "mismatch: 3 errors, 1 warning, 1 info\n"
+    fixed = run_tracediff("compare", TRAIN, FIXED, "-q")
+    assert fixed.stdout == "match: 0 errors, 0 warnings, 2 info\n"
+
+
+def test_a_store_compared_with_itself_or_its_own_zip_says_so(tmp_path):
+    packed = tmp_path / "train.zarr.zip"
+    assert run_tracediff("pack", TRAIN, packed).returncode == 0
+    for other, how in ((TRAIN, "the same store"), (packed, "two copies of one recording")):
+        result = run_tracediff("compare", TRAIN, other)
+        assert result.returncode == 0, result.stderr
+        text = re.sub(r"\s+", " ", result.stdout)
+        assert "Both sides are one recording" in text
+        assert f"WARN same_recording: Both sides are {how}" in text
+        strict = run_tracediff("compare", TRAIN, other, "-q", "--fail-on", "warning")
+        assert strict.returncode == 1 and strict.stdout == "match: 0 errors, 1 warning, 0 info\n"
+    assert "same_recording" not in run_tracediff("compare", TRAIN, FIXED).stdout
+
+
+def test_verbose_adds_the_plan_metrics_and_config_diff():
+    short = run_tracediff("compare", TRAIN, BROKEN).stdout
+    full = run_tracediff("compare", TRAIN, BROKEN, "--verbose").stdout
+    for section in ("\nPlan", "\nConfig diff", "\nSegment metrics", "worst row:"):
+        assert section not in short and section in full
+    assert len(short.splitlines()) <= 70 < len(full.splitlines())
+    # A segment size says where it came from in words.
+    assert "segment size     64 (recorded in the stores)" in full
+
+
+# ------------------------------------------------------------------------------------ progress
+def test_a_log_gets_a_status_line_every_few_seconds_naming_the_stage():
+    env = cli_env(TRACEDIFF_PROGRESS_SECONDS="0.02")
+    proc = subprocess.run([sys.executable, "-m", "tracediff", "compare", str(TRAIN), str(BROKEN), "-q"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines and all(line.startswith("tracediff compare: ") for line in lines), proc.stderr
+    assert re.search(r"^tracediff compare: done in \d+ s$", lines[-1])
+    status = [line for line in lines[:-1]]
+    assert status and all(re.search(r", \d+ s$", line) for line in status)
+    stages = {line.split(": ", 1)[1].split(",")[0] for line in status}
+    assert stages & {"opening stores", "reading labels", "aligning sequences", "planning: label offset",
+                     "planning: segment map", "comparing rows", "findings", "writing reports"}
+
+
+def test_a_short_compare_in_a_log_prints_no_progress_and_no_progress_turns_it_off():
+    quick = run_tracediff("compare", TRAIN, FIXED, "-q")
+    assert quick.stderr == ""
+    env = cli_env(TRACEDIFF_PROGRESS_SECONDS="0.02")
+    off = subprocess.run([sys.executable, "-m", "tracediff", "compare", str(TRAIN), str(FIXED), "-q", "--no-progress"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert off.returncode == 0 and off.stderr == ""
+
+
+def test_a_terminal_gets_one_live_line_redrawn_in_place_and_cleared():
+    main_fd, child_fd = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "tracediff", "compare", str(TRAIN), str(BROKEN), "-q"],
+                              env=cli_env(), stdout=subprocess.PIPE, stderr=child_fd, text=True, timeout=120)
+        os.close(child_fd)
+        child_fd = -1
+        chunks = []
+        while True:
+            try:
+                data = os.read(main_fd, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        if child_fd >= 0:
+            os.close(child_fd)
+        os.close(main_fd)
+    shown = b"".join(chunks).decode()
+    assert proc.returncode == 1 and proc.stdout == "mismatch: 3 errors, 1 warning, 1 info\n"
+    assert "\n" not in shown.replace("\r\n", "")  # never a new line per update: redrawn in place
+    assert shown.count("\r") >= 2 and "compare: " in shown
+    assert shown.split("\r")[-1].strip() == ""  # cleared at the end
+
+
+# ------------------------------------------------------------------------------------ record
+def test_a_record_that_never_sees_its_class_leaves_nothing_in_the_way(tmp_path: Path):
+    store = tmp_path / "train.zarr"
+    first = invoke_tracediff("record", "--tap", "NoSuchDraft.fc", "-o", store, "--", sys.executable, "-c", "pass")
+    assert first.returncode == 0
+    assert "never fired" in first.stderr and "no --overwrite needed" in first.stderr
+    assert not store.exists()
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nclass NoSuchDraft(torch.nn.Module):\n    def __init__(self):\n"
+                      "        super().__init__()\n        self.fc = torch.nn.Linear(8, 4)\n"
+                      "NoSuchDraft().fc(torch.ones(5, 8))\n")
+    second = invoke_tracediff("record", "--tap", "NoSuchDraft.fc", "-o", store, "--", sys.executable, script)
+    assert second.returncode == 0, second.stderr
+    assert "removed" not in second.stderr and (store / "zarr.json").is_file()
