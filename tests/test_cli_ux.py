@@ -192,3 +192,24 @@ def test_a_record_that_never_sees_its_class_leaves_nothing_in_the_way(tmp_path: 
     second = invoke_tracediff("record", "--tap", "NoSuchDraft.fc", "-o", store, "--", sys.executable, script)
     assert second.returncode == 0, second.stderr
     assert "removed" not in second.stderr and (store / "zarr.json").is_file()
+
+
+# ------------------------------------------------------------------------------------ start-up
+@pytest.mark.parametrize(
+    ("args", "not_imported"),
+    [
+        (["--help"], ["torch", "numpy", "zarr", "deepdiff"]),
+        (["compare", "--help"], ["torch", "numpy", "zarr", "deepdiff"]),
+        (["inspect", str(TRAIN)], ["torch", "deepdiff", "pandas"]),
+        (["compare", str(TRAIN), str(FIXED), "-q"], ["pandas", "transformers"]),
+    ],
+)
+def test_a_command_imports_only_what_it_needs(args, not_imported):
+    code = ("import sys\nsys.argv = ['tracediff', *sys.argv[1:]]\nfrom tracediff.cli import main\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print(' '.join(sorted(sys.modules)), file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", code, *args], env=cli_env(), capture_output=True, text=True,
+                          timeout=120)
+    loaded = set(proc.stderr.strip().splitlines()[-1].split())
+    assert "tracediff.cli" in loaded
+    assert not loaded & set(not_imported), sorted(loaded & set(not_imported))
