@@ -246,3 +246,228 @@ def record_then_wait_for_sigterm(store: str, log: str, sizes: list[int]) -> None
     os.replace(log + ".tmp", log)  # the test polls for the file: it must appear whole
     time.sleep(60)  # SIGTERM arrives here
     raise SystemExit(99)  # never reached when the signal kills the process
+
+
+# --------------------------------------------------------------------------------- report schemas
+# Every compare / replay / identify JSON document a test produces is validated against the schemas
+# tracediff ships (tracediff/schemas/, docs/report-schema.md), so the schemas cannot drift from
+# what the code writes:
+#
+# * files: at each test's teardown, every *.json under this session's temporary folders (tmp_path,
+#   tmp_path_factory; zarr stores skipped) that reads as a report by its top-level keys, new or
+#   changed since the last look. It covers the CLI run as a subprocess (`--json FILE`) and
+#   write_report / write_json in this process;
+# * objects: every Report and Identification that compare and identify return in this process (a
+#   test may never serialise them), in its state at the test's teardown (after a replay attached).
+#
+# They are validated strictly: the open vocabularies of the shipped schemas (finding kinds, segment
+# statuses, ...; any snake_case name passes there, for forward compatibility) are closed to the
+# values the schema lists, so a new finding kind or status fails here until the schema names it.
+# A violation fails the test at teardown with the file (or object) and the JSON path. A test that
+# writes a report-shaped document on purpose opts out with @pytest.mark.report_schema("off").
+SCHEMA_LEVELS = ("strict", "off")
+_SCHEMA_COUNTS: dict[str, int] = {}
+_PRODUCED: list[tuple[str, str, Any]] = []  # (schema, origin, Report or Identification) not yet checked
+_SEEN_FILES: dict[Path, tuple[int, int]] = {}  # path -> (mtime_ns, size) when last validated
+_SCAN_LIMIT = 64 << 20  # a report file is far smaller; bigger *.json files are not reports
+
+
+def report_schema_of(document: Any) -> str | None:
+    """``"compare"`` or ``"identify"`` when ``document`` is one of those reports by its top-level keys."""
+    if not isinstance(document, dict):
+        return None
+    keys = set(document)
+    if "findings" in keys and keys & {"plan", "segment_map", "schema_version", "verdict"}:
+        return "compare"
+    if "bank_tap" in keys or {"bank", "segments"} <= keys:
+        return "identify"
+    return None
+
+
+def strict_schema(name: str) -> dict[str, Any]:
+    """The shipped schema with its open vocabularies closed (``$defs/future_value`` := false)."""
+    from tracediff.schemas import load_schema  # noqa: PLC0415
+
+    schema = load_schema(name)
+    assert "future_value" in schema["$defs"], f"{name}: the schema has no $defs/future_value to close"
+    schema["$defs"]["future_value"] = False
+    return schema
+
+
+_VALIDATORS: dict[tuple[str, bool], Any] = {}
+
+
+def report_validator(name: str, *, strict: bool = True) -> Any:
+    """A compiled draft 2020-12 validator of schema ``name``, built once per session."""
+    key = (name, strict)
+    if key not in _VALIDATORS:
+        from jsonschema import Draft202012Validator  # noqa: PLC0415
+
+        from tracediff.schemas import load_schema  # noqa: PLC0415
+
+        schema = strict_schema(name) if strict else load_schema(name)
+        Draft202012Validator.check_schema(schema)
+        _VALIDATORS[key] = Draft202012Validator(schema)
+    return _VALIDATORS[key]
+
+
+def schema_problems(document: Any, name: str, *, strict: bool = True, limit: int = 5) -> list[str]:
+    """Why ``document`` is not a valid ``name`` report, one line per violation (deepest first); [] if it is."""
+    errors = sorted(report_validator(name, strict=strict).iter_errors(document),
+                    key=lambda e: (-len(e.absolute_path), e.json_path))
+    return [f"at {e.json_path}: {e.message[:300]}" for e in errors[:limit]]
+
+
+def _finite_json(document: Any) -> Any:
+    """``document`` as its JSON file holds it: non-finite floats as null (tracediff.results._finite)."""
+    from tracediff.results import _finite  # noqa: PLC0415
+
+    return json.loads(json.dumps(_finite(document), allow_nan=False, default=str))
+
+
+def _object_document(name: str, obj: Any) -> Any:
+    return json.loads(obj.to_json()) if name == "compare" else _finite_json(obj.to_dict())
+
+
+def _report_files(root: Path) -> Iterator[Path]:
+    """*.json under ``root``, not descending into zarr stores (a folder holding zarr.json)."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    if any(e.name == "zarr.json" for e in entries):
+        return
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            yield from _report_files(Path(entry.path))
+        elif entry.name.endswith(".json") and entry.is_file(follow_symlinks=False):
+            yield Path(entry.path)
+
+
+def _check_report_files(root: Path) -> list[str]:
+    problems = []
+    for path in _report_files(root):
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if _SEEN_FILES.get(path) == stamp or stat.st_size > _SCAN_LIMIT:
+            continue
+        _SEEN_FILES[path] = stamp
+        try:
+            text = path.read_bytes()
+            document = json.loads(text)
+        except (OSError, ValueError):
+            continue  # not JSON (or half written): not a report this hook can read
+        name = report_schema_of(document)
+        if name is None:
+            continue
+        _SCHEMA_COUNTS[f"{name} files"] = _SCHEMA_COUNTS.get(f"{name} files", 0) + 1
+        problems += [f"{path}: not a valid {name} report {p}" for p in strict_json_problems(text)]
+        problems += [f"{path}: not a valid {name} report {p}" for p in schema_problems(document, name)]
+    return problems
+
+
+def strict_json_problems(text: bytes | str) -> list[str]:
+    """Python's json reads bare NaN and Infinity, which are not JSON (jq, JavaScript and most
+    parsers refuse them): a report must write them as null."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"bare {constant} (not JSON; a non-finite float is written as null)")
+
+    try:
+        json.loads(text, parse_constant=refuse)
+    except ValueError as exc:
+        return [f"at the file: {exc}"]
+    return []
+
+
+def _check_produced() -> list[str]:
+    problems = []
+    while _PRODUCED:
+        name, origin, obj = _PRODUCED.pop(0)
+        try:
+            document = _object_document(name, obj)
+        except (TypeError, ValueError) as exc:
+            problems.append(f"{origin}: its JSON form cannot be written: {type(exc).__name__}: {exc}")
+            continue
+        _SCHEMA_COUNTS[f"{name} objects"] = _SCHEMA_COUNTS.get(f"{name} objects", 0) + 1
+        problems += [f"{origin}: not a valid {name} report {p}" for p in schema_problems(document, name)]
+    return problems
+
+
+class _ReportSchemaPlugin:
+    """Records what compare and identify return in this process, and counts what was validated."""
+
+    #: (module, function, schema): the functions every in-process compare / identify goes through.
+    PRODUCERS = (("tracediff.compare", "_compare", "compare"), ("tracediff.identify", "_identify", "identify"))
+
+    def __init__(self) -> None:
+        self.patched: dict[tuple[str, str], Any] = {}
+
+    def install(self) -> None:
+        """Wrap each producer whose module is imported (once per session; checked before every test)."""
+        for module_name, attr, schema in self.PRODUCERS:
+            module = sys.modules.get(module_name)
+            if module is None or (module_name, attr) in self.patched:
+                continue
+            real = getattr(module, attr)  # an AttributeError here: the producer moved, update PRODUCERS
+
+            def recording(*args: Any, _real: Any = real, _schema: str = schema, **kwargs: Any) -> Any:
+                result = _real(*args, **kwargs)
+                _PRODUCED.append((_schema, f"{_real.__module__}.{_real.__name__}() result", result))
+                return result
+
+            self.patched[(module_name, attr)] = real
+            setattr(module, attr, recording)
+
+    #: Test modules whose reports are built by hand for the renderers, in shapes no producer writes
+    #: (evidence keys of an earlier draft, an empty token_pairing): not validated. Remove a module
+    #: here once its reports are producer-shaped, or once it says @report_schema("off") itself.
+    HAND_BUILT = ("test_report_render.py",)
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        for item in items:
+            if item.path.name in self.HAND_BUILT and item.get_closest_marker("report_schema") is None:
+                item.add_marker(pytest.mark.report_schema("off"))
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:  # noqa: ARG002  (before any fixture)
+        self.install()
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:  # noqa: ARG002
+        for (module_name, attr), real in self.patched.items():
+            setattr(sys.modules[module_name], attr, real)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if _SCHEMA_COUNTS:
+            shown = ", ".join(f"{n} {what}" for what, n in sorted(_SCHEMA_COUNTS.items()))
+            terminalreporter.write_line(f"tracediff report schemas: validated {shown}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "report_schema(level): how the reports this test produces are validated: 'strict' (default) or "
+                   "'off' (a test that writes a report-shaped document on purpose)")
+    config.pluginmanager.register(_ReportSchemaPlugin(), "tracediff-report-schemas")
+
+
+@pytest.fixture(autouse=True)
+def _reports_follow_their_schemas(request: pytest.FixtureRequest,
+                                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    yield
+    marker = request.node.get_closest_marker("report_schema")
+    level = marker.args[0] if marker and marker.args else "strict"
+    assert level in SCHEMA_LEVELS, f"report_schema({level!r}): use one of {SCHEMA_LEVELS}"
+    if level == "off":
+        _PRODUCED.clear()
+        for path in _report_files(tmp_path_factory.getbasetemp()):  # seen: not validated later either
+            with contextlib.suppress(OSError):
+                stat = path.stat()
+                _SEEN_FILES[path] = (stat.st_mtime_ns, stat.st_size)
+        return
+    problems = _check_produced() + _check_report_files(tmp_path_factory.getbasetemp())
+    if problems:
+        pytest.fail("reports that do not follow tracediff/schemas (docs/report-schema.md):\n  "
+                    + "\n  ".join(problems[:20]), pytrace=False)

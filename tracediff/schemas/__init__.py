@@ -1,4 +1,10 @@
-"""JSON Schema files (draft 2020-12) for tracediff's machine-readable outputs; see docs/report-schema.md."""
+"""JSON Schema files (draft 2020-12) for tracediff's machine-readable outputs; see docs/report-schema.md.
+
+``compare`` describes the compare report: what ``tracediff compare --json``, ``tracediff replay --json``
+and ``compare --draft --json`` write (one document; ``replay`` is filled by the last two). ``identify``
+describes what ``tracediff identify --json`` writes. Objects are open (a minor version may add
+fields), required fields stay; the files are package data, read here without importing jsonschema.
+"""
 
 from __future__ import annotations
 
