@@ -42,6 +42,9 @@ from tracediff.store import TraceStore, open_store
 from tracediff.transforms import best_transform, fit_transforms
 
 
+IDENTIFY_SCHEMA_VERSION = 1
+
+
 @dataclass
 class LayerName:
     """A bank column in every numbering a user meets."""
@@ -83,6 +86,8 @@ class Identification:
     segments: list[SegmentIdentity]
     suggestions: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: Version of this document's layout (tracediff/schemas/identify.schema.json).
+    schema_version: int = IDENTIFY_SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
