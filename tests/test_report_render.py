@@ -24,6 +24,7 @@ from tracediff.results import (
     RowRef,
     SegmentMatch,
     SegmentMetrics,
+    SegmentProfile,
     Side,
 )
 
@@ -108,6 +109,25 @@ def _metrics(cand: int, ref: int, cos: float = 0.99998, nan: bool = False) -> Se
             [float(p), (math.nan if nan and p == 64 else cos - 1e-6 * (p / 64)), 128.0] for p in range(0, 1024, 64)
         ],
         norm_ratio_hist={"edges": [-0.02 + 0.005 * k for k in range(9)], "counts": [1, 4, 60, 900, 950, 110, 12, 3]},
+        std_rel_error=math.nan if nan else 0.004,
+        std_error_by_position=[[float(p), 0.003 + 1e-3 * (p % 128) / 64, 128.0] for p in range(0, 1024, 64)],
+        numerics_budget=0.0352,
+        drift_limit=0.1056,
+    )
+
+
+def _profile(kind: str, cand: int, ref: int, std_cos: float, group: str | None = None,
+             error: float = 0.9) -> SegmentProfile:
+    """A wrong segment against its closest counterpart (or a subset's row group), per position."""
+    positions = range(0, 1024, 64)
+    return SegmentProfile(
+        kind=kind, candidate=cand, reference=ref, group=group, rows=2040, cos_mean=std_cos - 0.07,
+        std_cos_mean=math.nan if kind == "segment_subset" else std_cos, norm_ratio_mean=1.9,
+        std_rel_error=error, numerics_budget=0.0352, drift_limit=0.1056, same_tensor_cosine=0.99936,
+        cos_by_position=[[float(p), std_cos - 0.07 + p / 1e4, 128.0] for p in positions],
+        std_cos_by_position=[] if kind == "segment_subset" else [[float(p), std_cos + p / 1e4, 128.0] for p in positions],
+        norm_ratio_by_position=[[float(p), 1.9 - p / 2048, 128.0] for p in positions],
+        std_error_by_position=[[float(p), error, 128.0] for p in positions],
     )
 
 
@@ -177,6 +197,26 @@ def seed_bug_report() -> Report:
         ],
         tracediff_version="0.1.0",
     )
+
+
+def seed_bug_report_with_profiles() -> Report:
+    """The seed bug as compare now reports it: the standardised matrix the decisions used, the
+    findings' closest counterparts in their evidence, and a per-position profile of each wrong segment."""
+    report = seed_bug_report()
+    report.matrix_standardised = [
+        [0.6162, 0.999995, 0.6735],
+        [0.4367, 0.6735, 0.999993],
+        [0.3337, 0.5282, 0.7699],
+    ]
+    for f in report.findings:
+        if f.kind == "segment_missing":
+            f.evidence = {"reference_segment": 0, "closest_candidate": 0, "closest_standardised_cosine": 0.6162,
+                          "closest_cosine": 0.0312}
+        elif f.kind == "segment_extra":
+            f.evidence = {"candidate_segment": 2, "closest_reference": 2, "closest_standardised_cosine": 0.7699,
+                          "closest_cosine": 0.6120}
+    report.position_profiles = [_profile("segment_missing", 0, 0, 0.6162), _profile("segment_extra", 2, 2, 0.7699)]
+    return report
 
 
 def clean_match_report() -> Report:
@@ -561,3 +601,189 @@ def test_text_report_of_many_segments_and_long_names_still_fits_100_columns():
     assert max(len(line) for line in text.splitlines()) <= 100
     assert "ref 11" in text and "cand 11" in text
     assert render_html(report).count("<rect") > 144
+
+
+# ------------------------------------------------------------------- HTML charts (issue 14)
+def _svg_of(page: str, marker: str) -> str:
+    """The first <svg> after ``marker`` in the page."""
+    start = page.index("<svg", page.index(marker))
+    return page[start : page.index("</svg>", start)]
+
+
+def _line_y(svg: str, css: str) -> tuple[float, float]:
+    """(value, drawn y) of the horizontal reference line with class ``css``."""
+    m = re.search(rf'<g class="{css}" data-value="([^"]+)"><line [^>]*y1="([-\d.]+)"', svg)
+    assert m, css
+    return float(m.group(1)), float(m.group(2))
+
+
+def _point_ys(svg: str, label: str) -> list[float]:
+    group = svg[svg.index(f'data-label="{label}"') :]
+    group = group[: group.index("</g>")]
+    return [float(y) for y in re.findall(r'<circle cx="[-\d.]+" cy="([-\d.]+)"', group)]
+
+
+def test_html_draws_a_per_position_chart_for_each_wrong_segment():
+    report = seed_bug_report_with_profiles()
+    page = render_html(report)
+    differs = page[page.index('<section id="differs">') : page.index("</section>", page.index('id="differs"'))]
+    assert "Reference segment 0 (hs0) is missing: closest is candidate segment 0 (aux0)" in differs
+    assert "Candidate segment 2 (aux2) has no counterpart: closest is reference segment 2 (hs28)" in differs
+    for anchor, profile in (("profile-missing-c0-r0", report.position_profiles[0]),
+                            ("profile-extra-c2-r2", report.position_profiles[1])):
+        block = differs[differs.index(f'id="{anchor}"') :]
+        cosine, ratio = _svg_of(block, "Cosine by position"), _svg_of(block, "Norm ratio")
+        # One point per bucket, its numbers on hover: the decision's standardised cosine, the raw one.
+        assert len(_point_ys(cosine, "standardised cosine (decides)")) == len(profile.std_cos_by_position)
+        assert len(_point_ys(cosine, "raw cosine")) == len(profile.cos_by_position)
+        first = profile.std_cos_by_position[0]
+        assert f"standardised cosine {first[1]:.4g} over 128 rows; raw cosine {profile.cos_by_position[0][1]:.4g}" in cosine
+        assert _line_y(cosine, "threshold same-tensor")[0] == profile.same_tensor_cosine
+        assert len(_point_ys(ratio, "norm ratio")) == len(profile.norm_ratio_by_position)
+        assert _line_y(ratio, "ratio-one")[0] == 1.0
+        # The finding links to its chart.
+        assert f'href="#{anchor}"' in page
+    # Points below the same-tensor line (larger y) are the wrong segment's: every one of them here.
+    cosine = _svg_of(differs, "Cosine by position")
+    _, line = _line_y(cosine, "threshold same-tensor")
+    assert all(y > line for y in _point_ys(cosine, "standardised cosine (decides)"))
+
+
+def test_html_draws_each_subset_group_by_position_with_the_off_row_limit():
+    report = seed_bug_report_with_profiles()
+    report.position_profiles = [_profile("segment_subset", 1, 1, 0.5, group="decode rows of steps with <= 2 rows",
+                                         error=8.7),
+                                _profile("segment_subset", 1, 1, 0.99, group="the other rows", error=0.02)]
+    report.findings.append(Finding("segment_subset", "error", "Candidate segment 1 is reference segment 1 on most rows",
+                                   {"candidate_segment": 1, "reference_segment": 1}))
+    page = render_html(report)
+    assert 'href="#profile-subset-c1-r1"' in page
+    block = page[page.index('id="profile-subset-c1-r1"') :]
+    errors = _svg_of(block, "Standardised error by position, per row group")
+    budget, budget_y = _line_y(errors, "threshold budget")
+    drift, drift_y = _line_y(errors, "threshold drift")
+    assert (budget, drift) == (0.0352, 0.1056)
+    assert "a row beyond it is off" in errors
+    off, rest = _point_ys(errors, "decode rows of steps with &lt;= 2 rows"), _point_ys(errors, "the other rows")
+    assert off and rest
+    assert all(y < drift_y for y in off) and all(y > budget_y for y in rest)
+
+
+def test_matched_pair_chart_draws_the_threshold_the_verdict_uses():
+    report = clean_match_report()
+    report.metrics[1].std_error_by_position[3][1] = 0.2  # one bucket of rows beyond the budget
+    page = render_html(report)
+    assert "1 - noise floor" not in page  # the storage floor of another metric is no threshold
+    for m in report.metrics:
+        svg = _svg_of(page, f"Pair c{m.candidate}-&gt;r{m.reference}:")
+        value, line = _line_y(svg, "threshold budget")
+        assert value == m.numerics_budget == 0.0352
+        assert _line_y(svg, "threshold drift")[0] == m.drift_limit
+        assert _line_y(svg, "pair-value")[0] == m.std_rel_error
+        ys = _point_ys(svg, "RMS standardised error")
+        assert len(ys) == len(m.std_error_by_position)
+        # Above the dashed line (smaller y) exactly the buckets whose error is beyond the budget.
+        beyond = [p[1] > m.numerics_budget for p in m.std_error_by_position]
+        assert [y < line for y in ys] == beyond
+        assert any(beyond) == (m.candidate == 1)
+
+
+def test_a_value_finding_links_to_its_pairs_charts():
+    report = clean_match_report()
+    report.findings.append(Finding("precision", "warning", "candidate segment 1 is reference segment 1 but differs",
+                                   {"candidate_segment": 1, "reference_segment": 1}))
+    page = render_html(report)
+    assert 'href="#pair-c1-r1"' in page and '<div class="pair" id="pair-c1-r1">' in page
+
+
+def test_a_report_without_per_position_errors_draws_cosines_without_a_made_up_threshold():
+    report = clean_match_report()
+    for m in report.metrics:
+        m.std_error_by_position = []
+    page = render_html(report)
+    assert "Raw cosine by position" in page and "threshold" not in _svg_of(page, "Raw cosine by position")
+
+
+def test_heatmap_shows_the_standardised_cosine_decisions_use_with_the_raw_one_on_hover():
+    page = render_html(seed_bug_report_with_profiles())
+    assert "Standardised cosine (what segment matching decides on; hover a cell for the raw cosine)" in page
+    heatmap = _svg_of(page, 'class="heatmap-label"')
+    assert ">0.616200</text>" in heatmap and ">0.031200</text>" not in heatmap
+    assert ("candidate segment 0 vs reference segment 0: standardised cosine 0.616200 (decides), raw cosine "
+            "0.031200") in heatmap
+    assert "standardised cosine (\u2264 0 white, nan grey)" in heatmap
+    # A report that holds no standardised matrix says its cells are raw cosines.
+    page = render_html(seed_bug_report())
+    assert "Mean raw cosine (this report holds no standardised matrix)" in page
+
+
+@pytest.mark.parametrize(("ticks", "labels"), [
+    ([0.999998, 0.999999, 1.0], ["1 \u2212 2e-6", "1 \u2212 1e-6", "1"]),
+    ([0.9999990, 0.9999995, 1.0], ["1 \u2212 1e-6", "1 \u2212 5e-7", "1"]),
+    ([0.2, 0.4, 0.6, 0.8, 1.0], ["0.2", "0.4", "0.6", "0.8", "1.0"]),
+    ([0.996, 0.998, 1.0, 1.002], ["0.996", "0.998", "1.000", "1.002"]),
+    ([0.9994, 0.9996, 0.9998, 1.0], ["0.9994", "0.9996", "0.9998", "1.0000"]),
+    ([-0.5, 0.0, 0.5], ["-0.5", "0.0", "0.5"]),
+    ([0, 50, 100, 150], ["0", "50", "100", "150"]),
+])
+def test_tick_labels_use_the_fewest_decimals_that_tell_ticks_apart(ticks, labels):
+    from tracediff.report.html import tick_labels
+
+    assert tick_labels(ticks) == labels
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(0.9999981, 1.0), (0.3, 0.99936), (0.99585, 1.00429), (0.0, 187.0),
+                                         (1e-9, 3e-9), (-0.2, 0.0)])
+def test_nice_ticks_are_round_and_at_least_three(lo, hi):
+    from tracediff.report.html import nice_ticks, tick_labels
+
+    ticks = nice_ticks(lo, hi)
+    assert 3 <= len(ticks) <= 11
+    assert all(lo - 1e-12 <= t <= hi + 1e-12 for t in ticks)
+    labels = tick_labels(ticks)
+    assert len(set(labels)) == len(labels) and max(len(t) for t in labels) <= 10
+
+
+def test_no_axis_label_of_a_page_runs_past_1_or_carries_noise_digits():
+    report = clean_match_report()
+    for m in report.metrics:  # flat at 1 - 1e-6, as identical tensors in bf16 look
+        m.cos_by_position = [[float(p), 1 - 1e-6 * (1 + p % 3), 128.0] for p in range(0, 1024, 64)]
+        m.std_error_by_position = []
+    page = render_html(report)
+    labels = re.findall(r'text-anchor="end" font-size="10" fill="#57606a">([^<]*)</text>', page)
+    assert labels and "1" in labels
+    assert not [t for t in labels if re.fullmatch(r"1\.0*[1-9]\d*", t) or re.search(r"\d\.\d{7,}", t)], labels
+
+
+def test_config_diff_paths_never_wrap_inside_a_path():
+    report = seed_bug_report()
+    report.config_diff.append({"path": "store.aux_layers", "change": "values_changed", "reference": {"ids": [0, 3, 6]},
+                               "candidate": {"ids": [2, 5, 7]}})
+    page = render_html(report)
+    config = page[page.index('<section id="config">') :]
+    assert '<div class="scroll"><table class="config">' in config
+    assert '<td class="path"><code>store.aux_layers</code></td>' in config
+    rule = re.search(r"table\.config td\.path, table\.config td\.path code \{([^}]*)\}", page)
+    assert rule and "white-space: nowrap" in rule.group(1) and "overflow-wrap: normal" in rule.group(1)
+
+
+def test_match_summary_names_the_numerics_budget_not_the_noise_floor():
+    page = render_html(clean_match_report())
+    assert "within its numerics budget" in page and "within the noise floor" not in page
+    report = clean_match_report()
+    report.findings.append(Finding("precision", "warning", "candidate segment 1 is reference segment 1 but differs"))
+    assert "1 pair(s) differ beyond what numerics explain" in render_html(report)
+
+
+def test_json_holds_the_profiles_and_the_pair_thresholds():
+    data = json.loads(seed_bug_report_with_profiles().to_json())
+    kinds = [(p["kind"], p["candidate"], p["reference"]) for p in data["position_profiles"]]
+    assert kinds == [("segment_missing", 0, 0), ("segment_extra", 2, 2)]
+    profile = data["position_profiles"][0]
+    assert profile["std_cos_by_position"][0] == [0.0, 0.6162, 128.0]
+    assert profile["same_tensor_cosine"] == 0.99936 and profile["group"] is None
+    metrics = data["metrics"][0]
+    assert (metrics["numerics_budget"], metrics["drift_limit"]) == (0.0352, 0.1056)
+    assert metrics["std_error_by_position"][0] == [0.0, 0.003, 128.0]
+    # A report without profiles (older compare) still has the key, empty.
+    assert json.loads(seed_bug_report().to_json())["position_profiles"] == []

@@ -7,6 +7,10 @@ the page cache and by the float32 kernels: rows of uncompressed chunk files are 
 reused 64-byte aligned buffer, blocks run on ``workers`` threads (torch single-threaded inside each:
 no OpenMP barrier per kernel, no collapse when other processes hold the cores), and every kernel
 writes into a buffer allocated once.
+
+Besides the matched pairs, the pass measures each segment the plan calls wrong against its closest
+counterpart (:func:`profile_requests`), in per-position buckets only: a handful of float64 sums per
+bucket, never a per-row array.
 """
 
 from __future__ import annotations
@@ -17,14 +21,18 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from tracediff.align import RowIndex, RowPairs
-from tracediff.results import RowRef, SegmentMetrics
-from tracediff.segments import to_float32
+from tracediff.results import RowRef, SegmentMetrics, SegmentProfile
+from tracediff.segments import closest_counterparts, exact_distance, to_float32
 from tracediff.store import VALUE_DTYPES, ChunkFiles
+
+if TYPE_CHECKING:  # plan.py imports this module
+    from tracediff.plan import SegmentPlan
 
 Progress = Callable[[int], None]
 
@@ -103,6 +111,63 @@ class _Accumulator:
     nonfinite_r: int = 0
 
 
+#: Per-position series have at most this many position buckets.
+POSITION_BUCKETS = 64
+
+
+@dataclass(frozen=True)
+class PositionBuckets:
+    """The aligned rows grouped by reference position into at most :data:`POSITION_BUCKETS` equal
+    buckets; every per-position series of a compare uses the same ones, so their buckets line up."""
+
+    edges: np.ndarray  # [buckets + 1] float64
+    index: np.ndarray  # per aligned row: its bucket (int16)
+
+    @classmethod
+    def of(cls, positions: np.ndarray) -> PositionBuckets:
+        top = int(positions.max()) + 1 if positions.size else 1
+        count = max(1, min(POSITION_BUCKETS, top))
+        edges = np.linspace(0, top, count + 1)
+        index = np.clip(np.searchsorted(edges, positions, side="right") - 1, 0, count - 1).astype(np.int16)
+        return cls(edges, index)
+
+    @property
+    def count(self) -> int:
+        return int(self.edges.size) - 1
+
+    def sums(self, index: np.ndarray, values: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per bucket: the sum of ``values`` where ``keep``, and how many rows that is."""
+        idx = index[keep]
+        return (np.bincount(idx, weights=values[keep].astype(np.float64), minlength=self.count),
+                np.bincount(idx, minlength=self.count).astype(np.float64))
+
+    def series(self, sums: np.ndarray, counts: np.ndarray, divide: float = 1.0, root: bool = False) -> list[list[float]]:
+        """``[[bucket start, sum / (rows x divide), rows], ...]`` (its square root if ``root``) for the
+        buckets with rows."""
+        out = []
+        for b in range(self.count):
+            if counts[b]:
+                v = float(sums[b] / (counts[b] * divide))
+                out.append([float(self.edges[b]), math.sqrt(v) if root and v >= 0 else v, int(counts[b])])
+        return out
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    """A segment pair the pass measures per position only (:func:`profile_requests`)."""
+
+    kind: str  # segment_missing | segment_extra | segment_duplicate
+    candidate: int
+    reference: int
+    cand_mean: torch.Tensor  # the candidate segment's robust (mean, scale), as the plan's matrix used
+    cand_scale: torch.Tensor
+    ref_mean: torch.Tensor
+    ref_scale: torch.Tensor
+    numerics_budget: float
+    drift_limit: float
+    same_tensor_cosine: float
+
+
 @dataclass
 class StreamResult:
     metrics: list[SegmentMetrics]
@@ -112,6 +177,13 @@ class StreamResult:
     # Per matched pair: each aligned row's standardised error over the pair's mean reference size
     # (float32, NaN where not finite), for localising the rows that differ.
     row_errors: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    # Per matched pair, each aligned row's raw cosine and norm ratio (the same arrays the metrics came
+    # from), for the per-position profiles of a subset's row groups.
+    row_cosines: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    row_norm_ratios: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    limits: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (budget, drift limit)
+    buckets: PositionBuckets | None = None
+    profiles: list[SegmentProfile] = field(default_factory=list)
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -151,6 +223,12 @@ class _Buffers:
     mn: torch.Tensor  # [pairs, block] min of the difference
     sn: torch.Tensor  # [pairs, block] norm of the standardised difference
     sd: torch.Tensor  # [pairs, block] norm of the standardised reference
+    d2: torch.Tensor  # [sub, size] float32 (profiles: the standardised reference)
+    pdn: torch.Tensor  # [profiles, block] norm of the difference
+    psn: torch.Tensor  # [profiles, block] norm of the standardised difference
+    psd: torch.Tensor  # [profiles, block] norm of the standardised reference
+    pzc: torch.Tensor  # [profiles, block] norm of the standardised candidate (its own scales)
+    pzd: torch.Tensor  # [profiles, block] dot of the two standardised segments
     views: dict[tuple[int, int], tuple] = field(default_factory=dict)
 
 
@@ -166,14 +244,25 @@ class _BlockResult:
     sq_ref: np.ndarray
     std_num: np.ndarray  # [pairs] float64
     std_den: np.ndarray
+    # Per profile: [8, buckets] sums and counts of the raw cosine, standardised cosine, norm ratio and
+    # squared standardised error; and [2] the sum and count of the squared standardised reference norm.
+    profile_sums: list[np.ndarray] = field(default_factory=list)
+    profile_den: list[np.ndarray] = field(default_factory=list)
 
 
 class _Pass:
     """The per-block work of :func:`stream_metrics` (run by one or several threads)."""
 
     def __init__(self, pairs: RowPairs, reference: RowIndex, candidate: RowIndex, accs: list[_Accumulator],
-                 segment_size: int, block: int, sub: int, scales: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+                 segment_size: int, block: int, sub: int, scales: list[tuple[torch.Tensor, torch.Tensor]],
+                 profiles: list[ProfileRequest] | None = None, buckets: PositionBuckets | None = None) -> None:
         self.pairs, self.reference, self.candidate, self.accs = pairs, reference, candidate, accs
+        self.profiles = list(profiles or [])
+        self.buckets = buckets
+        # Per profile: (reference mean, 1 / reference scale, candidate mean, 1 / candidate scale).
+        self.profile_scales = [(r.ref_mean.float().contiguous(), (1.0 / r.ref_scale.float()).contiguous(),
+                                r.cand_mean.float().contiguous(), (1.0 / r.cand_scale.float()).contiguous())
+                               for r in self.profiles]
         self.size, self.block, self.sub = segment_size, block, sub
         self.wc, self.wr = candidate.streams[0].width, reference.streams[0].width
         self.kc, self.kr = self.wc // segment_size, self.wr // segment_size
@@ -184,7 +273,7 @@ class _Pass:
         self.scales = [(m.float().contiguous(), (1.0 / s.float()).contiguous()) for m, s in scales]
 
     def buffers(self) -> _Buffers:
-        p = len(self.accs)
+        p, q = len(self.accs), len(self.profiles)
         return _Buffers(
             cand=_ChunkReader(self.candidate, max_chunks=8),
             ref=_ChunkReader(self.reference, max_chunks=64),
@@ -200,6 +289,12 @@ class _Pass:
             mn=torch.empty(p, self.block),
             sn=torch.empty(p, self.block),
             sd=torch.empty(p, self.block),
+            d2=torch.empty(self.sub if q else 0, self.size),
+            pdn=torch.empty(q, self.block),
+            psn=torch.empty(q, self.block),
+            psd=torch.empty(q, self.block),
+            pzc=torch.empty(q, self.block),
+            pzd=torch.empty(q, self.block),
         )
 
     def _views(self, w: _Buffers, s0: int, s1: int) -> tuple:
@@ -223,7 +318,12 @@ class _Pass:
              w.sn[p, s0:s1], w.sd[p, s0:s1], *self.scales[p])
             for p, acc in enumerate(self.accs)
         ]
-        views = (cwiden, rwiden, c3, r3, w.xc[s0:s1], w.xr[s0:s1], w.d[:b], kernels)
+        profile_kernels = [
+            (c3[:, r.candidate], r3[:, r.reference], w.pdn[q, s0:s1], w.psn[q, s0:s1], w.psd[q, s0:s1],
+             w.pzc[q, s0:s1], w.pzd[q, s0:s1], *self.profile_scales[q])
+            for q, r in enumerate(self.profiles)
+        ]
+        views = (cwiden, rwiden, c3, r3, w.xc[s0:s1], w.xr[s0:s1], w.d[:b], kernels, w.d2[:b], profile_kernels)
         if len(w.views) < 4 * (self.block // self.sub + 2):
             w.views[key] = views
         return views
@@ -243,7 +343,7 @@ class _Pass:
         # the norm of every segment, and per matched pair the norm, max and min of the difference.
         norm, sub_, amax, amin, mul = torch.linalg.vector_norm, torch.sub, torch.amax, torch.amin, torch.mul
         for s0 in range(0, m, self.sub):
-            cwiden, rwiden, c3, r3, xc, xr, d, kernels = self._views(w, s0, min(m, s0 + self.sub))
+            cwiden, rwiden, c3, r3, xc, xr, d, kernels, d2, profile_kernels = self._views(w, s0, min(m, s0 + self.sub))
             if cwiden is not None:
                 cwiden[0].copy_(cwiden[1])
             if rwiden is not None:
@@ -261,6 +361,21 @@ class _Pass:
                 sub_(b, mean, out=d)
                 mul(d, inv_scale, out=d)
                 norm(d, 2, dim=1, out=sd)
+            # Profiles: the same, plus the standardised cosine (each side in its own scales, as the
+            # plan's matrix).
+            for a, b, dn, sn, sd, zc, zd, rmean, rinv, cmean, cinv in profile_kernels:
+                sub_(a, b, out=d)
+                norm(d, 2, dim=1, out=dn)
+                mul(d, rinv, out=d)
+                norm(d, 2, dim=1, out=sn)
+                sub_(b, rmean, out=d2)
+                mul(d2, rinv, out=d2)
+                norm(d2, 2, dim=1, out=sd)
+                sub_(a, cmean, out=d)
+                mul(d, cinv, out=d)
+                norm(d, 2, dim=1, out=zc)
+                mul(d, d2, out=d)
+                torch.sum(d, dim=1, out=zd)
         xc, xr = w.xc[:m].numpy(), w.xr[:m].numpy()
         # A segment with a non-finite value has a non-finite norm; a non-finite norm may also be an
         # overflow of finite values: only those rows are checked value by value.
@@ -306,13 +421,47 @@ class _Pass:
             acc.rel_diff[sl] = rel[:, p]
             acc.max_abs[sl] = max_abs[:, p]
             acc.std_err[sl] = np.where(std_ok[:, p], sn2[:, p], np.nan)
+        profile_sums, profile_den = self._profile_sums(w, m, start, stop, xc, xr, fin_c, fin_r)
         return _BlockResult(
             bad_c, bad_r,
             {int(s): start + int(np.argmax(~fin_c[:, s])) for s in np.flatnonzero(bad_c)},
             {int(s): start + int(np.argmax(~fin_r[:, s])) for s in np.flatnonzero(bad_r)},
             (~fin_c[:, self.seg_c]).sum(axis=0), (~fin_r[:, self.seg_r]).sum(axis=0), sq_err, sq_ref,
-            std_num, std_den,
+            std_num, std_den, profile_sums, profile_den,
         )
+
+    def _profile_sums(self, w: _Buffers, m: int, start: int, stop: int, xc: np.ndarray, xr: np.ndarray,
+                      fin_c: np.ndarray, fin_r: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per profile, the block's per-bucket sums (rows whose norms are not ordinary are left out
+        of the cosines: a wrong segment's profile needs no last digit)."""
+        if not self.profiles or self.buckets is None:
+            return [], []
+        index = self.buckets.index[start:stop]
+        sums, dens = [], []
+        for q, r in enumerate(self.profiles):
+            x = xc[:, r.candidate].astype(np.float64)
+            y = xr[:, r.reference].astype(np.float64)
+            ok = fin_c[:, r.candidate] & fin_r[:, r.reference]
+            dd = w.pdn[q, :m].numpy().astype(np.float64) ** 2
+            zc = w.pzc[q, :m].numpy().astype(np.float64)
+            zr = w.psd[q, :m].numpy().astype(np.float64)
+            zd = w.pzd[q, :m].numpy().astype(np.float64)
+            sn2 = w.psn[q, :m].numpy().astype(np.float64) ** 2
+            ordinary_y = (y > 1e-15) & (y < 1e18)
+            fast = ok & ordinary_y & (x > 1e-15) & (x < 1e18) & np.isfinite(dd)
+            with np.errstate(all="ignore"):
+                cos = 1.0 - np.clip((dd - (x - y) ** 2) / (2.0 * x * y), 0.0, 2.0)
+                zcos = np.clip(zd / (zc * zr), -1.0, 1.0)
+                ratio = x / y
+            zok = ok & np.isfinite(zcos) & (zc > 0) & (zr > 0)
+            rok = ok & ordinary_y & np.isfinite(ratio)
+            eok = ok & np.isfinite(sn2) & np.isfinite(zr)
+            out = np.zeros((8, self.buckets.count))
+            for k, (values, keep) in enumerate(((cos, fast), (zcos, zok), (ratio, rok), (sn2, eok))):
+                out[2 * k], out[2 * k + 1] = self.buckets.sums(index, values, keep)
+            sums.append(out)
+            dens.append(np.array([float(np.where(eok, zr * zr, 0.0).sum()), float(eok.sum())]))
+        return sums, dens
 
     @staticmethod
     def _finite(norms: np.ndarray, raw: np.ndarray, dtype: str, k: int) -> np.ndarray:
@@ -349,6 +498,8 @@ def stream_metrics(
     segment_size: int,
     scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     *,
+    limits: list[tuple[float, float]] | None = None,
+    profiles: list[ProfileRequest] | None = None,
     block_bytes: int = 16 << 20,
     progress: Progress | None = None,
     workers: int | None = None,
@@ -357,6 +508,9 @@ def stream_metrics(
 
     ``scales`` holds, per match, the reference segment's robust (mean, scale) from the plan sample
     (:class:`tracediff.segments.SegmentScales`); without it, every dimension counts at scale 1.
+    ``limits``, per match, the (numerics budget, drift limit) the findings hold it to
+    (:func:`pair_limits`), carried into its metrics. ``profiles`` are pairs measured per position only
+    (:func:`profile_requests`).
 
     ``workers`` threads (default: torch's thread count) each take whole blocks; for compressed
     stores, one (they share a cache of decoded chunks). Results do not depend on the thread count.
@@ -378,6 +532,12 @@ def stream_metrics(
     ]
     if scales is None:
         scales = [(torch.zeros(size), torch.ones(size)) for _ in matches]
+    if limits is None:
+        limits = [(float("nan"), float("nan")) for _ in matches]
+    profiles = list(profiles or [])
+    buckets = PositionBuckets.of(reference.position[pairs.reference])
+    profile_sums = [np.zeros((8, buckets.count)) for _ in profiles]
+    profile_den = [np.zeros(2) for _ in profiles]
     nf_c = np.zeros(kc, dtype=np.int64)
     nf_r = np.zeros(kr, dtype=np.int64)
     first_c: dict[int, int] = {}
@@ -387,7 +547,7 @@ def stream_metrics(
     if workers is None:
         workers = torch.get_num_threads() if direct else 1
     workers = max(1, min(int(workers), len(spans)))
-    job = _Pass(pairs, reference, candidate, accs, size, block, sub, scales)
+    job = _Pass(pairs, reference, candidate, accs, size, block, sub, scales, profiles, buckets)
     pool: queue.SimpleQueue = queue.SimpleQueue()
     made = [job.buffers() for _ in range(workers)]
     for bufs in made:
@@ -408,6 +568,9 @@ def stream_metrics(
             acc.sq_ref += float(res.sq_ref[p])
             acc.std_num += float(res.std_num[p])
             acc.std_den += float(res.std_den[p])
+        for q in range(len(profiles)):
+            profile_sums[q] += res.profile_sums[q]
+            profile_den[q] += res.profile_den[q]
         if progress is not None:
             progress(rows)
 
@@ -434,14 +597,106 @@ def stream_metrics(
         for bufs in made:
             bufs.cand.close()
             bufs.ref.close()
-    metrics = [_finish(acc, pairs, reference, candidate) for acc in accs]
+    metrics = [_finish(acc, pairs, reference, candidate, buckets, lim) for acc, lim in zip(accs, limits, strict=True)]
     return StreamResult(
         metrics,
         {int(s): (int(nf_c[s]), first_c.get(int(s))) for s in range(kc) if nf_c[s]},
         {int(s): (int(nf_r[s]), first_r.get(int(s))) for s in range(kr) if nf_r[s]},
         sum(b.cand.bytes_read + b.ref.bytes_read for b in made),
         {(acc.cand_seg, acc.ref_seg): acc.std_err for acc in accs},
+        row_cosines={(acc.cand_seg, acc.ref_seg): acc.cos for acc in accs},
+        row_norm_ratios={(acc.cand_seg, acc.ref_seg): acc.ratio for acc in accs},
+        limits={(acc.cand_seg, acc.ref_seg): lim for acc, lim in zip(accs, limits, strict=True)},
+        buckets=buckets,
+        profiles=[_profile(r, profile_sums[q], profile_den[q], buckets) for q, r in enumerate(profiles)],
     )
+
+
+def pair_limits(segplan: SegmentPlan, matches: list[tuple[int, int]]) -> list[tuple[float, float]]:
+    """Per (candidate, reference) pair: the numerics budget the findings hold its standardised
+    relative error to (``tracediff.segment_findings``: beyond it a ``precision`` warning), and the
+    drift limit (:data:`tracediff.plan.DRIFT_FACTOR` times it: beyond it other data, and a row beyond
+    it is "off" for :mod:`tracediff.subsets`)."""
+    from tracediff.plan import DRIFT_FACTOR  # noqa: PLC0415 (plan.py imports this module)
+
+    out = []
+    for _, j in matches:
+        budget = math.sqrt(segplan.budgets[j]) if 0 <= j < len(segplan.budgets) else float("nan")
+        out.append((budget, DRIFT_FACTOR * budget))
+    return out
+
+
+def profile_requests(segplan: SegmentPlan) -> list[ProfileRequest]:
+    """The pairs to profile per position: every segment the wiring findings call wrong against its
+    closest counterpart (:func:`tracediff.segments.closest_counterparts`), each side standardised by
+    its own robust scales as the plan's matrix was."""
+    same = 1.0 - exact_distance(segplan.floor.distance)
+    out = []
+    for c in closest_counterparts(segplan.decisions, segplan.standardised, segplan.dead_candidate,
+                                  segplan.dead_reference):
+        (budget, drift), = pair_limits(segplan, [(c.candidate, c.reference)])
+        out.append(ProfileRequest(c.kind, c.candidate, c.reference, segplan.cand_scales.mean[c.candidate],
+                                  segplan.cand_scales.scale[c.candidate], segplan.ref_scales.mean[c.reference],
+                                  segplan.ref_scales.scale[c.reference], budget, drift, same))
+    return out
+
+
+def _profile(r: ProfileRequest, sums: np.ndarray, den: np.ndarray, buckets: PositionBuckets) -> SegmentProfile:
+    mean_den = den[0] / den[1] if den[1] else float("nan")
+    ok_den = math.isfinite(mean_den) and mean_den > 0
+
+    def total(k: int) -> float:
+        return float(sums[2 * k].sum() / sums[2 * k + 1].sum()) if sums[2 * k + 1].sum() else float("nan")
+
+    return SegmentProfile(
+        kind=r.kind, candidate=r.candidate, reference=r.reference, group=None, rows=int(sums[1].sum()),
+        cos_mean=total(0), std_cos_mean=total(1), norm_ratio_mean=total(2),
+        std_rel_error=math.sqrt(total(3) / mean_den) if ok_den else float("nan"),
+        numerics_budget=r.numerics_budget, drift_limit=r.drift_limit, same_tensor_cosine=r.same_tensor_cosine,
+        cos_by_position=buckets.series(sums[0], sums[1]),
+        std_cos_by_position=buckets.series(sums[2], sums[3]),
+        norm_ratio_by_position=buckets.series(sums[4], sums[5]),
+        std_error_by_position=buckets.series(sums[6], sums[7], mean_den, root=True) if ok_den else [],
+    )
+
+
+def with_subset_profiles(stream: StreamResult, subsets: dict[tuple[int, int], tuple[Any, Any]]) -> list[SegmentProfile]:
+    """The stream's profiles with each subset finding's row groups added (the group, then the other
+    rows, from the pass's per-row numbers), and without the wiring profiles a subset explains (the
+    findings report such a pair once, as the subset)."""
+    explained_c = {i for i, _ in subsets}
+    explained_r = {j for _, j in subsets}
+    out = [p for p in stream.profiles
+           if not (p.kind == "segment_missing" and p.reference in explained_r)
+           and not (p.kind == "segment_extra" and p.candidate in explained_c)]
+    buckets = stream.buckets
+    if buckets is None:
+        return out
+    for (i, j), (subset, _content) in sorted(subsets.items()):
+        cos, ratio, err = stream.row_cosines.get((i, j)), stream.row_norm_ratios.get((i, j)), stream.row_errors.get((i, j))
+        if cos is None or ratio is None or err is None:
+            continue
+        budget, drift = stream.limits.get((i, j), (float("nan"), float("nan")))
+        inside = np.zeros(cos.size, dtype=bool)
+        inside[subset.members] = True
+        for group, mask in ((subset.description, inside), ("the other rows", ~inside)):
+            series = []
+            for values, square in ((cos, False), (ratio, False), (err, True)):
+                keep = mask & np.isfinite(values)
+                v = values.astype(np.float64) ** 2 if square else values
+                series.append((*buckets.sums(buckets.index, v, keep), float(v[keep].sum(dtype=np.float64)),
+                               int(keep.sum())))
+            (cs, cn, ct, ck), (rs, rn, rt, rk), (es, en, et, ek) = series
+            out.append(SegmentProfile(
+                kind="segment_subset", candidate=i, reference=j, group=group, rows=int(mask.sum()),
+                cos_mean=ct / ck if ck else float("nan"), std_cos_mean=float("nan"),
+                norm_ratio_mean=rt / rk if rk else float("nan"),
+                std_rel_error=math.sqrt(et / ek) if ek else float("nan"),
+                numerics_budget=budget, drift_limit=drift, same_tensor_cosine=float("nan"),
+                cos_by_position=buckets.series(cs, cn), norm_ratio_by_position=buckets.series(rs, rn),
+                std_error_by_position=buckets.series(es, en, root=True),
+            ))
+    return out
 
 
 def row_ref(index: RowIndex, i: int) -> RowRef:
@@ -454,7 +709,9 @@ def _quantile(values: np.ndarray, q: float) -> float:
     return float(np.quantile(finite, q)) if finite.size else float("nan")
 
 
-def _finish(acc: _Accumulator, pairs: RowPairs, reference: RowIndex, candidate: RowIndex) -> SegmentMetrics:
+def _finish(acc: _Accumulator, pairs: RowPairs, reference: RowIndex, candidate: RowIndex,
+            buckets: PositionBuckets | None = None, limits: tuple[float, float] = (float("nan"), float("nan")),
+            ) -> SegmentMetrics:
     cos = acc.cos
     finite = np.isfinite(cos)
     rows = int(finite.sum())
@@ -487,17 +744,12 @@ def _finish(acc: _Accumulator, pairs: RowPairs, reference: RowIndex, candidate: 
         k = int(np.nanargmax(acc.max_abs))
         max_abs = float(acc.max_abs[k])
         max_abs_row = row_ref(candidate, pairs.candidate[k])
-    # Cosine by (reference) position, in at most 64 buckets.
-    positions = reference.position[pairs.reference]
-    by_pos: list[list[float]] = []
-    if rows:
-        top = int(positions[finite].max()) + 1
-        nb = min(64, top)
-        edges = np.linspace(0, top, nb + 1)
-        idx = np.clip(np.searchsorted(edges, positions[finite], side="right") - 1, 0, nb - 1)
-        sums = np.bincount(idx, weights=cos[finite], minlength=nb)
-        counts = np.bincount(idx, minlength=nb)
-        by_pos = [[float(edges[b]), float(sums[b] / counts[b]), int(counts[b])] for b in range(nb) if counts[b]]
+    # Cosine and the decision metric by (reference) position, in the compare's position buckets.
+    if buckets is None:
+        buckets = PositionBuckets.of(reference.position[pairs.reference])
+    by_pos = buckets.series(*buckets.sums(buckets.index, cos, finite)) if rows else []
+    err_ok = np.isfinite(row_err)
+    err_by_pos = buckets.series(*buckets.sums(buckets.index, row_err.astype(np.float64) ** 2, err_ok), root=True)
     ratios = acc.ratio[np.isfinite(acc.ratio) & (acc.ratio > 0)]
     hist = {"edges": [], "counts": []}
     if ratios.size:
@@ -532,4 +784,7 @@ def _finish(acc: _Accumulator, pairs: RowPairs, reference: RowIndex, candidate: 
         std_row_error_p50=_quantile(row_err, 0.5),
         std_row_error_p99=_quantile(row_err, 0.99),
         std_row_error_max=float(np.nanmax(row_err)) if np.isfinite(row_err).any() else float("nan"),
+        std_error_by_position=err_by_pos,
+        numerics_budget=float(limits[0]),
+        drift_limit=float(limits[1]),
     )

@@ -141,6 +141,42 @@ class SegmentMetrics:
     std_row_error_p50: float = float("nan")
     std_row_error_p99: float = float("nan")
     std_row_error_max: float = float("nan")
+    # Per position bucket, the decision metric: the RMS of the per-row standardised errors above
+    # ([[bucket start, error, rows], ...]; the pair's std_rel_error is the RMS over every bucket's rows).
+    std_error_by_position: list[list[float]] = field(default_factory=list)
+    # The thresholds the findings hold this pair's std_rel_error to: within numerics_budget it is the
+    # same tensor; beyond, a precision warning; beyond drift_limit (DRIFT_FACTOR x the budget) other
+    # data (segment_value). Also plan.numerics_budgets[reference].
+    numerics_budget: float = float("nan")
+    drift_limit: float = float("nan")
+
+
+@dataclass
+class SegmentProfile:
+    """One segment pair that is not a healthy match, per position: a segment a wiring finding calls
+    wrong (``segment_missing``, ``segment_extra``, ``segment_duplicate``) against its closest
+    counterpart, or one row group of a ``segment_subset`` finding (the group, then "the other rows").
+
+    Every ``*_by_position`` series is ``[[bucket start, value, rows], ...]`` over the same position
+    buckets as ``SegmentMetrics.cos_by_position``; buckets without a finite value are left out.
+    """
+
+    kind: str  # segment_missing | segment_extra | segment_duplicate | segment_subset
+    candidate: int
+    reference: int
+    group: str | None  # segment_subset: the row group's description, or "the other rows"; else None
+    rows: int
+    cos_mean: float  # raw cosine, mean over rows
+    std_cos_mean: float  # standardised cosine (what segment matching decides on); NaN for subset groups
+    norm_ratio_mean: float  # |candidate| / |reference|, mean over rows
+    std_rel_error: float  # RMS of the per-row standardised errors (as SegmentMetrics.std_rel_error)
+    numerics_budget: float  # the reference segment's numerics budget
+    drift_limit: float  # DRIFT_FACTOR x the budget: a row beyond it is "off" (subsets), a pair other data
+    same_tensor_cosine: float  # standardised cosine at or above which matching calls a pair the same tensor
+    cos_by_position: list[list[float]] = field(default_factory=list)
+    std_cos_by_position: list[list[float]] = field(default_factory=list)  # [] for subset groups
+    norm_ratio_by_position: list[list[float]] = field(default_factory=list)
+    std_error_by_position: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -192,6 +228,8 @@ class Report:
     schema_version: int = REPORT_SCHEMA_VERSION
     matrix_standardised: list[list[float]] = field(default_factory=list)  # what segment matching decided on
     replay: dict[str, Any] | None = None  # compare --draft / tracediff replay (tracediff.replay.ReplayResult)
+    # What differs, per position: each wrong segment against its closest counterpart, each subset's groups.
+    position_profiles: list[SegmentProfile] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:

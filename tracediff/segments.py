@@ -216,10 +216,16 @@ class SegmentDecision:
     duplicate_of: int | None = None  # another candidate segment carrying the same reference segment
 
 
+def exact_distance(floor: float) -> float:
+    """The standardised distance ``1 - cos`` at or below which matching calls a pair the same tensor
+    outright, whatever its runner-up (the "exact" tier): :data:`EXACT_FACTOR` times the noise floor."""
+    return max(floor * EXACT_FACTOR, 1e-7)
+
+
 def _tier(d1: float, d2: float, floor: float) -> str:
     if not math.isfinite(d1):
         return "none"
-    if d1 <= max(floor * EXACT_FACTOR, 1e-7):
+    if d1 <= exact_distance(floor):
         return "exact"
     if not math.isfinite(d2) or d2 <= 0:
         return "none"
@@ -316,6 +322,41 @@ def match_segments(centred: np.ndarray, baseline: np.ndarray, floor: float) -> l
         runner_d = min([dist[i, k] for k in range(kr) if k != best and math.isfinite(dist[i, k])] or [float("inf")])
         out.append(SegmentDecision(i, best if dup is not None else None, "none", d_best,
                                    best, runner_d, duplicate_of=dup))
+    return out
+
+
+@dataclass(frozen=True)
+class Counterpart:
+    """A segment the wiring findings call wrong, with the segment on the other side it is closest to."""
+
+    kind: str  # segment_missing | segment_extra | segment_duplicate
+    candidate: int
+    reference: int
+
+
+def closest_counterparts(decisions: list[SegmentDecision], standardised: np.ndarray,
+                         dead_candidate: frozenset[int] = frozenset(),
+                         dead_reference: frozenset[int] = frozenset()) -> list[Counterpart]:
+    """Every wrong segment of ``decisions`` with its closest counterpart, by the rules the wiring
+    findings name them (``tracediff.segment_findings``): a reference segment no candidate segment
+    carries, with the candidate segment of the highest standardised cosine to it; a candidate segment
+    with no counterpart, with its runner-up; a duplicate, with the reference segment it repeats.
+    Segments that are non-finite on every sampled row are non-finite findings, not wiring: left out."""
+    kc, kr = standardised.shape
+    taken = {d.reference for d in decisions if d.reference is not None and d.duplicate_of is None}
+    out: list[Counterpart] = []
+    for j in range(kr):
+        if j in taken or j in dead_reference or (j in dead_candidate and j < kc):
+            continue
+        col = standardised[:, j]
+        finite = [(float(col[i]), i) for i in range(kc) if math.isfinite(col[i])]
+        if finite:
+            out.append(Counterpart("segment_missing", max(finite)[1], j))
+    for d in decisions:
+        if d.duplicate_of is not None and d.reference is not None:
+            out.append(Counterpart("segment_duplicate", d.candidate, d.reference))
+        elif d.reference is None and d.candidate not in dead_candidate and d.runner_up is not None:
+            out.append(Counterpart("segment_extra", d.candidate, d.runner_up))
     return out
 
 

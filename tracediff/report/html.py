@@ -1,9 +1,13 @@
 """HTML rendering of a compare report: one self-contained file to open, attach or archive.
 
 No external resource, no script: the charts are inline SVG drawn from the report's own numbers
-(segment heatmap, cosine per position, norm-ratio histogram, offset scores), the styles are inline
-CSS, and hover details use SVG ``<title>``. Every piece of user text (paths, labels, messages,
-evidence) goes through :func:`html.escape`. Formats only: this module decides nothing about the data.
+(segment heatmap of the standardised cosines segment matching decided on, per-position profiles of
+every wrong segment and subset group, each matched pair's standardised error by position against the
+numerics budget its findings use, norm-ratio histograms, offset scores), the styles are inline CSS,
+and hover details use SVG ``<title>``. Every piece of user text (paths, labels, messages, evidence)
+goes through :func:`html.escape`. Formats only: this module decides nothing about the data; every
+threshold line is a number of the report (``SegmentMetrics.numerics_budget``, ``drift_limit``,
+``SegmentProfile.same_tensor_cosine``).
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from __future__ import annotations
 import html
 import itertools
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from tracediff.report.text import (
@@ -35,10 +41,11 @@ from tracediff.report.text import (
     plural_counts,
     reference_labels,
     segment_map_sentences,
+    segment_name,
     side_items,
     signed_text,
 )
-from tracediff.results import SEVERITIES, Finding, Report, SegmentMetrics
+from tracediff.results import SEVERITIES, Finding, Report, SegmentMetrics, SegmentProfile
 
 # A sequential blue ramp for cosines in [0, 1]; negative cosines clamp to the first stop.
 _RAMP = (
@@ -104,7 +111,13 @@ svg { max-width: 100%; height: auto; }
 .chart { border: 1px solid var(--line); border-radius: 6px; padding: 8px 10px; background: #fff; }
 .chart h3 { margin: 0 0 4px; font-size: 13px; }
 .muted { color: var(--muted); }
+.chart p.muted { margin: 0 0 6px; font-size: 12px; }
 .scroll { overflow-x: auto; }
+table.config td.path, table.config td.path code { white-space: nowrap; overflow-wrap: normal; word-break: keep-all; }
+.profile { margin: 10px 0 18px; }
+.profile h3 { margin: 6px 0 2px; }
+.profile p.caption { margin: 0 0 8px; color: var(--muted); font-size: 12.5px; }
+a.chart-link { margin-left: 8px; font-size: 12px; white-space: nowrap; }
 footer { color: var(--muted); font-size: 12px; text-align: center; margin-top: 24px; }
 """
 
@@ -136,6 +149,7 @@ def render_html(report: Report) -> str:
         "<main>",
         _summary(report),
         _findings(report),
+        _what_differs(report),
         _segment_map(report),
         _metrics(report),
         _plan(report),
@@ -162,7 +176,13 @@ def _summary(report: Report) -> str:
     out = ['<section id="summary"><h2>Summary</h2>']
     errors = [f for f in report.findings if f.severity == "error"]
     if report.verdict == "match":
-        out.append("<p>The candidate feeds the draft's fc the same rows as the reference, within the noise floor.</p>")
+        beyond = [f for f in report.findings if f.kind == "precision" and f.severity != "info"]
+        if beyond:
+            out.append("<p>No error: every candidate segment is the reference's, but "
+                       f"{len(beyond)} pair(s) differ beyond what numerics explain (see the warnings).</p>")
+        else:
+            out.append("<p>The candidate feeds the draft's fc the same rows as the reference: every segment pair "
+                       "within its numerics budget (standardised relative error).</p>")
     if errors:
         out.append('<ul class="findings">')
         out += [
@@ -194,9 +214,11 @@ def _findings(report: Report) -> str:
         out.append(f"<h3>{_e(SEVERITY_TITLES[severity])} ({len(group)})</h3>")
         out.append('<ul class="findings">')
         for f in group:
+            anchor = _profile_anchor(report, f)
+            link = f'<a class="chart-link" href="#{anchor}">per-position chart</a>' if anchor else ""
             out.append(
                 f'<li class="{severity}"><span class="sev {severity}">{_e(severity)}</span>'
-                f'<span class="kind">{_e(f.kind)}</span>{_e(f.message)}'
+                f'<span class="kind">{_e(f.kind)}</span>{_e(f.message)}{link}'
             )
             table = group_table(f)
             if table is not None:
@@ -251,9 +273,11 @@ def _segment_map(report: Report) -> str:
         out += [f'<li><span class="status {_e(s)}">{_e(s)}</span>{_e(text)}</li>' for s, text in sentences]
         out.append("</ul>")
     if report.matrix:
+        what = ("Standardised cosine (what segment matching decides on; hover a cell for the raw cosine)"
+                if _has_standardised(report) else "Mean raw cosine (this report holds no standardised matrix)")
         out.append(
-            '<div class="chart heatmap scroll"><h3>Mean cosine, candidate segment x reference segment '
-            f"(plan sample; outlined: matched)</h3>{_heatmap(report)}</div>"
+            f'<div class="chart heatmap scroll"><h3 class="heatmap-label">{what}</h3><p class="muted">Candidate '
+            f"segment x reference segment, on the plan sample; outlined: matched.</p>{_heatmap(report)}</div>"
         )
     out.append("</section>")
     return "\n".join(out)
@@ -271,10 +295,15 @@ def _metrics(report: Report) -> str:
     out.append("</div>")
     for m in report.metrics:
         out.append(
+            f'<div class="pair" id="pair-c{m.candidate}-r{m.reference}">'
             f"<h3>Pair {_e(pair_name(m))}: candidate segment {m.candidate} vs reference segment {m.reference}</h3>"
         )
         out.append('<div class="charts">')
-        out.append(f'<div class="chart"><h3>Cosine by position</h3>{_position_chart(m, report.plan.noise_floor)}</div>')
+        if m.std_error_by_position:
+            out.append('<div class="chart"><h3>Standardised error by position (the decision metric)</h3>'
+                       f"{_error_chart(m)}</div>")
+        else:
+            out.append(f'<div class="chart"><h3>Raw cosine by position</h3>{_cosine_chart(m)}</div>')
         out.append(f'<div class="chart"><h3>Norm ratio |cand| / |ref|</h3>{_histogram(m)}</div>')
         out.append("</div>")
         if m.worst_rows:
@@ -286,6 +315,7 @@ def _metrics(report: Report) -> str:
                 _table(keys, [[fmt_value(row.get(k)) for k in keys] for row in m.worst_rows], numeric_last=False)
             )
             out.append("</details>")
+        out.append("</div>")
     out.append("</section>")
     return "\n".join(out)
 
@@ -311,13 +341,14 @@ def _config_diff(report: Report) -> str:
     if not items:
         out.append('<p class="muted">No differences in the recorded meta.</p>')
     else:
-        out.append("<table><tr><th>path</th><th>change</th><th>reference</th><th>candidate</th></tr>")
+        out.append('<div class="scroll"><table class="config"><tr><th>path</th><th>change</th><th>reference</th>'
+                   "<th>candidate</th></tr>")
         out += [
-            f"<tr><td><code>{_e(path)}</code></td><td>{_e(change)}</td>"
+            f'<tr><td class="path"><code>{_e(path)}</code></td><td>{_e(change)}</td>'
             f'<td class="mono">{_e(ref)}</td><td class="mono">{_e(cand)}</td></tr>'
             for path, change, ref, cand in items
         ]
-        out.append("</table>")
+        out.append("</table></div>")
     out.append("</section>")
     return "\n".join(out)
 
@@ -365,10 +396,19 @@ def _short(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
 
+def _has_standardised(report: Report) -> bool:
+    return bool(report.matrix_standardised) and len(report.matrix_standardised) == len(report.matrix)
+
+
 def _heatmap(report: Report) -> str:
+    """The standardised cosine matrix (what matching decided on), the raw one on hover; the raw one
+    alone for a report without a standardised matrix."""
     cand = candidate_labels(report)
     ref = reference_labels(report)
     chosen = matched_cells(report)
+    standardised = _has_standardised(report)
+    shown = report.matrix_standardised if standardised else report.matrix
+    metric = "standardised cosine" if standardised else "cosine"
     rows = len(report.matrix)
     cols = len(ref)
     cw, ch = 92, 44
@@ -385,7 +425,8 @@ def _heatmap(report: Report) -> str:
             f'<text x="{x:.1f}" y="34" text-anchor="middle" font-size="11" fill="#57606a">{_e(_short(ref[j], 12))}'
             f"<title>{_e(ref[j])}</title></text>"
         )
-    for i, row in enumerate(report.matrix):
+    for i, row in enumerate(shown):
+        raw_row = report.matrix[i]
         y = top + ch * i
         body.append(
             f'<text x="{left - 8}" y="{y + ch / 2 + 4:.1f}" text-anchor="end" font-size="12">{_e(row_names[i])}'
@@ -396,7 +437,10 @@ def _heatmap(report: Report) -> str:
             x = left + cw * j
             fill = _cos_color(value)
             dark = _finite(value) and float(value) > 0.55
-            tip = f"candidate segment {i} vs reference segment {j}: mean cosine {fmt_cos(value)}"
+            raw = raw_row[j] if j < len(raw_row) else None
+            tip = (f"candidate segment {i} vs reference segment {j}: standardised cosine {fmt_cos(value)} "
+                   f"(decides), raw cosine {fmt_cos(raw)}" if standardised
+                   else f"candidate segment {i} vs reference segment {j}: mean cosine {fmt_cos(value)}")
             body.append(
                 f'<rect x="{x}" y="{y}" width="{cw}" height="{ch}" fill="{fill}" stroke="#fff" stroke-width="1">'
                 f"<title>{_e(tip)}</title></rect>"
@@ -427,20 +471,130 @@ def _heatmap(report: Report) -> str:
             f'<text x="{left + lw * t:.1f}" y="{ly + 24}" text-anchor="middle" font-size="10" fill="#57606a">{t:g}</text>'
         )
     body.append(
-        f'<text x="{left + lw + 10}" y="{ly + 9}" font-size="10" fill="#57606a">cosine (\u2264 0 white, nan grey)</text>'
+        f'<text x="{left + lw + 10}" y="{ly + 9}" font-size="10" fill="#57606a">{metric} (\u2264 0 white, nan grey)</text>'
     )
+    gap = 230 if standardised else 180
     body.append(
-        f'<rect x="{left + lw + 180}" y="{ly - 1}" width="16" height="12" fill="none" stroke="{_MATCH_STROKE}" stroke-width="2"/>'
-        f'<text x="{left + lw + 200}" y="{ly + 9}" font-size="10" fill="#57606a">matched</text>'
+        f'<rect x="{left + lw + gap}" y="{ly - 1}" width="16" height="12" fill="none" stroke="{_MATCH_STROKE}" stroke-width="2"/>'
+        f'<text x="{left + lw + gap + 20}" y="{ly + 9}" font-size="10" fill="#57606a">matched</text>'
     )
-    width = max(width, left + lw + 260)
-    return _svg(width, height, body, "segment cosine heatmap")
+    width = max(width, left + lw + gap + 80)
+    return _svg(width, height, body, f"segment {metric} heatmap")
 
 
-def _tick_decimals(span: float) -> int:
-    if span <= 0 or not math.isfinite(span):
-        return 4
-    return int(min(7, max(0, math.ceil(-math.log10(span / 4)) + 1)))
+# ------------------------------------------------------------------------------ ticks
+def _nice_step(span: float, count: int = 5) -> float:
+    """The 1, 2 or 5 x 10^k step that cuts ``span`` into about ``count - 1`` intervals."""
+    raw = span / max(1, count - 1)
+    if not math.isfinite(raw) or raw <= 0:
+        return 1.0
+    exp = math.floor(math.log10(raw))
+    for mult in (1, 2, 5):
+        if mult * 10.0**exp >= raw * (1 - 1e-9):
+            return mult * 10.0**exp
+    return 10.0 ** (exp + 1)
+
+
+def _smaller_step(step: float) -> float:
+    """The next smaller round step: 5 -> 2 -> 1 -> 0.5 (x 10^k)."""
+    exp = math.floor(math.log10(step) + 1e-9)
+    mult = round(step / 10.0**exp)
+    return {5: 2, 2: 1}.get(mult, 0.5) * 10.0**exp
+
+
+def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    """Round values (multiples of a 1, 2 or 5 x 10^k step) from ``lo`` to ``hi``: about ``count``
+    of them, and at least 3 (a finer step when the range falls between round values)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return []
+    if hi <= lo:
+        return [lo]
+    step = _nice_step(hi - lo, count)
+    for _ in range(4):
+        first, last = math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9)
+        if last - first >= 2:
+            break
+        step = _smaller_step(step)
+    return [k * step for k in range(first, last + 1)]
+
+
+def _fewest_decimals(values: Sequence[float]) -> int:
+    """The fewest decimals whose labels tell every value apart, each within 1% of the smallest gap."""
+    ordered = sorted(values)
+    gaps = [b - a for a, b in itertools.pairwise(ordered) if b > a]
+    tolerance = 0.01 * min(gaps) if gaps else 0.0
+    for d in range(0, 13):
+        labels = [f"{v:.{d}f}" for v in values]
+        if len(set(labels)) == len(set(values)) and all(abs(float(t) - v) <= tolerance for t, v in
+                                                           zip(labels, values, strict=True)):
+            return d
+    return 12
+
+
+def _shortest(value: float, tolerance: float) -> str:
+    """``value`` in the fewest significant digits within ``tolerance`` (``2e-6``, ``1.5e-5``)."""
+    for digits in range(1, 10):
+        text = f"{value:.{digits}g}"
+        if abs(float(text) - value) <= tolerance:
+            return re.sub(r"e([+-])0*(\d)", lambda m: "e" + ("-" if m.group(1) == "-" else "") + m.group(2), text)
+    return f"{value:g}"
+
+
+def tick_labels(values: Sequence[float]) -> list[str]:
+    """Axis labels that are short and tell the ticks apart: the fewest decimals that do
+    (``0.4 0.6 0.8 1.0``), and for ticks that need 6 or more, all within 0.001 below 1 (a cosine
+    axis near 1), ``1 - x`` (``1 − 4e-6``, ``1 − 2e-6``, ``1``): never ``1.0000010``."""
+    values = [float(v) for v in values]
+    if not values:
+        return []
+    decimals = _fewest_decimals(values)
+    if decimals >= 6 and len(values) > 1 and all(1 - 1e-3 <= v <= 1 + 1e-12 for v in values):
+        ordered = sorted(values)
+        gap = min((b - a for a, b in itertools.pairwise(ordered) if b > a), default=1e-6)
+        out = []
+        for v in values:
+            below = 1.0 - v
+            out.append("1" if abs(below) <= 0.01 * gap else f"1 \u2212 {_shortest(below, 0.01 * gap)}")
+        return out
+    if decimals > 6:  # tiny values: in scientific notation, each as short as it can be
+        ordered = sorted(values)
+        gap = min((b - a for a, b in itertools.pairwise(ordered) if b > a), default=abs(values[0]) or 1.0)
+        return ["0" if v == 0 else _shortest(v, 0.01 * gap) for v in values]
+    labels = [f"{v:.{decimals}f}" for v in values]
+    return [re.sub(r"^-(0(\.0*)?)$", r"\1", t) for t in labels]  # never "-0.0"
+
+
+def _decade_label(exp: int) -> str:
+    return f"{10.0**exp:g}" if -3 <= exp <= 4 else f"1e{exp}"
+
+
+# ------------------------------------------------------------------------------ line charts
+_BLUE, _ORANGE, _RED, _GREEN, _GREY = "#1f77b4", "#e6550d", "#cf222e", "#2da44e", "#57606a"
+_DASHED, _DOTTED = "5 3", "1.5 3"
+
+
+@dataclass
+class _Line:
+    """One series of ``[[x, y, rows], ...]`` points, with its hover text per point."""
+
+    points: list[list[float]]
+    color: str
+    label: str
+    tip: Callable[[list[float]], str]
+    width: float = 1.8
+
+
+@dataclass
+class _Rule:
+    """A horizontal line at a value of the report (a threshold, ratio 1, the whole pair's value)."""
+
+    y: float
+    label: str
+    color: str = _GREY
+    dash: str = _DASHED
+    anchor: str = "end"  # where its label sits: "end" (right) or "start" (left)
+    css: str = "threshold"
+    in_legend: bool = False  # named in the legend instead of beside the line (a value drawn over the data)
 
 
 def _axes(
@@ -469,21 +623,65 @@ def _no_data(text: str, width: int = 460, height: int = 60) -> str:
     return _svg(width, height, [f'<text x="10" y="34" font-size="12" fill="#57606a">{_e(text)}</text>'], text)
 
 
-def _position_chart(m: SegmentMetrics, noise_floor: float) -> str:
-    points = [p for p in m.cos_by_position if len(p) >= 2 and _finite(p[0])]
-    finite = [p for p in points if _finite(p[1])]
-    if not finite:
-        return _no_data("no finite per-position cosine")
-    width, height = 460, 220
-    left, top, right, bottom = 76.0, 12.0, width - 12.0, height - 40.0
-    xs = [float(p[0]) for p in points]
-    ys = [float(p[1]) for p in finite]
-    ceiling = 1.0 - noise_floor if _finite(noise_floor) else None
-    # The dashed "1 - noise floor" line is always in view: it says how close to 1 is close enough.
-    bounds = ys + ([ceiling] if ceiling is not None else [])
-    lo, hi = min(bounds), max(bounds)
-    span = max(hi - lo, 1e-5)
-    lo, hi = lo - 0.08 * span, hi + 0.08 * span
+def _finite_points(points: list[list[float]]) -> list[list[float]]:
+    return [p for p in points if len(p) >= 2 and _finite(p[0]) and _finite(p[1])]
+
+
+def _xy_chart(lines: list[_Line], rules: list[_Rule], *, aria: str, y_label: str, log: bool = False,
+              cosine: bool = False, nonnegative: bool = False, empty: str = "no finite values by position") -> str:
+    """Series by position with horizontal reference lines, every line and tick in view.
+
+    ``log``: a log10 y axis in whole decades (values at or below its floor, zeros included, sit on
+    the floor, drawn hollow); ``cosine``: the axis never runs above 1 when no value does;
+    ``nonnegative``: nor below 0 when no value does."""
+    drawn = [line for line in lines if _finite_points(line.points)]
+    if not drawn:
+        return _no_data(empty)
+    width, height = 460, 236
+    legend = len(lines) > 1 or any(r.in_legend for r in rules)
+    left, top, right, bottom = 66.0, 26.0 if legend else 14.0, width - 12.0, height - 40.0
+    ys = [float(p[1]) for line in drawn for p in _finite_points(line.points)]
+    marks = [float(r.y) for r in rules if _finite(r.y)]
+    body: list[str] = []
+    if log:
+        positive = [v for v in ys + marks if v > 0]
+        zeros = any(v <= 0 for v in ys)  # a decade below the smallest value, so zeros stand apart
+        lo_e = math.floor(math.log10(min(positive))) - (1 if zeros else 0) if positive else -6
+        hi_e = math.ceil(math.log10(max(positive)) + 1e-9) if positive else 0
+        if hi_e <= lo_e:
+            hi_e = lo_e + 1
+        lo_e = max(lo_e, hi_e - 8)
+        floor_value = 10.0**lo_e
+        on_floor = [v for v in ys if v <= floor_value]
+        floor_label = ("0" if on_floor and all(v <= 0 for v in on_floor) else
+                       f"\u2264{_decade_label(lo_e)}" if on_floor else _decade_label(lo_e))
+
+        def sy(v: float) -> float:
+            e = math.log10(v) if v > floor_value else lo_e
+            return bottom - (min(e, hi_e) - lo_e) / (hi_e - lo_e) * (bottom - top)
+
+        every = 1 if hi_e - lo_e <= 6 else 2
+        y_ticks = [(sy(10.0**e), floor_label if e == lo_e else _decade_label(e)) for e in range(lo_e, hi_e + 1)
+                   if (hi_e - e) % every == 0 or e == lo_e]
+    else:
+        lo, hi = min(ys + marks), max(ys + marks)
+        top_value, bottom_value = hi, lo
+        span = hi - lo if hi > lo else max(abs(hi) * 2e-3, 1e-9)
+        lo, hi = lo - 0.06 * span, hi + 0.06 * span
+        step = _nice_step(hi - lo)
+        lo, hi = math.floor(lo / step) * step, math.ceil(hi / step) * step
+        if cosine and top_value <= 1.0:
+            hi = min(hi, 1.0)
+        if nonnegative and bottom_value >= 0.0:
+            lo = max(lo, 0.0)
+        lo_, hi_ = lo, hi
+
+        def sy(v: float) -> float:
+            return bottom - (v - lo_) / (hi_ - lo_) * (bottom - top)
+
+        values = nice_ticks(lo, hi)
+        y_ticks = list(zip([sy(v) for v in values], tick_labels(values), strict=True))
+    xs = [float(p[0]) for line in drawn for p in _finite_points(line.points)]
     x0, x1 = min(xs), max(xs)
     if x1 == x0:
         x0, x1 = x0 - 1, x1 + 1
@@ -491,50 +689,240 @@ def _position_chart(m: SegmentMetrics, noise_floor: float) -> str:
     def sx(v: float) -> float:
         return left + (v - x0) / (x1 - x0) * (right - left)
 
-    def sy(v: float) -> float:
-        return bottom - (v - lo) / (hi - lo) * (bottom - top)
+    x_values = [v for v in nice_ticks(x0, x1) if float(v).is_integer()] or [x0, x1]
+    _axes(body, (left, top, right, bottom), y_ticks, [(sx(v), fmt_num(round(v))) for v in x_values])
+    # Reference lines; a label that would overlap the previous one goes below its line.
+    placed: list[float] = []
+    for rule in sorted((r for r in rules if _finite(r.y)), key=lambda r: sy(float(r.y))):
+        y = sy(float(rule.y))
+        ty = y - 4
+        if any(abs(ty - p) < 11 for p in placed) or ty < top + 9:
+            ty = y + 11
+        x = right - 4 if rule.anchor == "end" else left + 4
+        dash = f' stroke-dasharray="{rule.dash}"' if rule.dash else ""
+        text = ""
+        if not rule.in_legend:
+            placed.append(ty)
+            text = (f'<text x="{x:.1f}" y="{ty:.1f}" text-anchor="{rule.anchor}" font-size="10" '
+                    f'fill="{rule.color}">{_e(rule.label)}</text>')
+        body.append(
+            f'<g class="{_e(rule.css)}" data-value="{float(rule.y)!r}"><line x1="{left}" x2="{right}" y1="{y:.1f}" '
+            f'y2="{y:.1f}" stroke="{rule.color}" stroke-width="1.3"{dash}/>{text}<title>{_e(rule.label)}</title></g>'
+        )
+    for line in drawn:
+        # Break the line where the value is not finite, so a NaN bucket shows as a gap.
+        runs: list[list[str]] = [[]]
+        for p in line.points:
+            if len(p) >= 2 and _finite(p[0]) and _finite(p[1]):
+                runs[-1].append(f"{sx(float(p[0])):.1f},{sy(float(p[1])):.1f}")
+            elif runs[-1]:
+                runs.append([])
+        body.append(f'<g class="series" data-label="{_e(line.label)}">')
+        for run in runs:
+            if len(run) > 1:
+                body.append(f'<polyline points="{" ".join(run)}" fill="none" stroke="{line.color}" '
+                            f'stroke-width="{line.width}"/>')
+        if len(line.points) <= 200:
+            for p in line.points:
+                if len(p) < 2 or not _finite(p[0]):
+                    continue
+                tip = line.tip(p)
+                if not _finite(p[1]):
+                    body.append(f'<text x="{sx(float(p[0])):.1f}" y="{bottom - 4}" text-anchor="middle" font-size="10" '
+                                f'fill="#c62828">\u00d7<title>{_e(tip)}</title></text>')
+                    continue
+                hollow = log and float(p[1]) <= floor_value
+                fill = "#fff" if hollow else line.color
+                if hollow:
+                    tip += " (at or below the axis floor)"
+                body.append(f'<circle cx="{sx(float(p[0])):.1f}" cy="{sy(float(p[1])):.1f}" r="2.6" fill="{fill}" '
+                            f'stroke="{line.color}"><title>{_e(tip)}</title></circle>')
+        body.append("</g>")
+    if legend:
+        x = left
+        keys = [(line.color, "", line.label) for line in lines]
+        keys += [(r.color, r.dash, r.label) for r in rules if r.in_legend and _finite(r.y)]
+        for color, dash, label in keys:
+            pattern = f' stroke-dasharray="{dash}"' if dash else ""
+            body.append(f'<line x1="{x:.1f}" x2="{x + 14:.1f}" y1="10" y2="10" stroke="{color}" stroke-width="3"{pattern}/>'
+                        f'<text x="{x + 18:.1f}" y="13" font-size="10" fill="#1f2328">{_e(label)}</text>')
+            x += 30 + 5.6 * len(label)
+    body.append(f'<text x="{(left + right) / 2:.1f}" y="{height - 6}" text-anchor="middle" font-size="11">'
+                "position</text>")
+    body.append(f'<text transform="translate(12 {(top + bottom) / 2:.1f}) rotate(-90)" text-anchor="middle" '
+                f'font-size="11" fill="#57606a">{_e(y_label)}</text>')
+    return _svg(width, height, body, aria)
 
-    digits = _tick_decimals(hi - lo)
-    y_ticks = [(sy(lo + (hi - lo) * k / 4), f"{lo + (hi - lo) * k / 4:.{digits}f}") for k in range(5)]
-    x_ticks = [(sx(x0 + (x1 - x0) * k / 4), fmt_num(round(x0 + (x1 - x0) * k / 4))) for k in range(5)]
-    body: list[str] = []
-    _axes(body, (left, top, right, bottom), y_ticks, x_ticks)
-    if ceiling is not None:
-        y = sy(ceiling)
-        body.append(
-            f'<line x1="{left}" x2="{right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#8c959f" stroke-dasharray="4 3"/>'
-        )
-        body.append(
-            f'<text x="{right - 4}" y="{y - 4:.1f}" text-anchor="end" font-size="10" fill="#57606a">1 - noise floor</text>'
-        )
-    # Break the line where the cosine is not finite, so a NaN bucket shows as a gap.
-    runs: list[list[str]] = [[]]
-    for p in points:
-        if _finite(p[1]):
-            runs[-1].append(f"{sx(float(p[0])):.1f},{sy(float(p[1])):.1f}")
-        elif runs[-1]:
-            runs.append([])
-    for run in runs:
-        if len(run) > 1:
-            body.append(f'<polyline points="{" ".join(run)}" fill="none" stroke="#1f77b4" stroke-width="1.8"/>')
-    if len(points) <= 200:
-        for p in points:
-            rows = fmt_num(p[2]) if len(p) > 2 else "-"
-            tip = f"position {fmt_num(p[0])}: mean cos {fmt_cos(p[1])} over {rows} rows"
-            if _finite(p[1]):
-                body.append(
-                    f'<circle cx="{sx(float(p[0])):.1f}" cy="{sy(float(p[1])):.1f}" r="2.6" fill="#1f77b4">'
-                    f"<title>{_e(tip)}</title></circle>"
-                )
-            else:
-                body.append(
-                    f'<text x="{sx(float(p[0])):.1f}" y="{bottom - 4}" text-anchor="middle" font-size="10" '
-                    f'fill="#c62828">\u00d7<title>{_e(tip)}</title></text>'
-                )
-    body.append(
-        f'<text x="{(left + right) / 2:.1f}" y="{height - 6}" text-anchor="middle" font-size="11">position</text>'
-    )
-    return _svg(width, height, body, f"cosine by position, pair {pair_name(m)}")
+
+def _bucket_tip(what: str, p: list[float], digits: int = 4) -> str:
+    rows = fmt_num(int(p[2])) if len(p) > 2 and _finite(p[2]) else "-"
+    return f"positions from {fmt_num(p[0])}: {what} {fmt_num(p[1], digits)} over {rows} rows"
+
+
+def _budget_rules(budget: Any, drift: Any, drift_text: str) -> list[_Rule]:
+    rules = []
+    if _finite(budget):
+        rules.append(_Rule(budget, f"numerics budget {fmt_num(budget, 3)}: beyond it, a precision warning", _RED,
+                           _DASHED, css="threshold budget"))
+    if _finite(drift):
+        rules.append(_Rule(drift, f"drift limit {fmt_num(drift, 3)}: {drift_text}", _GREY, _DOTTED,
+                           css="threshold drift"))
+    return rules
+
+
+def _error_chart(m: SegmentMetrics) -> str:
+    """A matched pair's decision metric by position against the thresholds its findings use."""
+    raw = {p[0]: p[1] for p in m.cos_by_position if len(p) >= 2}
+
+    def tip(p: list[float]) -> str:
+        return _bucket_tip("RMS standardised error", p, 3) + f"; raw cosine {fmt_cos(raw.get(p[0]))}"
+
+    rules = _budget_rules(m.numerics_budget, m.drift_limit, "beyond it, other data")
+    if _finite(m.std_rel_error):
+        rules.append(_Rule(m.std_rel_error, f"whole pair {fmt_num(m.std_rel_error, 3)}", "#6f42c1", "", "start",
+                           css="pair-value", in_legend=True))
+    return _xy_chart([_Line(m.std_error_by_position, _BLUE, "RMS standardised error", tip)], rules,
+                     aria=f"standardised error by position, pair {pair_name(m)}", y_label="std. error (log)", log=True)
+
+
+def _cosine_chart(m: SegmentMetrics) -> str:
+    """Raw cosine by position, for a report that has no per-position errors (no threshold applies)."""
+    return _xy_chart([_Line(m.cos_by_position, _BLUE, "raw cosine", lambda p: _bucket_tip("mean cosine", p, 7))], [],
+                     aria=f"cosine by position, pair {pair_name(m)}", y_label="raw cosine", cosine=True,
+                     empty="no finite per-position cosine")
+
+
+def _profile_cos_chart(p: SegmentProfile) -> str:
+    raw = {q[0]: q[1] for q in p.cos_by_position if len(q) >= 2}
+
+    def tip(q: list[float]) -> str:
+        return _bucket_tip("standardised cosine", q) + f"; raw cosine {fmt_num(raw.get(q[0]), 4)}"
+
+    rules = []
+    if _finite(p.same_tensor_cosine):
+        rules.append(_Rule(p.same_tensor_cosine, f"same tensor at \u2265 {fmt_num(p.same_tensor_cosine, 5)} "
+                           "(standardised)", _RED, _DASHED, css="threshold same-tensor"))
+    lines = [_Line(p.std_cos_by_position, _BLUE, "standardised cosine (decides)", tip),
+             _Line(p.cos_by_position, _ORANGE, "raw cosine", lambda q: _bucket_tip("raw cosine", q), 1.2)]
+    return _xy_chart(lines, rules, aria=f"cosine by position, candidate segment {p.candidate} vs reference segment "
+                     f"{p.reference}", y_label="cosine", cosine=True)
+
+
+def _ratio_rule() -> _Rule:
+    return _Rule(1.0, "ratio 1", _GREY, _DASHED, css="ratio-one")
+
+
+def _profile_ratio_chart(p: SegmentProfile) -> str:
+    line = _Line(p.norm_ratio_by_position, _BLUE, "norm ratio", lambda q: _bucket_tip("mean norm ratio", q))
+    return _xy_chart([line], [_ratio_rule()], aria=f"norm ratio by position, candidate segment {p.candidate} vs "
+                     f"reference segment {p.reference}", y_label="|cand| / |ref|", nonnegative=True)
+
+
+def _subset_charts(group: SegmentProfile, rest: SegmentProfile | None) -> list[tuple[str, str]]:
+    parts = [(group, _RED)] + ([(rest, _GREEN)] if rest is not None else [])
+    errors = [_Line(p.std_error_by_position, color, _short(p.group or "", 40),
+                    lambda q, p=p: f"{p.group}: " + _bucket_tip("RMS standardised error", q, 3)) for p, color in parts]
+    ratios = [_Line(p.norm_ratio_by_position, color, _short(p.group or "", 40),
+                    lambda q, p=p: f"{p.group}: " + _bucket_tip("mean norm ratio", q)) for p, color in parts]
+    rules = _budget_rules(group.numerics_budget, group.drift_limit, "a row beyond it is off")
+    aria = f"candidate segment {group.candidate} vs reference segment {group.reference} by row group"
+    return [
+        ("Standardised error by position, per row group",
+         _xy_chart(errors, rules, aria=f"standardised error by position, {aria}", y_label="std. error (log)", log=True)),
+        ("Norm ratio |cand| / |ref| by position, per row group",
+         _xy_chart(ratios, [_ratio_rule()], aria=f"norm ratio by position, {aria}", y_label="|cand| / |ref|",
+                   nonnegative=True)),
+    ]
+
+
+# ------------------------------------------------------------------------------ what differs
+_PROFILE_KINDS = ("segment_missing", "segment_extra", "segment_duplicate")
+#: Findings about a matched pair, whose per-position chart is the pair's own (segment metrics).
+_VALUE_KINDS = ("segment_value", "segment_scale", "precision")
+
+
+def _anchor(kind: str, candidate: Any, reference: Any) -> str:
+    return f"profile-{kind.removeprefix('segment_')}-c{candidate}-r{reference}"
+
+
+def _profile_anchor(report: Report, f: Finding) -> str | None:
+    """The id of the per-position chart of the pair a finding names, when the report has one."""
+    ev = f.evidence
+    key: tuple[Any, Any] | None = None
+    if f.kind == "segment_missing":
+        key = (ev.get("closest_candidate"), ev.get("reference_segment"))
+    elif f.kind == "segment_extra":
+        key = (ev.get("candidate_segment"), ev.get("closest_reference"))
+    elif f.kind == "segment_duplicate" and isinstance(ev.get("candidate_segments"), list) and ev["candidate_segments"]:
+        key = (ev["candidate_segments"][-1], ev.get("reference_segment"))
+    elif f.kind == "segment_subset":
+        key = (ev.get("candidate_segment"), ev.get("reference_segment"))
+    elif f.kind in _VALUE_KINDS:
+        # A matched pair's numbers: its charts are in the segment metrics.
+        pair = (ev.get("candidate_segment"), ev.get("reference_segment"))
+        found = any((m.candidate, m.reference) == pair for m in report.metrics)
+        return f"pair-c{pair[0]}-r{pair[1]}" if found else None
+    if key is None:
+        return None
+    found = any(p.kind == f.kind and (p.candidate, p.reference) == key for p in report.position_profiles)
+    return _anchor(f.kind, *key) if found else None
+
+
+def _seg(report: Report, role: str, index: int) -> str:
+    labels = report.candidate.segment_labels if role == "candidate" else report.reference.segment_labels
+    return segment_name(index, labels[index] if 0 <= index < len(labels) else None, role)
+
+
+def _profile_numbers(p: SegmentProfile) -> str:
+    std = f"standardised cosine {fmt_num(p.std_cos_mean, 3)} (raw {fmt_num(p.cos_mean, 4)})" if _finite(
+        p.std_cos_mean) else f"raw cosine {fmt_num(p.cos_mean, 4)}"
+    return f"{std}, norm ratio {fmt_num(p.norm_ratio_mean, 3)}, standardised error {fmt_num(p.std_rel_error, 3)}"
+
+
+def _profile_caption(p: SegmentProfile) -> str:
+    return (f"Over {fmt_num(p.rows)} rows: {_profile_numbers(p)} (numerics budget {fmt_num(p.numerics_budget, 3)}, "
+            f"drift limit {fmt_num(p.drift_limit, 3)}).")
+
+
+def _what_differs(report: Report) -> str:
+    """Per-position charts of every wrong segment against its closest counterpart, and of every
+    subset finding's row groups: what differs, where a matched pair's charts would be flat."""
+    profiles = report.position_profiles
+    if not profiles:
+        return ""
+    out = ['<section id="differs"><h2>What differs, by position</h2>',
+           '<p class="muted">Each segment the findings call wrong, measured on every aligned row against the '
+           "segment it is closest to; each subset finding's row group against the pair's other rows.</p>"]
+    for p in profiles:
+        if p.kind not in _PROFILE_KINDS:
+            continue
+        cand, ref = _seg(report, "candidate", p.candidate), _seg(report, "reference", p.reference)
+        title = {"segment_missing": f"{ref[0].upper() + ref[1:]} is missing: closest is {cand}",
+                 "segment_extra": f"{cand[0].upper() + cand[1:]} has no counterpart: closest is {ref}",
+                 "segment_duplicate": f"{cand[0].upper() + cand[1:]} repeats {ref}"}[p.kind]
+        out.append(f'<div class="profile" id="{_anchor(p.kind, p.candidate, p.reference)}" data-kind="{_e(p.kind)}">'
+                   f'<h3>{_e(title)}</h3><p class="caption">{_e(_profile_caption(p))}</p><div class="charts">')
+        out.append(f'<div class="chart"><h3>Cosine by position, candidate {p.candidate} vs reference {p.reference}</h3>'
+                   f"{_profile_cos_chart(p)}</div>")
+        out.append(f'<div class="chart"><h3>Norm ratio |cand| / |ref| by position</h3>{_profile_ratio_chart(p)}</div>')
+        out.append("</div></div>")
+    groups: dict[tuple[int, int], list[SegmentProfile]] = {}
+    for p in profiles:
+        if p.kind == "segment_subset":
+            groups.setdefault((p.candidate, p.reference), []).append(p)
+    for (i, j), parts in sorted(groups.items()):
+        group, rest = parts[0], (parts[1] if len(parts) > 1 else None)
+        title = f"{_seg(report, 'candidate', i)} vs {_seg(report, 'reference', j)}: {group.group} vs the other rows"
+        caption = ("; ".join(f"{p.group} ({fmt_num(p.rows)} rows): {_profile_numbers(p)}" for p in parts)
+                   + f" (numerics budget {fmt_num(group.numerics_budget, 3)}, drift limit "
+                     f"{fmt_num(group.drift_limit, 3)}).")
+        out.append(f'<div class="profile" id="{_anchor("segment_subset", i, j)}" data-kind="segment_subset">'
+                   f'<h3>{_e(title[0].upper() + title[1:])}</h3><p class="caption">{_e(caption)}</p>'
+                   '<div class="charts">')
+        out += [f'<div class="chart"><h3>{_e(name)}</h3>{svg}</div>' for name, svg in _subset_charts(group, rest)]
+        out.append("</div></div>")
+    out.append("</section>")
+    return "\n".join(out)
 
 
 def _histogram(m: SegmentMetrics) -> str:
@@ -555,10 +943,16 @@ def _histogram(m: SegmentMetrics) -> str:
     def sy(v: float) -> float:
         return bottom - v / peak * (bottom - top)
 
-    y_ticks = [(sy(peak * k / 4), fmt_num(round(peak * k / 4) if peak >= 4 else peak * k / 4, 3)) for k in range(5)]
-    step = max(1, len(edges) // 5)
-    marks = edges[::step] if (len(edges) - 1) % step == 0 else [*edges[::step], edges[-1]]
-    x_ticks = [(sx(e), fmt_num(2.0**e, 4)) for e in marks]
+    counts_at = [v for v in nice_ticks(0.0, float(peak)) if float(v).is_integer()] or [0.0, float(peak)]
+    y_ticks = [(sy(v), fmt_num(round(v))) for v in counts_at]
+    if e1 - e0 <= 2.0:
+        # Within a factor of 4: round ratios, placed on the log2 axis.
+        ratios = [r for r in nice_ticks(2.0**e0, 2.0**e1) if r > 0]
+        x_ticks = [(sx(math.log2(r)), t) for r, t in zip(ratios, tick_labels(ratios), strict=True)]
+    else:
+        powers = list(range(math.ceil(e0), math.floor(e1) + 1))
+        every = max(1, math.ceil(len(powers) / 6))
+        x_ticks = [(sx(float(k)), fmt_num(2.0**k)) for k in powers[::every]]
     body: list[str] = []
     _axes(body, (left, top, right, bottom), y_ticks, x_ticks)
     for k, count in enumerate(counts):

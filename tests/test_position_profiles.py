@@ -1,0 +1,104 @@
+"""The streaming pass measures what differs, per position, and the thresholds the verdict uses.
+
+On the shipped samples (the seed bug and its fix) and on tiny real recordings with a subset bug:
+each wrong segment is profiled against the counterpart its finding names, each subset's row groups
+apart, and every matched pair's per-position error is the decision metric, held to the same
+numerics budget as its findings.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from subset_traces import record_subset_traces
+
+from tracediff.compare import compare_stores
+from tracediff.demo import default_samples_dir
+from tracediff.plan import DRIFT_FACTOR
+
+SAMPLES = default_samples_dir()
+
+
+@pytest.fixture(scope="module")
+def broken():
+    return compare_stores(SAMPLES / "train.zarr", SAMPLES / "server_broken.zarr")
+
+
+@pytest.fixture(scope="module")
+def fixed():
+    return compare_stores(SAMPLES / "train.zarr", SAMPLES / "server_fixed.zarr")
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory: pytest.TempPathFactory):
+    return record_subset_traces(tmp_path_factory.mktemp("profiles"))
+
+
+def _rms(series: list[list[float]]) -> float:
+    rows = sum(p[2] for p in series)
+    return math.sqrt(sum(p[1] ** 2 * p[2] for p in series) / rows)
+
+
+def test_each_wrong_segment_is_profiled_against_the_counterpart_its_finding_names(broken):
+    findings = {f.kind: f.evidence for f in broken.findings}
+    profiles = {p.kind: p for p in broken.position_profiles}
+    assert sorted(profiles) == ["segment_extra", "segment_missing"]
+    missing, extra = profiles["segment_missing"], profiles["segment_extra"]
+    assert (missing.candidate, missing.reference) == (findings["segment_missing"]["closest_candidate"],
+                                                      findings["segment_missing"]["reference_segment"])
+    assert (extra.candidate, extra.reference) == (findings["segment_extra"]["candidate_segment"],
+                                                  findings["segment_extra"]["closest_reference"])
+    for p, kind in ((missing, "segment_missing"), (extra, "segment_extra")):
+        # The plan sample is every row here: the pass's means are the numbers the finding quotes.
+        assert p.std_cos_mean == pytest.approx(findings[kind]["closest_standardised_cosine"], abs=1e-4)
+        assert p.cos_mean == pytest.approx(findings[kind]["closest_cosine"], abs=1e-4)
+        assert p.rows == broken.plan.pairs
+        for series in (p.cos_by_position, p.std_cos_by_position, p.norm_ratio_by_position, p.std_error_by_position):
+            assert sum(b[2] for b in series) == p.rows
+            assert [b[0] for b in series] == [b[0] for b in broken.metrics[0].cos_by_position]  # the same buckets
+        assert p.numerics_budget == broken.plan.numerics_budgets[p.reference]
+        assert p.std_rel_error > p.drift_limit  # other data, far beyond numerics
+        assert all(b[1] < p.same_tensor_cosine for b in p.std_cos_by_position)
+    assert missing.norm_ratio_mean > 1.5  # hs3 against the embedding hs0: several times its norm
+
+
+@pytest.mark.parametrize("which", ["broken", "fixed"])
+def test_matched_pairs_carry_the_decision_metric_by_position_and_the_verdicts_thresholds(which, request):
+    report = request.getfixturevalue(which)
+    assert report.metrics
+    for m in report.metrics:
+        assert m.numerics_budget == pytest.approx(report.plan.numerics_budgets[m.reference])
+        assert m.drift_limit == pytest.approx(DRIFT_FACTOR * m.numerics_budget)
+        assert sum(p[2] for p in m.std_error_by_position) == m.rows
+        assert _rms(m.std_error_by_position) == pytest.approx(m.std_rel_error, rel=1e-4, abs=1e-12)
+
+
+def test_a_match_has_no_profile_and_every_bucket_within_its_budget(fixed, traces):
+    clean = compare_stores(traces["ref"], traces["clean"])
+    for report in (fixed, clean):
+        assert report.verdict == "match" and report.position_profiles == []
+        assert not [f for f in report.findings if f.kind == "precision"]
+        for m in report.metrics:
+            assert all(p[1] <= m.numerics_budget for p in m.std_error_by_position), m
+    # bf16 against fp32: errors that are not zero, well inside the budget.
+    assert all(0 < m.std_rel_error < m.numerics_budget for m in clean.metrics)
+
+
+def test_each_subset_group_is_profiled_apart_from_the_other_rows(traces):
+    report = compare_stores(traces["ref"], traces["decode_zeros"])
+    subsets = [f for f in report.findings if f.kind == "segment_subset"]
+    assert sorted(f.evidence["candidate_segment"] for f in subsets) == [1, 2]
+    for f in subsets:
+        pair = (f.evidence["candidate_segment"], f.evidence["reference_segment"])
+        groups = [p for p in report.position_profiles if (p.candidate, p.reference) == pair]
+        assert [p.kind for p in groups] == ["segment_subset"] * 2
+        group, rest = groups
+        assert group.group == f.evidence["subset"]["description"] and rest.group == "the other rows"
+        assert group.rows == f.evidence["subset"]["rows"] and group.rows + rest.rows == report.plan.pairs
+        assert group.norm_ratio_mean == 0.0  # zeros on those rows
+        assert all(p[1] > group.drift_limit for p in group.std_error_by_position)  # every bucket off
+        assert all(p[1] < rest.numerics_budget for p in rest.std_error_by_position)
+        assert group.std_cos_by_position == [] and math.isnan(group.std_cos_mean)
+    # A subset explains its pair: no wiring profile is left for it.
+    assert {p.kind for p in report.position_profiles} == {"segment_subset"}
