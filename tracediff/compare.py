@@ -18,7 +18,7 @@ import torch
 from tracediff import __version__
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
 from tracediff.align import RowIndex, align_sequences, pair_rows
-from tracediff.diagnose import StreamResult, stream_metrics
+from tracediff.diagnose import StreamResult, pair_limits, profile_requests, stream_metrics, with_subset_profiles
 from tracediff.drafts import recorded_d2t_problems
 from tracediff.errors import CompareError
 from tracediff.findings import build_findings
@@ -132,11 +132,13 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
         _stage(opts, "comparing rows")
         if opts.progress_total is not None:
             opts.progress_total(len(pairs))
-        stream = stream_metrics(pairs, ref_index, cand_index, pass_pairs, size, scales, progress=opts.progress)
+        stream = stream_metrics(pairs, ref_index, cand_index, pass_pairs, size, scales, progress=opts.progress,
+                                limits=pair_limits(segplan, pass_pairs), profiles=profile_requests(segplan))
         matched_set = set(matched)
         stream.metrics = [m for m in stream.metrics if (m.candidate, m.reference) in matched_set]
-        subsets = localise_subsets(pass_pairs, pairs, ref_index, cand_index, stream, segplan, _labels_of(rl, size))
         _stage(opts, "localising")
+        subsets = localise_subsets(pass_pairs, pairs, ref_index, cand_index, stream, segplan, _labels_of(rl, size))
+        stream.profiles = with_subset_profiles(stream, subsets)
 
     if pairs.replicas:
         writers = sorted({cand_index.streams[int(k)].writer for k in np.unique(cand_index.stream[pairs.candidate])})
@@ -214,21 +216,19 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
         config_diff=diff,
         tracediff_version=__version__,
         matrix_standardised=[[float(x) for x in row] for row in segplan.standardised] if segplan else [],
+        position_profiles=stream.profiles,
     )
-    bank = _identify_with_bank(ref_store, cand_store, report, opts) if opts.bank and segplan else None
-    report.findings = build_findings(report, alignment, pairs, segplan, stream, ref_aux, cand_aux, bank, subsets)
-    for side, meta in (("candidate", cand_meta), ("reference", ref_meta)):
     if opts.bank and segplan:
         _stage(opts, "naming layers (bank)")
-        for p in recorded_d2t_problems(meta, side):
+    bank = _identify_with_bank(ref_store, cand_store, report, opts) if opts.bank and segplan else None
     _stage(opts, "findings")
+    report.findings = build_findings(report, alignment, pairs, segplan, stream, ref_aux, cand_aux, bank, subsets)
+    for side, meta in (("candidate", cand_meta), ("reference", ref_meta)):
+        for p in recorded_d2t_problems(meta, side):
             report.findings.append(Finding("draft_vocabulary", p["severity"], p["message"][0].upper() + p["message"][1:]
                                            + ".", {k: v for k, v in p.items() if k not in ("severity", "message")}))
     if bank is not None:
         _name_layers(report, bank, opts)
-    return report
-
-
     same = same_recording(ref_store, cand_store)
     if same is not None:
         what = ("the same store" if same == "same store"
@@ -238,6 +238,9 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
             f"Both sides are {what}: this compare checks the store against itself and says nothing about "
             f"the server. Compare the trainer's store with one the server recorded.",
             {"how": same, "reference": str(ref_store.path), "candidate": str(cand_store.path)}))
+    return report
+
+
 def _labels_of(layout: Any, size: int) -> list[str]:
     """A side's segment labels as recorded, or ``seg<k>`` when they do not fit its layout."""
     k = layout.width // size

@@ -257,6 +257,13 @@ def _looks_like_trace_store(path: Path) -> bool:
         return False
 
 
+def remove_store(path: str | os.PathLike[str]) -> None:
+    """Delete a trace store folder (only a trace store: an unrelated folder raises)."""
+    path = Path(path)
+    check_replaceable(path, overwrite=True)
+    _remove_tree(path)
+
+
 def _remove_tree(path: Path) -> None:
     import shutil  # noqa: PLC0415
 
@@ -269,13 +276,6 @@ def _remove_tree(path: Path) -> None:
 def _jsonable(obj: Any) -> Any:
     """Best-effort conversion of metadata to JSON types (numpy scalars, tuples, paths, dtypes)."""
     if isinstance(obj, Mapping):
-def remove_store(path: str | os.PathLike[str]) -> None:
-    """Delete a trace store folder (only a trace store: an unrelated folder raises)."""
-    path = Path(path)
-    check_replaceable(path, overwrite=True)
-    _remove_tree(path)
-
-
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):
         return [_jsonable(v) for v in obj]
