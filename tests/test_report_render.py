@@ -768,11 +768,13 @@ def test_config_diff_paths_never_wrap_inside_a_path():
 
 
 def test_match_summary_names_the_numerics_budget_not_the_noise_floor():
-    page = render_html(clean_match_report())
-    assert "within its numerics budget" in page and "within the noise floor" not in page
+    for text in (render_html(clean_match_report()), render_text(clean_match_report()),
+                 render_markdown(clean_match_report())):
+        assert "within its numerics budget" in _one_line(text) and "within the noise floor" not in text
     report = clean_match_report()
     report.findings.append(Finding("precision", "warning", "candidate segment 1 is reference segment 1 but differs"))
-    assert "1 pair(s) differ beyond what numerics explain" in render_html(report)
+    for text in (render_html(report), render_text(report), render_markdown(report)):
+        assert "1 pair differs beyond what numerics explain" in _one_line(text)
 
 
 def test_json_holds_the_profiles_and_the_pair_thresholds():

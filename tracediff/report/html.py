@@ -44,6 +44,7 @@ from tracediff.report.text import (
     segment_name,
     side_items,
     signed_text,
+    verdict_sentence,
 )
 from tracediff.results import SEVERITIES, Finding, Report, SegmentMetrics, SegmentProfile
 
@@ -175,14 +176,9 @@ def _header(report: Report) -> str:
 def _summary(report: Report) -> str:
     out = ['<section id="summary"><h2>Summary</h2>']
     errors = [f for f in report.findings if f.severity == "error"]
-    if report.verdict == "match":
-        beyond = [f for f in report.findings if f.kind == "precision" and f.severity != "info"]
-        if beyond:
-            out.append("<p>No error: every candidate segment is the reference's, but "
-                       f"{len(beyond)} pair(s) differ beyond what numerics explain (see the warnings).</p>")
-        else:
-            out.append("<p>The candidate feeds the draft's fc the same rows as the reference: every segment pair "
-                       "within its numerics budget (standardised relative error).</p>")
+    sentence = verdict_sentence(report)
+    if sentence:
+        out.append(f"<p>{_e(sentence)}</p>")
     if errors:
         out.append('<ul class="findings">')
         out += [

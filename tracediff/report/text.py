@@ -451,9 +451,14 @@ def verdict_sentence(report: Report) -> str | None:
     """The sentence under a verdict that needs one (every renderer says it the same way)."""
     if any(f.kind == "same_recording" for f in report.findings):
         return "Both sides are one recording: the rows match because they are the same rows."
-    if report.verdict == "match":
-        return "The candidate feeds the draft's fc the same rows as the reference, within the noise floor."
-    return None
+    if report.verdict != "match":
+        return None
+    beyond = [f for f in report.findings if f.kind == "precision" and f.severity != "info"]
+    if beyond:
+        return (f"No error: every candidate segment is the reference's, but {len(beyond)} "
+                f"{'pair differs' if len(beyond) == 1 else 'pairs differ'} beyond what numerics explain (see the warnings).")
+    return ("The candidate feeds the draft's fc the same rows as the reference: every segment pair within its "
+            "numerics budget (standardised relative error).")
 
 
 def render_verdict_line(report: Report) -> str:
