@@ -41,7 +41,6 @@ from tracediff.segments import (
 from tracediff.store import TraceStore, open_store
 from tracediff.transforms import best_transform, fit_transforms
 
-
 IDENTIFY_SCHEMA_VERSION = 1
 
 
@@ -242,9 +241,9 @@ def _identify(store: TraceStore, bank: TraceStore, tap: str | None, bank_tap: st
         d1 = float(dist[j1])
         d2 = float(dist[j2]) if j2 is not None else float("inf")
         tier = "exact" if equal else _tier(d1, d2, floor.distance)
-        fits = fit_transforms(cs[:, i], bs[:, j1], c_scales.mean[i], c_scales.scale[i], b_scales.mean[j1],
-                              b_scales.scale[j1])
-        fit = None if equal else best_transform(fits, budgets[j1])
+        fit = None if equal else best_transform(fit_transforms(
+            cs[:, i], bs[:, j1], c_scales.mean[i], c_scales.scale[i], b_scales.mean[j1], b_scales.scale[j1]),
+            budgets[j1])
         ci, bj = cs[:, i], bs[:, j1]
         rel_l2 = float(((ci - bj).norm() / bj.norm().clamp_min(1e-30)).item()) if ci.numel() else float("nan")
         ratio = float((ci.norm(dim=1) / bj.norm(dim=1).clamp_min(1e-30)).median().item()) if ci.numel() else float("nan")

@@ -366,7 +366,8 @@ def plan_segments(cand: torch.Tensor, ref: torch.Tensor, size: int, dtype_ref: s
         if d.reference is None or d.duplicate_of is not None:
             continue
         i, j = d.candidate, d.reference
-        fits = fit_transforms(c3[:, i], r3[:, j], cs.mean[i], cs.scale[i], rs.mean[j], rs.scale[j])
+        fits = fit_transforms(c3[:, i], r3[:, j], cs.mean[i], cs.scale[i], rs.mean[j], rs.scale[j],
+                              identity_budget=budgets[j])
         best = best_transform(fits, budgets[j])
         if best is None:
             # Beyond the budget: drift of the same tensor (quantised weights, other kernels) while

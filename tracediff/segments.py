@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,14 +78,38 @@ class SegmentScales:
         return (split(rows, self.mean.shape[1]) - self.mean) / self.scale
 
 
+def _memo(rows: torch.Tensor, key: str, size: int, compute: Any) -> Any:
+    """``compute()``, remembered on the sample tensor ``rows`` itself for this ``size``.
+
+    The plan asks the same questions of the same sample many times (its finite mask ~30 times, its
+    scales ~10: each a pass over 25-100 MB); the answer is kept on the tensor, checked against its
+    version counter so that an in-place change recomputes it, and dies with the tensor.
+    """
+    cache = getattr(rows, "_tracediff_memo", None)
+    if cache is None or cache[0] != rows._version:
+        cache = (rows._version, {})
+        try:
+            rows._tracediff_memo = cache  # type: ignore[attr-defined]
+        except (AttributeError, RuntimeError):  # a tensor subclass without a __dict__: no memo
+            return compute()
+    value = cache[1].get((key, size))
+    if value is None:
+        value = cache[1][(key, size)] = compute()
+    return value
+
+
 def segment_finite(rows: torch.Tensor, size: int) -> torch.Tensor:
     """[n, K] bool: which segments of which rows hold only finite values."""
-    return torch.isfinite(split(rows, size)).all(dim=2)
+    return _memo(rows, "finite", size, lambda: torch.isfinite(split(rows, size)).all(dim=2))
 
 
 def segment_scales(rows: torch.Tensor, size: int) -> SegmentScales:
     """Robust per-dimension location and scale of each segment of ``rows``, each segment over the
     rows where it is finite (a segment that is NaN on every row gets location 0, scale 1)."""
+    return _memo(rows, "scales", size, lambda: _segment_scales(rows, size))
+
+
+def _segment_scales(rows: torch.Tensor, size: int) -> SegmentScales:
     x = split(rows, size)
     fin = segment_finite(rows, size)
     k = x.shape[1]

@@ -135,11 +135,16 @@ def _fit_norm(unit: Any) -> Any:
 
 
 def fit_transforms(cand: torch.Tensor, ref: torch.Tensor, cand_mean: torch.Tensor, cand_scale: torch.Tensor,
-                   ref_mean: torch.Tensor, ref_scale: torch.Tensor) -> list[TransformFit]:
+                   ref_mean: torch.Tensor, ref_scale: torch.Tensor, *,
+                   identity_budget: float | None = None) -> list[TransformFit]:
     """Every transform of :data:`KINDS` fitted to one segment pair ([n, H] rows each, finite rows
     only), simplest first. The identity is scored in the reference's scale (as the noise floor is);
     a transform that predicts the candidate in the candidate's, one that predicts the reference in
-    the reference's."""
+    the reference's.
+
+    With ``identity_budget``, an identity within it is the answer (the simplest fit wins): the
+    other transforms are not fitted, and the list holds the identity alone.
+    """
     keep = torch.isfinite(cand).all(dim=1) & torch.isfinite(ref).all(dim=1)
     # float32 with float64 sums, on at most FIT_ROWS rows: one parameter per dimension is fitted from
     # hundreds of rows, and fresh float64 temporaries of a 2048 x 8192 segment would cost more than
@@ -149,6 +154,8 @@ def fit_transforms(cand: torch.Tensor, ref: torch.Tensor, cand_mean: torch.Tenso
     if c.shape[0] < 4:
         return [TransformFit("identity", None, float("nan"))]
     fits = [TransformFit("identity", None, _error(c, r, rm, rs))]
+    if identity_budget is not None and fits[0].error <= identity_budget:
+        return fits
     err, params = _cross_validated(r, c, cm, cs, _fit_constant(cs))
     fits.append(TransformFit("constant", "candidate", err, params))
     for kind, unit in (("rmsnorm", _rms_unit), ("layernorm", _ln_unit)):
