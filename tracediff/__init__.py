@@ -9,6 +9,8 @@ Public API::
         ...
 
     store = tracediff.open_store("train.zarr")
+    values = tracediff.open_values("train.zarr", tap="fc_in")   # dask float32 [rows, width]
+    labels = tracediff.open_labels("train.zarr", tap="fc_in")   # numpy, the same rows
 
 Importing this package is cheap (no torch, no numpy) because the injected start-up shim imports it
 in every Python process of a recorded command.
@@ -53,6 +55,21 @@ def open_store(path: Any) -> Any:
     return TraceStore(path)
 
 
+def open_values(store: Any, tap: str = "fc_in", writer: str | None = None, *, block_rows: int | None = None) -> Any:
+    """The committed rows of a tap as a lazy float32 dask array (:func:`tracediff.interop.open_values`;
+    needs dask: ``pip install 'tracediff[dask]'``)."""
+    from tracediff.interop import open_values as _open_values  # noqa: PLC0415
+
+    return _open_values(store, tap, writer, block_rows=block_rows)
+
+
+def open_labels(store: Any, tap: str = "fc_in", writer: str | None = None) -> Any:
+    """The labels of the rows :func:`open_values` returns, as numpy (:func:`tracediff.interop.open_labels`)."""
+    from tracediff.interop import open_labels as _open_labels  # noqa: PLC0415
+
+    return _open_labels(store, tap, writer)
+
+
 def current() -> Any:
     """The recorder active in this process (in-process or injected by `tracediff record`), or None."""
     import sys  # noqa: PLC0415
@@ -70,4 +87,4 @@ def labels(**fields: Any) -> None:
         rec.labels(**fields)
 
 
-__all__ = ["__version__", "current", "labels", "open_store", "record"]
+__all__ = ["__version__", "current", "labels", "open_labels", "open_store", "open_values", "record"]

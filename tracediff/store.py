@@ -5,16 +5,22 @@ Layout (documented for plain zarr + numpy readers in ``docs/format.md``)::
     STORE.zarr/                      root group; attrs: tracediff, source, meta
       <tap>/                         one group per tap (attrs empty: created race-free by any writer)
         <writer>/                    one group per writing process; attrs: see WriterAttrs
-          values      [capacity, width]  bf16 kept as raw uint16 bits, else the tensor's dtype
-          seq, position, token_id, next_token_id, step   int64 (-1 = unknown)
-          phase       int8 (index into PHASES)
-          valid       bool
+          values      [row, feature]  bf16 kept as raw uint16 bits, else the tensor's dtype
+          seq, position, token_id, next_token_id, step   [row] int64 (-1 = unknown)
+          phase       [row] int8 (index into PHASES)
+          valid       [row] bool
 
-Commit protocol: rows are written to the arrays first (each chunk file is replaced atomically by
-zarr's LocalStore), then the writer group's ``commit`` attribute is rewritten (also atomically) with
-the new row count. Readers only trust ``commit.rows``: rows past it (capacity grown ahead, a batch
-killed halfway) are invisible. A SIGKILL therefore loses at most the batch in flight, never a torn
-one. Several processes write one store without locks because each owns its ``<tap>/<writer>`` group.
+Every array carries zarr v3 ``dimension_names`` (VALUES_DIMS, LABEL_DIMS) and ``values`` the CF
+``coordinates`` attribute naming the label arrays, so xarray opens a writer group as a Dataset with
+the labels as coordinates.
+
+Commit protocol: a batch's chunks are written first, past the arrays' recorded shapes (each chunk
+file is replaced atomically by zarr's LocalStore), then every array's shape is set to the new row
+count, then the writer group's ``commit`` attribute is rewritten (also atomically) with it. tracediff
+only trusts ``commit.rows``: rows past it (a batch killed halfway) are invisible. A SIGKILL
+therefore loses at most the batch in flight, never a torn one; and since no shape ever covers a row
+before its data is on disk, a reader that trusts the shapes (xarray) sees no unwritten rows either.
+Several processes write one store without locks because each owns its ``<tap>/<writer>`` group.
 
 This module never imports torch: the recorder converts tensors to numpy before calling it.
 """
@@ -82,6 +88,12 @@ COMPRESSORS = ("none", "lz4", "zstd")
 DEFAULT_CHUNK_ROWS = 256
 DEFAULT_LABEL_CHUNK_ROWS = 4096
 DEFAULT_COMPRESSOR = "none"
+# zarr v3 dimension names of the arrays; xarray reads them as the variables' dimensions.
+VALUES_DIMS: tuple[str, str] = ("row", "feature")
+LABEL_DIMS: tuple[str] = ("row",)
+# CF ``coordinates`` attribute of ``values``: xarray (decode_coords, on by default) makes these
+# arrays coordinates of the values instead of data variables of their own.
+VALUES_COORDINATES = " ".join(LABEL_FIELDS)
 
 
 def phase_code(phase: str | int | None) -> int:
@@ -343,7 +355,6 @@ class TraceWriter:
         self.status = "recording"
         self.error = ""
         self._extra_attrs = _jsonable(dict(attrs or {}))
-        self._capacity = 0
         self._tail_rows = 0  # rows at the end that do not fill a whole values chunk yet
         self._tail: np.ndarray | None = None
         self._resized = False  # array metadata rewritten since the last durable commit
@@ -373,7 +384,8 @@ class TraceWriter:
                 compressors=_compressors(compressor, store_dtype.itemsize),
                 fill_value=0,
                 config={"write_empty_chunks": True},
-                attributes={"dtype": dtype},
+                attributes={"dtype": dtype, "coordinates": VALUES_COORDINATES},
+                dimension_names=VALUES_DIMS,
             )
             self._labels = {
                 name: zarr.create_array(
@@ -386,6 +398,7 @@ class TraceWriter:
                     compressors=[_zstd()],
                     fill_value=LABEL_FILL[name],
                     config={"write_empty_chunks": True},
+                    dimension_names=LABEL_DIMS,
                 )
                 for name in LABEL_FIELDS
             }
@@ -447,17 +460,19 @@ class TraceWriter:
             self.seq_names[name] = len(self.seq_names)
         return self.seq_names[name]
 
-    def _grow(self, needed: int) -> None:
-        if needed <= self._capacity:
-            return
-        capacity = max(needed, 2 * self._capacity, self.chunk_rows)
-        capacity = -(-capacity // self.chunk_rows) * self.chunk_rows
-        self._values.resize((capacity, self.width))
-        label_capacity = -(-capacity // DEFAULT_LABEL_CHUNK_ROWS) * DEFAULT_LABEL_CHUNK_ROWS
-        for arr in self._labels.values():
-            arr.resize((label_capacity,))
-        self._capacity = capacity
-        self._resized = True
+    @property
+    def _arrays(self) -> list[Any]:
+        return [self._values, *self._labels.values()]
+
+    def _set_rows(self, rows: int) -> None:
+        """Record ``rows`` as every array's length (each zarr.json rewritten atomically). Called
+        once the rows' chunks are on disk, so the shapes never cover a row that holds no data:
+        what xarray and other readers of the shapes see is always written rows (shrinking also
+        deletes the chunks past ``rows``)."""
+        changed = [arr for arr in self._arrays if arr.shape[0] != rows]
+        if changed:
+            self._resized = True
+            _run_all([arr.async_array.resize((rows, *arr.shape[1:])) for arr in changed])
 
     def append(self, values: np.ndarray, labels: Mapping[str, np.ndarray]) -> None:
         """Write one batch of rows and commit it. ``values`` is [rows, width] in the store dtype."""
@@ -491,21 +506,26 @@ class TraceWriter:
         stop = start + rows
         before = (self.counts.rows, self.counts.batches, self.counts.bytes)
         try:
-            self._grow(stop)
             # Values: start writes at a chunk boundary (the tail kept from the last batch in memory is
-            # rewritten with the new rows), so zarr never reads a chunk back to merge it.
+            # rewritten with the new rows) and end at the array's end, so every chunk written is
+            # whole and zarr never reads one back to merge it.
             if self._tail is not None and self._tail_rows:
                 block = np.concatenate([self._tail, values])
                 block_start = start - self._tail_rows
             else:
                 block = values
                 block_start = start
-            self._values[block_start:stop] = block
+            # The chunks go past the recorded shapes (through views whose shape says ``stop``);
+            # only then do the shapes, and last the commit record, include the new rows.
+            _run_all([
+                _rows_view(self._values, stop).setitem(slice(block_start, stop), block),
+                *(_rows_view(self._labels[name], stop).setitem(slice(start, stop), column)
+                  for name, column in columns.items()),
+            ])
             tail_rows = stop % self.chunk_rows
             self._tail = block[len(block) - tail_rows :].copy() if tail_rows else None
             self._tail_rows = tail_rows
-            for name, column in columns.items():
-                self._labels[name][start:stop] = column
+            self._set_rows(stop)
             self.counts.rows = stop
             self.counts.batches += 1
             self.counts.bytes += int(values.nbytes)
@@ -515,6 +535,8 @@ class TraceWriter:
             self.counts.rows, self.counts.batches, self.counts.bytes = before
             self.status = "failed"
             self.error = f"{type(exc).__name__}: {exc}"
+            with contextlib.suppress(OSError):  # shapes back to the committed rows (close retries)
+                self._set_rows(self.counts.rows)
             self._discard_uncommitted()  # a full disk: give back what the failed batch took
             raise StoreWriteError(
                 f"{self.store_path}/{self.tap}/{self.writer}: write of rows {start}..{stop} failed: {exc}"
@@ -547,7 +569,8 @@ class TraceWriter:
             self.counts.dropped_batches += batches
 
     def close(self, status: str = "closed", error: str = "") -> None:
-        """Write the final commit record, then trim the arrays to the committed rows.
+        """Write the final commit record, then trim the arrays to the committed rows (needed only
+        after a failed batch: normally every shape already says ``commit.rows``).
 
         The commit goes first: it is what readers trust, and the failure that stopped a writer (a
         broken chunk folder, a full disk) often breaks the trim too; it must not also hide the
@@ -565,16 +588,37 @@ class TraceWriter:
         except OSError as exc:
             raise StoreWriteError(f"{where}: final commit failed: {exc}") from exc
         rows = self.counts.rows
-        if self._capacity != rows:
-            try:
-                self._values.resize((rows, self.width))
-                for arr in self._labels.values():
-                    arr.resize((rows,))
-            except OSError as exc:
-                raise StoreWriteError(
-                    f"{where}: {rows} rows committed, but trimming the arrays to them failed: {exc}"
-                ) from exc
-            self._capacity = rows
+        try:
+            self._set_rows(rows)
+        except OSError as exc:
+            raise StoreWriteError(
+                f"{where}: {rows} rows committed, but trimming the arrays to them failed: {exc}"
+            ) from exc
+
+
+def _rows_view(array: Any, rows: int) -> Any:
+    """``array``'s async twin (same store, codecs and config) with a shape of ``rows`` rows, held in
+    memory only: it writes chunks past the array's recorded shape without rewriting its zarr.json."""
+    if array.shape[0] == rows:
+        return array.async_array
+    metadata = array.metadata.update_shape((rows, *array.shape[1:]))
+    return _zarr().AsyncArray(metadata=metadata, store_path=array.store_path, config=array.config)
+
+
+def _run_all(coroutines: Sequence[Any]) -> None:
+    """Run zarr coroutines together on zarr's event loop, in one round trip from this thread (each
+    sync call costs ~1.5 ms here, and a batch touches eight arrays). All finish before the first
+    error, if any, is raised: nothing still writes when the caller handles it."""
+    import asyncio  # noqa: PLC0415
+
+    from zarr.core.sync import sync  # noqa: PLC0415  (what zarr's own synchronous Array uses)
+
+    async def together() -> list[Any]:
+        return await asyncio.gather(*coroutines, return_exceptions=True)
+
+    for result in sync(together()):
+        if isinstance(result, BaseException):
+            raise result
 
 
 def _fsync_paths(paths: Sequence[Path], *, drop: bool = False) -> None:
@@ -1413,7 +1457,7 @@ def _group_attributes(doc: dict[str, Any], where: str, error: type[StoreError] =
 def _check_array_doc(doc: dict[str, Any], where: str, *, ndim: int, data_type: str, rows: int) -> None:
     """An array's zarr.json must be what TraceWriter writes: ``ndim`` dimensions of ``data_type``,
     regular chunks of at most _MAX_CHUNK_BYTES, default chunk keys, ALLOWED_CODECS only, at least
-    ``rows`` rows."""
+    ``rows`` rows, ``dimension_names`` (when present) one string or null per dimension."""
     if doc["node_type"] != "array":
         raise CorruptStoreError(f"{where}: field node_type is 'group', expected an array")
     shape = doc.get("shape")
@@ -1454,6 +1498,16 @@ def _check_array_doc(doc: dict[str, Any], where: str, *, ndim: int, data_type: s
             raise CorruptStoreError(f"{where}: field codecs: codec {codec['name']!r} has a configuration that is not an object")
     if codecs[0]["name"] != "bytes" or any(c["name"] == "bytes" for c in codecs[1:]):
         raise CorruptStoreError(f"{where}: field codecs must start with the one 'bytes' codec, got {[c['name'] for c in codecs]}")
+    # Optional: stores written before the writer named its dimensions have none. zarr itself takes
+    # any iterable of strings (a string, an object's keys) and checks the length only later.
+    names = doc.get("dimension_names")
+    if names is not None and (
+        not isinstance(names, list) or len(names) != ndim or not all(n is None or isinstance(n, str) for n in names)
+    ):
+        raise CorruptStoreError(
+            f"{where}: field dimension_names is {_short_repr(names)}, expected a list of {ndim} name(s) "
+            "(strings or null), one per dimension"
+        )
     if doc.get("storage_transformers") not in (None, []):
         raise CorruptStoreError(f"{where}: field storage_transformers is {_short_repr(doc['storage_transformers'])}, expected none")
     if not isinstance(doc.get("attributes", {}), dict):
