@@ -18,7 +18,7 @@ from conftest import read_plain, run_tracediff
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tracediff.errors import StoreExistsError, UsageError
+from tracediff.errors import CorruptStoreError, StoreExistsError, UsageError
 from tracediff.store import (
     LABEL_FIELDS,
     TraceStore,
@@ -351,3 +351,31 @@ def test_overwrite_never_deletes_a_directory_that_is_not_a_store(tmp_path: Path)
     with pytest.raises(StoreExistsError, match="not a tracediff store; refusing to delete it"):
         create_store(folder, overwrite=True)
     assert (folder / "thesis.tex").read_text() == "precious"
+
+
+# ------------------------------------------------------------------------------- label fast path
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_labels_read_straight_from_their_chunk_files_equal_what_zarr_reads(tmp_path: Path, dtype: str) -> None:
+    """A folder store's zstd label chunks are decoded without zarr's per-chunk machinery: the
+    columns must be exactly zarr's, across chunk boundaries and a partial last chunk."""
+    create_store(tmp_path / "s.zarr")
+    _write(tmp_path / "s.zarr", "fc_in", "rank0", [3000, 5000, 1, 900], dtype=dtype, chunk_rows=256)
+    stream = TraceStore(tmp_path / "s.zarr").tap_streams("fc_in")[0]
+    assert set(stream._label_direct) == set(LABEL_FIELDS)
+    fast = stream.labels()
+    via_zarr = {name: np.asarray(zarr.open_array(str(tmp_path / "s.zarr" / "fc_in" / "rank0" / name), mode="r")[
+        : stream.rows]) for name in LABEL_FIELDS}
+    assert stream.rows == 8901
+    for name in LABEL_FIELDS:
+        assert fast[name].dtype == via_zarr[name].dtype and np.array_equal(fast[name], via_zarr[name]), name
+
+
+def test_a_label_chunk_of_the_wrong_length_is_a_one_line_error_naming_it(tmp_path: Path) -> None:
+    from numcodecs import Zstd
+
+    create_store(tmp_path / "s.zarr")
+    _write(tmp_path / "s.zarr", "fc_in", "rank0", [100])
+    chunk = tmp_path / "s.zarr" / "fc_in" / "rank0" / "position" / "c" / "0"
+    chunk.write_bytes(Zstd().encode(np.arange(10, dtype=np.int64).tobytes()))  # a valid frame, too short
+    with pytest.raises(CorruptStoreError, match=r"position/c/0: chunk cannot be decoded to \d+ bytes \(it holds 80\)"):
+        TraceStore(tmp_path / "s.zarr").tap_streams("fc_in")[0].label("position")

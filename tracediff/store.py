@@ -685,6 +685,9 @@ class TraceStream:
     _group: Any = field(repr=False)  # array name -> zarr array, opened by exact path after validation
     _values_raw: bool = field(default=False, repr=False)  # values chunks hold plain bytes (no codec)
     _values_endian: str = field(default="little", repr=False)
+    #: label name -> (byte order, chunk rows) for label arrays read straight from their zstd chunk
+    #: files (a folder store whose label codecs are exactly bytes + zstd); others go through zarr.
+    _label_direct: dict[str, tuple[str, int]] = field(default_factory=dict, repr=False)
 
     @property
     def commit(self) -> dict[str, Any]:
@@ -717,13 +720,51 @@ class TraceStream:
             raise CorruptStoreError(f"{where}: has shape {arr.shape}, expected at least {self.rows} rows")
         if self.rows == 0:
             return np.empty(0, dtype=LABEL_DTYPES[name])
-        data = self._read_array(name, np.arange(0, -(-self.rows // arr.chunks[0])), lambda a: a[: self.rows])
+        direct = self._label_direct.get(name)
+        if direct is not None and direct[1] == arr.chunks[0]:
+            data = self._read_label_direct(name, *direct)
+        else:
+            data = self._read_array(name, np.arange(0, -(-self.rows // arr.chunks[0])), lambda a: a[: self.rows])
         if data.shape != (self.rows,) or data.dtype != LABEL_DTYPES[name]:
             raise CorruptStoreError(f"{where}: read {data.shape} {data.dtype}, expected ({self.rows},) {LABEL_DTYPES[name]}")
         return data
 
     def labels(self, names: Sequence[str] = LABEL_FIELDS) -> dict[str, np.ndarray]:
         return {name: self.label(name) for name in names}
+
+    def _read_label_direct(self, name: str, endian: str, chunk_rows: int) -> np.ndarray:
+        """One label column decoded straight from its zstd chunk files (zarr's per-chunk machinery
+        costs ~0.65 ms a chunk; this, the file read and the decompression). The same checks as
+        through zarr: every chunk a plain file, each decoding to exactly one chunk of the dtype."""
+        from numcodecs import Zstd  # noqa: PLC0415
+
+        dtype = LABEL_DTYPES[name].newbyteorder("<" if endian == "little" else ">")
+        expect = chunk_rows * dtype.itemsize
+        out = np.empty(-(-self.rows // chunk_rows) * chunk_rows, dtype=LABEL_DTYPES[name])
+        codec = Zstd()
+        folder = os.fspath(self.store.path / self.tap / self.writer / name / "c")
+        for index in range(out.shape[0] // chunk_rows):
+            path = f"{folder}/{index}"
+            fd = _open_plain_file(path)
+            if fd is None:
+                raise CorruptStoreError(f"{path}: chunk file is missing (deleted?) but holds committed rows")
+            try:
+                size = os.fstat(fd).st_size
+                if size == 0 or size > _MAX_CHUNK_BYTES:
+                    raise CorruptStoreError(f"{path}: chunk file holds {size} bytes (truncated or foreign file?)")
+                blob = os.pread(fd, size, 0)
+            except OSError as exc:
+                raise _read_error(path, exc) from exc
+            finally:
+                os.close(fd)
+            try:
+                raw = codec.decode(blob)
+            except Exception as exc:  # noqa: BLE001  (the codec raises several types for a bad frame)
+                raise CorruptStoreError(f"{path}: chunk cannot be decoded ({type(exc).__name__}: {first_line(exc)})") from exc
+            if len(raw) != expect:
+                raise CorruptStoreError(f"{path}: chunk cannot be decoded to {expect} bytes (it holds {len(raw)})")
+            out[index * chunk_rows:(index + 1) * chunk_rows] = np.frombuffer(raw, dtype=dtype)
+        return out[: self.rows]
 
     def _chunk_key(self, name: str, index: int) -> str:
         return f"{self.tap}/{self.writer}/{name}/c/{index}" + ("/0" if name == "values" else "")
@@ -1398,8 +1439,15 @@ class TraceStore:
                 f"dtype {dtype!r}: the two disagree on how to decode the values"
             )
         arrays = {"values": values}
+        direct: dict[str, tuple[str, int]] = {}
         for name in LABEL_FIELDS:
-            arrays[name], _doc = self._open_array(f"{key}/{name}", ndim=1, data_type=LABEL_DTYPES[name].name, rows=rows)
+            arrays[name], label_doc = self._open_array(f"{key}/{name}", ndim=1, data_type=LABEL_DTYPES[name].name,
+                                                       rows=rows)
+            label_codecs = label_doc["codecs"]
+            if self._zip is None and [c["name"] for c in label_codecs] == ["bytes", "zstd"]:
+                order = (label_codecs[0].get("configuration") or {}).get("endian", "little")
+                label_chunks = label_doc["chunk_grid"]["configuration"]["chunk_shape"]
+                direct[name] = ("big" if order == "big" else "little", int(label_chunks[0]))
         codecs = values_doc["codecs"]
         endian = (codecs[0].get("configuration") or {}).get("endian", "little")
         return TraceStream(
@@ -1414,6 +1462,7 @@ class TraceStore:
             _group=arrays,
             _values_raw=[c["name"] for c in codecs] == ["bytes"],
             _values_endian="big" if endian == "big" else "little",
+            _label_direct=direct,
         )
 
     # -- convenience ----------------------------------------------------------------------------
