@@ -462,6 +462,85 @@ def write_section(path: Path, text: str) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+#: The issue's table: (segment width, GiB of values a store) for 3 x 4096 bf16, and for 3 x 64 the row
+#: counts 0.5 / 2 / 8 M (as GiB of 384-byte rows).
+MATRIX = [(4096, 0.25), (4096, 1.0), (4096, 3.0),
+          (64, 0.5e6 * 384 / GIB), (64, 2e6 * 384 / GIB), (64, 8e6 * 384 / GIB)]
+MATRIX_SECTION = "## bench_compare_matrix"
+
+
+def run_matrix(args: argparse.Namespace, cmd: str) -> int:
+    """Every point of :data:`MATRIX`, one after the other (build, warm, tracediff and the peer in the
+    same run, delete): time, throughput, rows a second, peak RSS, and the peer's ratio."""
+    points = [(w, g) for w, g in MATRIX if args.max_gb is None or g <= args.max_gb]
+    needed = max(int(g * GIB) for _, g in points) * 2 * 2
+    args.dir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(args.dir).free
+    if free < 3 * needed:
+        print(f"bench_compare: {args.dir} has {free / 1e9:.1f} GB free; the largest point needs "
+              f"{needed / 1e9:.1f} GB and this run refuses to start with less than 3x that", file=sys.stderr)
+        return 2
+    rows_out = []
+    t_start = time.perf_counter()
+    loads = [os.getloadavg()[0]]
+    for seg, gib in points:
+        work = args.dir / f"bench_compare-matrix-{os.getpid()}"
+        work.mkdir()
+        try:
+            print(f"building 3 x {seg}, {gib:.3g} GiB a store in {work} ...", file=sys.stderr, flush=True)
+            data = build(work, gib, 3 * seg, peer_files=not args.no_peer)
+            ref, cand = data["reference"], data["candidate"]
+            warm(Path(ref["store"]), Path(cand["store"]))
+            ours = [run_child("compare", ref["store"], cand["store"]) for _ in range(args.repeat or 1)]
+            peer = []
+            if not args.no_peer:
+                warm(Path(ref["peer"]), Path(cand["peer"]))
+                peer = [run_child("peer", ref["peer"], cand["peer"]) for _ in range(args.repeat or 1)]
+            t = _median([r["seconds"] for r in ours])
+            value_bytes = data["rows"] * 3 * seg * 2 * 2  # both sides, bf16
+            row = {"width": f"3 x {seg}", "gib": gib, "rows": data["rows"], "seconds": t,
+                   "gbps": value_bytes / t / 1e9, "rows_per_s": data["rows"] / t,
+                   "process_seconds": _median([r["process_seconds"] for r in ours]),
+                   "rss_mib": max(r["peak_rss_bytes"] for r in ours) / 2**20, "verdict": ours[0]["verdict"]}
+            if peer:
+                row["peer_seconds"] = _median([r["seconds"] for r in peer])
+                row["peer_rss_mib"] = max(r["peak_rss_bytes"] for r in peer) / 2**20
+            rows_out.append(row)
+            print(f"  {row}", file=sys.stderr, flush=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    loads.append(os.getloadavg()[0])
+    info = machine()
+    lines = [MATRIX_SECTION, "",
+             f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Machine: {info.get('cpu', '')}, "
+             f"{os.cpu_count()} cores. Tree {_revision(REPO)}. Command: `{cmd}` (whole run "
+             f"{time.perf_counter() - t_start:.0f} s; 1-minute load average {loads[0]:.1f} before, {loads[-1]:.1f} after).",
+             "",
+             "Each point: two stores built as in `## bench_compare` (trainer order vs engine order, values = reference "
+             "+ bf16 noise, a match), page cache warm, each measurement a fresh child process; time = the "
+             "`compare_stores` call (imports excluded), whole process = interpreter start to exit; GB/s = bf16 values "
+             "of both sides / time; the peer is SGLang-style `.pt` step files (`torch.load`, pair, cosine), in the "
+             "same run.", "",
+             "| rows a side | values a side | compare | throughput | aligned rows/s | whole process | peak RSS "
+             "| peer | peer RSS | tracediff vs peer |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows_out:
+        peer_t = r.get("peer_seconds")
+        lines.append(
+            f"| {r['rows']:,} of {r['width']} | {r['gib']:.2f} GiB | {r['seconds']:.2f} s | {r['gbps']:.2f} GB/s | "
+            f"{r['rows_per_s'] / 1e6:.2f} M | {r['process_seconds']:.2f} s | {r['rss_mib']:.0f} MiB | "
+            + (f"{peer_t:.2f} s | {r['peer_rss_mib']:.0f} MiB | {peer_t / r['seconds']:.1f}x |" if peer_t else "- | - | - |"))
+    text = "\n".join(lines)
+    print(text)
+    out = args.out if args.out is not None else HERE / "RESULTS.md"
+    old = out.read_text() if out.exists() else "# Benchmark results\n"
+    pattern = re.compile(rf"^{re.escape(MATRIX_SECTION)}\b.*?(?=^## |\Z)", re.S | re.M)
+    new = pattern.sub(lambda _m: text + "\n\n", old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text + "\n"
+    out.write_text(new)
+    print(f"wrote the {MATRIX_SECTION} section of {out}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gb", type=float, default=None, help="GiB of values per store (default 2; --quick 0.25)")
@@ -476,6 +555,10 @@ def main(argv: list[str] | None = None) -> int:
                         "measured on the same stores, interleaved with this tree's, for a same-run ratio")
     p.add_argument("--keep", action="store_true", help="keep the data (for profiling)")
     p.add_argument("--quick", action="store_true", help="small stores, one run: a smoke test")
+    p.add_argument("--matrix", action="store_true",
+                   help="the issue's table: 3 x 4096 at 0.25 / 1 / 3 GiB and 3 x 64 at 0.5 / 2 / 8 M rows, each with "
+                        "the peer; writes the '## bench_compare_matrix' section")
+    p.add_argument("--max-gb", type=float, default=None, help="--matrix: skip points larger than this (GiB a store)")
     p.add_argument("--child", nargs=3, metavar=("KIND", "A", "B"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -483,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
         result = child_compare(a, b) if kind == "compare" else child_peer(a, b)
         print(json.dumps(result), flush=True)
         return 0
+    if args.matrix:
+        return run_matrix(args, "python " + " ".join([str(Path(sys.argv[0]))] + sys.argv[1:]) if argv is None
+                          else " ".join(argv))
     if args.width % SEGMENTS:
         p.error(f"--width must be a multiple of {SEGMENTS}")
     gib = args.gb if args.gb is not None else (0.25 if args.quick else 2.0)

@@ -341,7 +341,7 @@ class _Pass:
         rraw = w.ref.gather(self.pairs.reference[start:stop], w.rraw)
         # Reductions of a sub-block at a time (its float32 rows stay in cache), into reused buffers:
         # the norm of every segment, and per matched pair the norm, max and min of the difference.
-        norm, sub_, amax, amin, mul = torch.linalg.vector_norm, torch.sub, torch.amax, torch.amin, torch.mul
+        norm, sub_, aminmax, mul = torch.linalg.vector_norm, torch.sub, torch.aminmax, torch.mul
         for s0 in range(0, m, self.sub):
             cwiden, rwiden, c3, r3, xc, xr, d, kernels, d2, profile_kernels = self._views(w, s0, min(m, s0 + self.sub))
             if cwiden is not None:
@@ -353,8 +353,7 @@ class _Pass:
             for a, b, dn, mx, mn, sn, sd, mean, inv_scale in kernels:
                 sub_(a, b, out=d)
                 norm(d, 2, dim=1, out=dn)
-                amax(d, dim=1, out=mx)
-                amin(d, dim=1, out=mn)
+                aminmax(d, dim=1, out=(mn, mx))  # one pass for both
                 # The decision metric: every dimension in units of the reference's robust scale.
                 mul(d, inv_scale, out=d)
                 norm(d, 2, dim=1, out=sn)
