@@ -6,6 +6,7 @@ Real subprocesses (and a real pseudo-terminal for the live progress line) on the
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import re
@@ -213,3 +214,17 @@ def test_a_command_imports_only_what_it_needs(args, not_imported):
     loaded = set(proc.stderr.strip().splitlines()[-1].split())
     assert "tracediff.cli" in loaded
     assert not loaded & set(not_imported), sorted(loaded & set(not_imported))
+
+
+def test_the_program_ends_without_teardown_but_keeps_its_output_and_exit_code(tmp_path):
+    # `tracediff` ends with os._exit once a command is done: stdout, stderr, the reports and the exit
+    # code must all be there, through a pipe too.
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "tracediff", "compare", str(TRAIN), str(BROKEN), "--json", str(out)],
+                          env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stdout.startswith("tracediff compare: MISMATCH") and proc.stdout.rstrip().endswith("--html FILE.")
+    assert json.loads(out.read_text())["verdict"] == "mismatch"
+    bad = subprocess.run([sys.executable, "-m", "tracediff", "inspect", str(tmp_path / "nope.zarr")], env=cli_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("tracediff: error: ") and bad.stdout == ""

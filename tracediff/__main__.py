@@ -1,6 +1,6 @@
 """`python -m tracediff` is the `tracediff` command."""
 
-from tracediff.cli import main
+from tracediff.cli import run
 
 if __name__ == "__main__":
-    main(prog_name="tracediff")
+    run()
