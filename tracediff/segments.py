@@ -139,8 +139,9 @@ def _unit(z: torch.Tensor) -> torch.Tensor:
 def _masked_mean_cosines(c: torch.Tensor, mc: torch.Tensor, r: torch.Tensor, mr: torch.Tensor) -> np.ndarray:
     """Mean over rows of cos(c[:, i], r[:, j]) ([n, Kc, H], [n, Kr, H]), each (i, j) over the rows
     where both segments are finite (masks [n, Kc], [n, Kr]); NaN where there is none."""
-    cu = torch.where(mc[:, :, None], _unit(torch.where(mc[:, :, None], c, 0.0)), 0.0)
-    ru = torch.where(mr[:, :, None], _unit(torch.where(mr[:, :, None], r, 0.0)), 0.0)
+    # Where every segment of every row is finite (nearly always), the masks change nothing: skip them.
+    cu = _unit(c) if bool(mc.all()) else torch.where(mc[:, :, None], _unit(torch.where(mc[:, :, None], c, 0.0)), 0.0)
+    ru = _unit(r) if bool(mr.all()) else torch.where(mr[:, :, None], _unit(torch.where(mr[:, :, None], r, 0.0)), 0.0)
     # [n, Kc, H] x [n, H, Kr] -> [n, Kc, Kr], summed over rows, over the rows both are finite.
     sums = torch.bmm(cu, ru.transpose(1, 2)).sum(dim=0).double()
     counts = (mc.double().T @ mr.double())
