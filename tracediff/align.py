@@ -329,6 +329,7 @@ class RowPairs:
     # Tokens the candidate has inside a sequence that the reference lacks (or lacks where the
     # reference has some): {"group", "position", "length", "tokens", "kind": "insertion"|"deletion"}.
     insertions: list[dict] = field(default_factory=list)
+    distinct_reference: int = -1  # distinct reference rows paired, when pair_rows counted them
 
     def __len__(self) -> int:
         return int(self.candidate.size)
@@ -336,6 +337,8 @@ class RowPairs:
     @property
     def reference_rows(self) -> int:
         """Distinct reference rows paired (replicated writer groups pair one row several times)."""
+        if self.distinct_reference >= 0:
+            return self.distinct_reference
         return int(np.unique(self.reference).size)
 
 
@@ -416,11 +419,13 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     first[1:] = (ref[1:] != ref[:-1]) | (stream[1:] != stream[:-1])
     duplicates = int((~first).sum()) + alignment.candidate_duplicates
     cand, ref = cand[first], ref[first]
-    replicas = int(ref.size - np.unique(ref).size)
+    # ``ref`` is sorted here: its distinct rows are counted in one pass, no hash table.
+    distinct = int(np.count_nonzero(ref[1:] != ref[:-1])) + 1 if ref.size else 0
+    replicas = int(ref.size - distinct)
     # Candidate storage order makes the streaming pass read the candidate sequentially.
     order = np.lexsort((alignment.candidate.row[cand], alignment.candidate.stream[cand]))
     return RowPairs(cand[order], ref[order], offset, unaligned, duplicates, prefix_rows, effective, replicas,
-                    insertions)
+                    insertions, distinct)
 
 
 def _insertions(group: int, g: _Group, taken: np.ndarray, row_delta: np.ndarray) -> list[dict]:
