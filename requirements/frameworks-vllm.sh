@@ -23,7 +23,8 @@ VENV="${VENV:-.venv-vllm}"
 PIP="$VENV/bin/pip"
 PY="$VENV/bin/python"
 pip_install "$PIP" -q torch==2.13.0
-torch_version="$("$PY" -c 'import torch; print(torch.__version__)')"
+# Read from the installed metadata: importing torch before numpy is installed prints a warning.
+torch_version="$("$PY" -c 'from importlib.metadata import version; print(version("torch"))')"
 case "$torch_version" in
   *+cpu) ;;
   *) echo "frameworks-vllm.sh: expected a CPU torch in $PY, found $torch_version" >&2; exit 1 ;;
