@@ -204,8 +204,12 @@ def offset_search(
     """
     results: dict[int, tuple[float, RowPairs]] = {}
     base = pair_rows(alignment, 0) if base is None else base
+    # The other offsets are scored on a sample of rows: pairing only enough whole sequences to hold
+    # it (not every row, 4 times over) keeps the search's cost independent of the trace's size. The
+    # winner's pairs, when not 0's, are then made for every row.
+    groups = _scoring_groups(alignment, 4 * opts.offset_sample_rows, opts.seed)
     for off in OFFSETS:
-        pairs = base if off == 0 else pair_rows(alignment, off)
+        pairs = base if off == 0 else pair_rows(alignment, off, candidate_groups=groups)
         if len(pairs) == 0:
             continue
         pick = sample_pairs(pairs, opts.offset_sample_rows, opts.seed)
@@ -220,14 +224,34 @@ def offset_search(
         if not results:
             return 0, scores, base
         best = max(results, key=lambda k: results[k][0] if math.isfinite(results[k][0]) else -1)
-        return best, scores, results[best][1]
+        return best, scores, _every_row(alignment, best, results[best][1], groups)
     d0 = 1 - results[0][0]
     best = 0
     for off, (score, _p) in results.items():
         d = 1 - score
         if math.isfinite(d) and d < 0.5 * d0 and d < 1 - results[best][0]:
             best = off
-    return best, scores, results[best][1]
+    return best, scores, _every_row(alignment, best, results[best][1], groups)
+
+
+def _scoring_groups(alignment: Alignment, rows: int, seed: int) -> list[int] | None:
+    """Candidate sequences, drawn at random, holding at least ``rows`` rows; None when that is all."""
+    sizes = [(s.candidate_group, int(alignment._cand_groups[s.candidate_group].rows.size))
+             for s in alignment.sequences if s.hypotheses]
+    if sum(n for _, n in sizes) <= rows:
+        return None
+    picked, held = [], 0
+    for i in np.random.default_rng(seed).permutation(len(sizes)).tolist():
+        picked.append(sizes[i][0])
+        held += sizes[i][1]
+        if held >= rows:
+            break
+    return picked
+
+
+def _every_row(alignment: Alignment, offset: int, pairs: RowPairs, groups: list[int] | None) -> RowPairs:
+    """The pairs of ``offset`` for every candidate row (those scored may be of a few sequences)."""
+    return pairs if offset == 0 or groups is None else pair_rows(alignment, offset)
 
 
 # ------------------------------------------------------------------------------------ segment size
