@@ -413,3 +413,15 @@ def test_a_segment_nan_on_every_row_is_reported_and_the_others_are_compared(trac
     # The dead slot is a non-finite finding, not wiring: nothing is "missing" or "extra".
     assert not {"segment_missing", "segment_extra", "segment_order"} & kinds(report)
     assert report.verdict == "mismatch"
+
+
+def test_the_offset_search_scores_a_few_sequences_but_pairs_every_row_at_the_winner(traces):
+    # With a sample smaller than the trace, offsets other than 0 are scored on a few whole sequences;
+    # the winning offset's pairs must still cover every row, as when every row was scored.
+    whole = compare_stores(traces["ref"], traces["late"])
+    few = compare_stores(traces["ref"], traces["late"], CompareOptions(offset_sample_rows=16))
+    assert whole.plan.pairs > 4 * 16  # the sequences scored are a subset
+    assert few.plan.label_offset == whole.plan.label_offset == -1
+    assert few.plan.pairs == whole.plan.pairs
+    assert seg_map(few) == seg_map(whole)
+    assert [m.rows for m in few.metrics] == [m.rows for m in whole.metrics]
