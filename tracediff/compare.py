@@ -18,7 +18,7 @@ import torch
 from tracediff import __version__
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
 from tracediff.align import RowIndex, align_sequences, pair_rows
-from tracediff.diagnose import StreamResult, pair_limits, profile_requests, stream_metrics, with_subset_profiles
+from tracediff.diagnose import StreamResult, stream_metrics, with_subset_profiles
 from tracediff.drafts import recorded_d2t_problems
 from tracediff.errors import CompareError
 from tracediff.findings import build_findings
@@ -31,8 +31,10 @@ from tracediff.plan import (
     collect_meta,
     decide_segment_sizes,
     offset_search,
+    pair_limits,
     pick_taps,
     plan_segments,
+    profile_requests,
     read_rows,
     require_finite_rows,
     sample_pairs,

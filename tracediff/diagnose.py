@@ -9,7 +9,7 @@ no OpenMP barrier per kernel, no collapse when other processes hold the cores), 
 writes into a buffer allocated once.
 
 Besides the matched pairs, the pass measures each segment the plan calls wrong against its closest
-counterpart (:func:`profile_requests`), in per-position buckets only: a handful of float64 sums per
+counterpart (:func:`tracediff.plan.profile_requests`), in per-position buckets only: a handful of float64 sums per
 bucket, never a per-row array.
 """
 
@@ -21,18 +21,15 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from tracediff.align import RowIndex, RowPairs
 from tracediff.results import RowRef, SegmentMetrics, SegmentProfile
-from tracediff.segments import closest_counterparts, exact_distance, to_float32
+from tracediff.segments import to_float32
 from tracediff.store import VALUE_DTYPES, ChunkFiles
-
-if TYPE_CHECKING:  # plan.py imports this module
-    from tracediff.plan import SegmentPlan
 
 Progress = Callable[[int], None]
 
@@ -154,7 +151,7 @@ class PositionBuckets:
 
 @dataclass(frozen=True)
 class ProfileRequest:
-    """A segment pair the pass measures per position only (:func:`profile_requests`)."""
+    """A segment pair the pass measures per position only (:func:`tracediff.plan.profile_requests`)."""
 
     kind: str  # segment_missing | segment_extra | segment_duplicate
     candidate: int
@@ -508,8 +505,8 @@ def stream_metrics(
     ``scales`` holds, per match, the reference segment's robust (mean, scale) from the plan sample
     (:class:`tracediff.segments.SegmentScales`); without it, every dimension counts at scale 1.
     ``limits``, per match, the (numerics budget, drift limit) the findings hold it to
-    (:func:`pair_limits`), carried into its metrics. ``profiles`` are pairs measured per position only
-    (:func:`profile_requests`).
+    (:func:`tracediff.plan.pair_limits`), carried into its metrics. ``profiles`` are pairs measured per position only
+    (:func:`tracediff.plan.profile_requests`).
 
     ``workers`` threads (default: torch's thread count) each take whole blocks; for compressed
     stores, one (they share a cache of decoded chunks). Results do not depend on the thread count.
@@ -609,35 +606,6 @@ def stream_metrics(
         buckets=buckets,
         profiles=[_profile(r, profile_sums[q], profile_den[q], buckets) for q, r in enumerate(profiles)],
     )
-
-
-def pair_limits(segplan: SegmentPlan, matches: list[tuple[int, int]]) -> list[tuple[float, float]]:
-    """Per (candidate, reference) pair: the numerics budget the findings hold its standardised
-    relative error to (``tracediff.segment_findings``: beyond it a ``precision`` warning), and the
-    drift limit (:data:`tracediff.plan.DRIFT_FACTOR` times it: beyond it other data, and a row beyond
-    it is "off" for :mod:`tracediff.subsets`)."""
-    from tracediff.plan import DRIFT_FACTOR  # noqa: PLC0415 (plan.py imports this module)
-
-    out = []
-    for _, j in matches:
-        budget = math.sqrt(segplan.budgets[j]) if 0 <= j < len(segplan.budgets) else float("nan")
-        out.append((budget, DRIFT_FACTOR * budget))
-    return out
-
-
-def profile_requests(segplan: SegmentPlan) -> list[ProfileRequest]:
-    """The pairs to profile per position: every segment the wiring findings call wrong against its
-    closest counterpart (:func:`tracediff.segments.closest_counterparts`), each side standardised by
-    its own robust scales as the plan's matrix was."""
-    same = 1.0 - exact_distance(segplan.floor.distance)
-    out = []
-    for c in closest_counterparts(segplan.decisions, segplan.standardised, segplan.dead_candidate,
-                                  segplan.dead_reference):
-        (budget, drift), = pair_limits(segplan, [(c.candidate, c.reference)])
-        out.append(ProfileRequest(c.kind, c.candidate, c.reference, segplan.cand_scales.mean[c.candidate],
-                                  segplan.cand_scales.scale[c.candidate], segplan.ref_scales.mean[c.reference],
-                                  segplan.ref_scales.scale[c.reference], budget, drift, same))
-    return out
 
 
 def _profile(r: ProfileRequest, sums: np.ndarray, den: np.ndarray, buckets: PositionBuckets) -> SegmentProfile:

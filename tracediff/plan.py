@@ -20,13 +20,15 @@ import numpy as np
 import torch
 
 from tracediff.align import Alignment, RowIndex, RowPairs, pair_rows
-from tracediff.diagnose import _aligned_empty, _ChunkReader
+from tracediff.diagnose import ProfileRequest, _aligned_empty, _ChunkReader
 from tracediff.errors import CompareError
 from tracediff.segments import (
     MANTISSA_BITS,
     NoiseFloor,
     SegmentDecision,
     SegmentScales,
+    closest_counterparts,
+    exact_distance,
     infer_segment_size,
     match_segments,
     mismatched_rows_matrix,
@@ -413,6 +415,35 @@ def plan_segments(cand: torch.Tensor, ref: torch.Tensor, size: int, dtype_ref: s
                        relations, rs, cs, dead_c, dead_r)
 
 
+# ----------------------------------------------------------- what the streaming pass measures
+def pair_limits(segplan: SegmentPlan, matches: list[tuple[int, int]]) -> list[tuple[float, float]]:
+    """Per (candidate, reference) pair: the numerics budget the findings hold its standardised
+    relative error to (``tracediff.segment_findings``: beyond it a ``precision`` warning), and the
+    drift limit (:data:`DRIFT_FACTOR` times it: beyond it other data, and a row beyond
+    it is "off" for :mod:`tracediff.subsets`)."""
+    out = []
+    for _, j in matches:
+        budget = math.sqrt(segplan.budgets[j]) if 0 <= j < len(segplan.budgets) else float("nan")
+        out.append((budget, DRIFT_FACTOR * budget))
+    return out
+
+
+def profile_requests(segplan: SegmentPlan) -> list[ProfileRequest]:
+    """The pairs to profile per position: every segment the wiring findings call wrong against its
+    closest counterpart (:func:`tracediff.segments.closest_counterparts`), each side standardised by
+    its own robust scales as the plan's matrix was."""
+    same = 1.0 - exact_distance(segplan.floor.distance)
+    out = []
+    for c in closest_counterparts(segplan.decisions, segplan.standardised, segplan.dead_candidate,
+                                  segplan.dead_reference):
+        (budget, drift), = pair_limits(segplan, [(c.candidate, c.reference)])
+        out.append(ProfileRequest(c.kind, c.candidate, c.reference, segplan.cand_scales.mean[c.candidate],
+                                  segplan.cand_scales.scale[c.candidate], segplan.ref_scales.mean[c.reference],
+                                  segplan.ref_scales.scale[c.reference], budget, drift, same))
+    return out
+
+
 __all__ = ["FC_INPUT_EQUIVALENTS", "OFFSETS", "CompareOptions", "Layout", "Relation", "SegmentPlan", "SegmentSizes",
            "collect_meta", "decide_segment_sizes", "numerics_budget", "offset_search", "pick_taps", "plan_segments",
-           "read_rows", "require_finite_rows", "sample_pairs", "stream_layout", "tap_summary"]
+           "pair_limits", "profile_requests", "read_rows", "require_finite_rows", "sample_pairs", "stream_layout",
+           "tap_summary"]
