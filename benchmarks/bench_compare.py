@@ -459,10 +459,10 @@ def _revision(tree: Path) -> str:
         return "unknown"
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace the ``## bench_compare`` section of ``path`` (up to the next ``## ``), keep the rest."""
+def write_section(path: Path, text: str, heading: str = "## bench_compare") -> None:
+    """Replace the ``heading`` section of ``path`` (up to the next ``## ``), keep the rest."""
     old = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    pattern = re.compile(r"^## bench_compare\b.*?(?=^## |\Z)", re.S | re.M)
+    pattern = re.compile(rf"^{re.escape(heading)}\b.*?(?=^## |\Z)", re.S | re.M)
     if pattern.search(old):
         new = pattern.sub(lambda _m: text.rstrip("\n") + "\n\n", old, count=1)
     else:
@@ -476,6 +476,16 @@ def write_section(path: Path, text: str) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+def _enough_disk(folder: Path, needed: int) -> bool:
+    """Whether ``folder`` (created) has 3x the ``needed`` bytes free; says so when not."""
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if free < 3 * needed:
+        print(f"bench_compare: {folder} has {free / 1e9:.1f} GB free; this run needs {needed / 1e9:.1f} GB "
+              f"and refuses to start with less than 3x that ({3 * needed / 1e9:.1f} GB)", file=sys.stderr)
+    return free >= 3 * needed
+
+
 #: The issue's table: (segment width, GiB of values a store) for 3 x 4096 bf16, and for 3 x 64 the row
 #: counts 0.5 / 2 / 8 M (as GiB of 384-byte rows).
 MATRIX = [(4096, 0.25), (4096, 1.0), (4096, 3.0),
@@ -487,12 +497,11 @@ def run_matrix(args: argparse.Namespace, cmd: str) -> int:
     """Every point of :data:`MATRIX`, one after the other (build, warm, tracediff and the peer in the
     same run, delete): time, throughput, rows a second, peak RSS, and the peer's ratio."""
     points = [(w, g) for w, g in MATRIX if args.max_gb is None or g <= args.max_gb]
-    needed = max(int(g * GIB) for _, g in points) * 2 * 2
-    args.dir.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(args.dir).free
-    if free < 3 * needed:
-        print(f"bench_compare: {args.dir} has {free / 1e9:.1f} GB free; the largest point needs "
-              f"{needed / 1e9:.1f} GB and this run refuses to start with less than 3x that", file=sys.stderr)
+    if not points:
+        print(f"bench_compare: --max-gb {args.max_gb} leaves no point of the matrix (the smallest is "
+              f"{min(g for _, g in MATRIX):.2f} GiB a store)", file=sys.stderr)
+        return 2
+    if not _enough_disk(args.dir, max(int(g * GIB) for _, g in points) * 2 * (1 if args.no_peer else 2)):
         return 2
     rows_out = []
     t_start = time.perf_counter()
@@ -547,10 +556,7 @@ def run_matrix(args: argparse.Namespace, cmd: str) -> int:
     text = "\n".join(lines)
     print(text)
     out = args.out if args.out is not None else HERE / "RESULTS.md"
-    old = out.read_text() if out.exists() else "# Benchmark results\n"
-    pattern = re.compile(rf"^{re.escape(MATRIX_SECTION)}\b.*?(?=^## |\Z)", re.S | re.M)
-    new = pattern.sub(lambda _m: text + "\n\n", old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text + "\n"
-    out.write_text(new)
+    write_section(out, text, MATRIX_SECTION)
     print(f"wrote the {MATRIX_SECTION} section of {out}", file=sys.stderr)
     return 0
 
@@ -591,12 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out if args.out is not None else (None if args.quick else HERE / "RESULTS.md")
     cmd = "python " + " ".join([str(Path(sys.argv[0]))] + sys.argv[1:]) if argv is None else " ".join(argv)
 
-    needed = int(gib * GIB) * 2 * (1 if args.no_peer else 2)
-    args.dir.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(args.dir).free
-    if free < 3 * needed:
-        print(f"bench_compare: {args.dir} has {free / 1e9:.1f} GB free; this run needs {needed / 1e9:.1f} GB "
-              f"and refuses to start with less than 3x that ({3 * needed / 1e9:.1f} GB)", file=sys.stderr)
+    if not _enough_disk(args.dir, int(gib * GIB) * 2 * (1 if args.no_peer else 2)):
         return 2
     work = args.dir / f"bench_compare-{os.getpid()}"
     work.mkdir()

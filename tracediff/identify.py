@@ -19,9 +19,11 @@ import numpy as np
 from tracediff.adapters.conventions import FINAL_NORM, layer_text
 from tracediff.align import RowIndex, align_sequences
 from tracediff.errors import CompareError
+from tracediff.metadata import num_layers, side_aux_layers
 from tracediff.plan import (
     DEFAULT_DEPTH,
     CompareOptions,
+    collect_meta,
     numerics_budget,
     offset_search,
     read_rows,
@@ -112,9 +114,6 @@ def _bank_names(bank_attrs: dict[str, Any], count: int) -> list[LayerName]:
 def _names_from_aux_layers(bank: TraceStore, tap: str, names: list[LayerName]) -> tuple[list[LayerName], str | None]:
     """Bank columns named from the bank's recorded aux layers (a trainer's or a server's store used as
     a bank): column j is physical layer ``aux.physical[j]``. Returns the names and where they came from."""
-    from tracediff.metadata import num_layers, side_aux_layers  # noqa: PLC0415
-    from tracediff.plan import collect_meta  # noqa: PLC0415
-
     meta = collect_meta(bank, tap)
     aux = side_aux_layers(meta)
     if aux is None or aux.physical is None or len(aux.physical) != len(names):

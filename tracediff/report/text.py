@@ -435,7 +435,7 @@ def render_text(report: Report, color: bool = False, *, verbose: bool = False) -
             )
         )
     else:
-        lines += _summary(report, paint, errors=False)
+        lines += _summary(report, paint, brief=True)
         lines += _findings_brief(report, paint)
         lines += _fixes(report, paint)
         lines += _segment_map(report, paint)
@@ -576,7 +576,9 @@ def _heading(title: str, paint: _Painter) -> list[str]:
     return ["", paint(title, "bold"), paint("-" * len(title), "dim")]
 
 
-def _summary(report: Report, paint: _Painter, *, errors: bool = True) -> list[str]:
+def _summary(report: Report, paint: _Painter, *, brief: bool = False) -> list[str]:
+    """The verdict and both sides; in full (``brief`` false) with every error finding and each side's
+    recorded aux-layer config, brief with the aux layers in one phrase (the findings follow)."""
     counts = report.counts()
     verdict = report.verdict.upper()
     tally = plural_counts(counts)
@@ -588,7 +590,7 @@ def _summary(report: Report, paint: _Painter, *, errors: bool = True) -> list[st
     sentence = verdict_sentence(report)
     if sentence:
         lines += _wrap(sentence, "  ")
-    if errors:
+    if not brief:
         for f in report.findings:
             if f.severity == "error":
                 lines += _finding_line(f, paint, indent="  ")
@@ -597,7 +599,7 @@ def _summary(report: Report, paint: _Painter, *, errors: bool = True) -> list[st
         first = (f"{label:<10} {clean(side.path)}: tap {clean(side.tap)}, {segments_text(side)}, {clean(side.dtype)}, "
                  f"{side.rows} rows")
         lines += _wrap(first, "  ", hang="  " + " " * 11)
-        aux = aux_config_text(side) if errors else aux_brief(side)
+        aux = aux_brief(side) if brief else aux_config_text(side)
         lines += _wrap(f"aux layers: {clean(aux)}", "  " + " " * 11, hang="  " + " " * 15)
     return lines
 
