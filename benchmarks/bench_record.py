@@ -636,7 +636,7 @@ def _commit_walk_cost(path: Path) -> str:
     group = path / "fc_in" / "w0"
     files = [os.path.join(r, f) for r, _d, fs in os.walk(group) for f in fs]
     t0 = time.perf_counter()
-    for f in files:  # what TraceWriter._commit does when durable (store.py's _fsync_tree)
+    for f in files:  # what TraceWriter._commit does when durable (tracediff/store/writer.py's _fsync_paths)
         fd = os.open(f, os.O_RDONLY)
         try:
             os.fsync(fd)

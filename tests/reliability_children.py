@@ -252,13 +252,13 @@ def record_with_kill_point(store: str, log: str, phase_file: str, plan: dict[str
     import torch  # noqa: PLC0415
 
     import tracediff  # noqa: PLC0415
-    import tracediff.store  # noqa: PLC0415
+    import tracediff.store.writer  # noqa: PLC0415
 
     switch = KillSwitch(store, plan.get("kill"), phase_file)
     switch.install()
     if plan.get("label_chunk_rows"):
         # Small label chunks make small stores cross label chunk boundaries too.
-        tracediff.store.DEFAULT_LABEL_CHUNK_ROWS = int(plan["label_chunk_rows"])
+        tracediff.store.writer.DEFAULT_LABEL_CHUNK_ROWS = int(plan["label_chunk_rows"])
     dtype = getattr(torch, plan["dtype"])
     layer = torch.nn.Linear(CRASH_WIDTH, 2, dtype=dtype)
     per_batch: list[dict[str, int]] = []

@@ -1,0 +1,108 @@
+"""Reading a store's files safely and fast: plain-file checks that never block on a FIFO or follow
+what is not a file, and :class:`ChunkFiles`, the open chunk files of the direct read path."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+
+from tracediff.errors import (
+    CorruptStoreError,
+    StoreError,
+)
+
+_IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
+
+
+def _file_kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a plain file"
+
+
+def _open_plain_file(path: str) -> int | None:
+    """Open ``path`` for reading without ever blocking (a FIFO would wait forever for a writer);
+    None when it does not exist; :class:`CorruptStoreError` when it cannot be read or is not a
+    plain file (symlink loop, folder, FIFO, socket, device)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise _read_error(path, exc) from exc
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError as exc:
+        os.close(fd)
+        raise _read_error(path, exc) from exc
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise CorruptStoreError(f"{path}: is {_file_kind(mode)}, not a file")
+    return fd
+
+
+def _open_chunk_file(path: str, size: int) -> int:
+    """File descriptor of an uncompressed chunk file of exactly ``size`` bytes. A missing chunk is
+    corruption, never the fill value: the writer writes every chunk of the rows it commits."""
+    fd = _open_plain_file(path)
+    if fd is None:
+        raise CorruptStoreError(f"{path}: chunk file is missing (deleted?) but holds committed rows")
+    actual = os.fstat(fd).st_size
+    if actual != size:
+        os.close(fd)
+        raise CorruptStoreError(f"{path}: chunk holds {actual} bytes, expected {size} (truncated or foreign file?)")
+    return fd
+
+
+def _read_error(where: str, exc: OSError, verb: str = "read") -> StoreError:
+    """The error for a file of the store that the OS will not read: a permission problem is not
+    damage (:class:`StoreError`), anything else is (:class:`CorruptStoreError`)."""
+    reason = exc.strerror or str(exc)
+    if isinstance(exc, PermissionError):
+        return StoreError(f"{where}: cannot be {verb} ({reason}): check the permissions")
+    return CorruptStoreError(f"{where}: cannot be {verb} ({reason})")
+
+
+class ChunkFiles:
+    """Open uncompressed chunk files for :meth:`TraceStream.read_chunk`, the least recently used
+    closed beyond ``limit``. Not thread-safe: one per reading thread; close it (or use ``with``)."""
+
+    def __init__(self, limit: int = 64) -> None:
+        from collections import OrderedDict  # noqa: PLC0415
+
+        self.limit = max(1, int(limit))
+        self._fds: OrderedDict[str, int] = OrderedDict()
+
+    def open(self, path: str, size: int) -> int:
+        """File descriptor of chunk file ``path``, which must be a plain file of exactly ``size`` bytes
+        (:class:`CorruptStoreError` otherwise: missing, truncated, a FIFO, a folder...)."""
+        fd = self._fds.get(path)
+        if fd is not None:
+            self._fds.move_to_end(path)
+            return fd
+        fd = _open_chunk_file(path, size)
+        self._fds[path] = fd
+        while len(self._fds) > self.limit:
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.popitem()[1])
+
+    def __enter__(self) -> ChunkFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter shutdown os may be gone already
+            self.close()

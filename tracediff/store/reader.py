@@ -1,0 +1,417 @@
+"""Opening a trace store for reading: :class:`TraceStore` validates every metadata document
+before zarr sees it, then opens the (tap, writer) groups as :class:`TraceStream`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import stat
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tracediff.errors import (
+    CorruptStoreError,
+    FormatVersionError,
+    NotATraceStoreError,
+    StoreError,
+    StoreNotFoundError,
+    UsageError,
+    first_line,
+)
+from tracediff.store.files import _file_kind, _open_plain_file, _read_error
+from tracediff.store.format import _MAX_METADATA_BYTES, FORMAT, LABEL_DTYPES, LABEL_FIELDS, PHASES, VALUE_DTYPES, _zarr
+from tracediff.store.stream import TraceStream
+from tracediff.store.validate import _check_array_doc, _group_attributes, _is_int, _json_type, _short_repr
+
+
+class TraceStore:
+    """A trace store opened for reading: a folder or a ``.zarr.zip`` file. Validates on open.
+
+    Every metadata document (``zarr.json``) is read and checked here before zarr sees it: node
+    types, the commit record against the arrays' shapes, dtypes, chunk shapes, and the codecs
+    against :data:`ALLOWED_CODECS`. zarr only ever opens the arrays that passed, by exact path, and
+    every chunk file of the committed rows is checked to exist as a plain file (of the exact size
+    when uncompressed) before any is read. So a damaged or hostile store fails on open, with one
+    :class:`StoreError` naming the file and the field, and never makes a reader run code from the
+    store, block on a FIFO, follow a symlink loop or allocate what its metadata claims.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._zip = None  # zarr's ZipStore of a .zarr.zip store
+        self._zipfile: zipfile.ZipFile | None = None
+        self._zip_names: dict[str, zipfile.ZipInfo] = {}
+        if not os.path.lexists(self.path):
+            raise StoreNotFoundError(f"{self.path}: no such trace store")
+        try:
+            mode = os.stat(self.path).st_mode
+        except OSError as exc:
+            raise NotATraceStoreError(f"{self.path}: cannot be opened ({exc.strerror or exc})") from exc
+        try:
+            if stat.S_ISDIR(mode):
+                from zarr.storage import LocalStore  # noqa: PLC0415
+
+                self._zstore: Any = LocalStore(str(self.path), read_only=True)
+            elif stat.S_ISREG(mode) and zipfile.is_zipfile(self.path):
+                from zarr.storage import ZipStore  # noqa: PLC0415
+
+                self._zipfile = zipfile.ZipFile(self.path)
+                self._zip_names = {info.filename: info for info in self._zipfile.infolist()}
+                self._zip = ZipStore(str(self.path), mode="r")
+                self._zstore = self._zip
+            else:
+                what = "a file but not a zip archive (or a truncated one)" if stat.S_ISREG(mode) else _file_kind(mode)
+                raise NotATraceStoreError(
+                    f"{self.path}: not a trace store (neither a folder nor a .zarr.zip file: it is {what})"
+                )
+        except StoreError:
+            self.close()
+            raise
+        except PermissionError as exc:
+            self.close()
+            raise StoreError(f"{self.path}: permission denied reading the store") from exc
+        except Exception as exc:  # noqa: BLE001  (zipfile and zarr raise several types for a bad file)
+            self.close()
+            raise CorruptStoreError(f"{self.path}: cannot be read ({type(exc).__name__}: {first_line(exc)})") from exc
+        try:
+            self._open_root()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_root(self) -> None:
+        doc = self._node_doc("", root=True)
+        if doc is None:
+            raise NotATraceStoreError(f"{self.path}: not a zarr v3 store (no zarr.json at its top)")
+        where = self._display("zarr.json")
+        attrs = _group_attributes(doc, where, error=NotATraceStoreError)
+        header = attrs.get("tracediff")
+        if not isinstance(header, dict):
+            raise NotATraceStoreError(f"{where}: no 'tracediff' attribute: this zarr is not a trace store")
+        fmt = header.get("format")
+        if not isinstance(fmt, int) or isinstance(fmt, bool):
+            raise CorruptStoreError(f"{where}: field tracediff.format is {fmt!r}, expected an integer")
+        if fmt > FORMAT:
+            raise FormatVersionError(
+                f"{where}: tracediff.format is {fmt}, newer than this tracediff reads ({FORMAT}); upgrade tracediff"
+            )
+        if fmt < 1:
+            raise CorruptStoreError(f"{where}: tracediff.format {fmt} is not a known format")
+        self.format = fmt
+        self.version = str(header.get("version", ""))
+        self.source = attrs.get("source") if isinstance(attrs.get("source"), dict) else {}
+        self.meta = attrs.get("meta") if isinstance(attrs.get("meta"), dict) else {}
+        self.streams: dict[str, list[TraceStream]] = self._scan()
+
+    def close(self) -> None:
+        if self._zip is not None:
+            with contextlib.suppress(AttributeError):  # zarr's ZipStore fails to close if it never opened
+                self._zip.close()
+            self._zip = None
+        if self._zipfile is not None:
+            self._zipfile.close()
+            self._zipfile = None
+
+    def __enter__(self) -> TraceStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reading metadata and checking chunk files, for a folder or a zip ------------------------
+    def _display(self, key: str) -> str:
+        return f"{self.path}/{key}" if key else str(self.path)
+
+    def _read_bytes(self, key: str, limit: int) -> bytes | None:
+        """The bytes of store key ``key`` (None if absent), refusing more than ``limit`` bytes."""
+        where = self._display(key)
+        if self._zipfile is not None:
+            info = self._zip_names.get(key)
+            if info is None:
+                return None
+            if info.file_size > limit:
+                raise CorruptStoreError(f"{where}: {info.file_size} bytes, more than a trace store's metadata holds")
+            try:
+                return self._zipfile.read(info)
+            except Exception as exc:  # noqa: BLE001  (BadZipFile, zlib.error, EOFError...)
+                raise CorruptStoreError(
+                    f"{where}: cannot be read from the zip ({type(exc).__name__}: {first_line(exc)})"
+                ) from exc
+        fd = _open_plain_file(where)
+        if fd is None:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size > limit:
+                raise CorruptStoreError(f"{where}: {size} bytes, more than a trace store's metadata holds")
+            parts, got = [], 0
+            while got <= size:  # read to the end (a file can grow while it is read)
+                part = os.read(fd, max(size - got, 0) + 1)
+                if not part:
+                    break
+                parts.append(part)
+                got += len(part)
+                if got > limit:
+                    raise CorruptStoreError(
+                        f"{where}: more than {limit} bytes, more than a trace store's metadata holds"
+                    )
+            return b"".join(parts)
+        except OSError as exc:
+            raise _read_error(where, exc) from exc
+        finally:
+            os.close(fd)
+
+    def _node_doc(self, key: str, *, root: bool = False) -> dict[str, Any] | None:
+        """The parsed ``zarr.json`` of node ``key`` ('' = the root), None if it has none."""
+        name = f"{key}/zarr.json" if key else "zarr.json"
+        where = self._display(name)
+        error = NotATraceStoreError if root else CorruptStoreError
+        data = self._read_bytes(name, _MAX_METADATA_BYTES)
+        if data is None:
+            return None
+        try:
+            doc = json.loads(data)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise error(f"{where}: not valid JSON ({first_line(exc)})") from exc
+        if not isinstance(doc, dict):
+            raise error(f"{where}: holds {_json_type(doc)}, expected a JSON object (zarr v3 metadata)")
+        if doc.get("zarr_format") != 3:
+            raise error(f"{where}: field zarr_format is {doc.get('zarr_format')!r}, expected 3 (a zarr v3 store)")
+        if doc.get("node_type") not in ("group", "array"):
+            raise error(f"{where}: field node_type is {doc.get('node_type')!r}, expected 'group' or 'array'")
+        return doc
+
+    def _children(self, key: str) -> list[str]:
+        """Names of the child nodes (folders holding a zarr.json) of group ``key``, sorted."""
+        if self._zipfile is not None:
+            prefix = f"{key}/" if key else ""
+            depth = prefix.count("/") + 1
+            return sorted(
+                {
+                    name[len(prefix) :].split("/")[0]
+                    for name in self._zip_names
+                    if name.startswith(prefix) and name.endswith("/zarr.json") and name.count("/") == depth
+                }
+            )
+        where = self._display(key)
+        try:
+            with os.scandir(where) as entries:
+                names = sorted(e.name for e in entries if e.name != "zarr.json")
+        except OSError as exc:
+            raise _read_error(where, exc, "listed") from exc
+        out = []
+        for name in names:
+            child = os.path.join(where, name)
+            try:
+                is_dir = stat.S_ISDIR(os.stat(child).st_mode)
+            except FileNotFoundError:  # a dangling link or a file renamed away meanwhile: no node
+                continue
+            except OSError as exc:  # a symlink loop where a node could be
+                raise _read_error(child, exc) from exc
+            if not is_dir:
+                continue
+            try:
+                os.lstat(os.path.join(child, "zarr.json"))
+            except FileNotFoundError:  # a folder that is no zarr node (a writer killed while creating it)
+                continue
+            except OSError as exc:  # unreadable: never skip a tap or writer silently
+                raise _read_error(os.path.join(child, "zarr.json"), exc) from exc
+            out.append(name)
+        return out
+
+    def _chunk_count(self, key: str) -> int:
+        """How many chunk entries array ``key`` has under ``c/`` (a bound, found by one listing)."""
+        if self._zipfile is not None:
+            prefix = f"{key}/c/"
+            return len({name[len(prefix) :].split("/")[0] for name in self._zip_names if name.startswith(prefix)})
+        try:
+            return len(os.listdir(self._display(f"{key}/c")))
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            raise _read_error(self._display(key + "/c"), exc, "listed") from exc
+
+    def _check_chunk(self, key: str, raw_size: int | None) -> None:
+        """Chunk ``key`` holds committed rows: it must be a plain file, of exactly ``raw_size`` bytes
+        when uncompressed, else not empty."""
+        where = self._display(key)
+        if self._zipfile is not None:
+            info = self._zip_names.get(key)
+            size = None if info is None else info.file_size
+        else:
+            try:
+                st = os.stat(where)
+            except FileNotFoundError:
+                size = None
+            except OSError as exc:
+                raise _read_error(where, exc) from exc
+            else:
+                if not stat.S_ISREG(st.st_mode):
+                    raise CorruptStoreError(f"{where}: is {_file_kind(st.st_mode)}, not a chunk file")
+                size = st.st_size
+        if size is None:
+            raise CorruptStoreError(f"{where}: chunk file is missing (deleted?) but holds committed rows")
+        if raw_size is not None and size != raw_size:
+            raise CorruptStoreError(
+                f"{where}: chunk holds {size} bytes, expected {raw_size} (truncated or foreign file?)"
+            )
+        if size == 0:
+            raise CorruptStoreError(f"{where}: chunk file is empty (truncated?)")
+
+    def _open_array(self, key: str, *, ndim: int, data_type: str, rows: int) -> tuple[Any, dict[str, Any]]:
+        """Check array ``key``'s metadata, its committed chunk files, then open it with zarr."""
+        where = self._display(f"{key}/zarr.json")
+        doc = self._node_doc(key)
+        if doc is None:
+            raise CorruptStoreError(f"{self._display(key)}: array is missing (no zarr.json)")
+        _check_array_doc(doc, where, ndim=ndim, data_type=data_type, rows=rows)
+        chunk_rows = doc["chunk_grid"]["configuration"]["chunk_shape"][0]
+        needed = -(-rows // chunk_rows)
+        if needed:
+            found = self._chunk_count(key)
+            if found < needed:
+                raise CorruptStoreError(
+                    f"{self._display(key + '/c')}: {found} chunk(s) for the {rows} committed rows (field "
+                    f"commit.rows), which need {needed}: chunk files are missing or the commit record is wrong"
+                )
+            codecs = [c["name"] for c in doc["codecs"]]
+            raw_size = math.prod(doc["chunk_grid"]["configuration"]["chunk_shape"]) * np.dtype(data_type).itemsize
+            for c in range(needed):
+                self._check_chunk(f"{key}/c/{c}" + "/0" * (ndim - 1), raw_size if codecs == ["bytes"] else None)
+        try:
+            array = _zarr().open_array(store=self._zstore, path=key, mode="r", zarr_format=3)
+        except Exception as exc:  # noqa: BLE001  (zarr rejects odd metadata with several types)
+            raise CorruptStoreError(
+                f"{where}: not a readable zarr array ({type(exc).__name__}: {first_line(exc)})"
+            ) from exc
+        return array, doc
+
+    # -- the tree ---------------------------------------------------------------------------------
+    def _scan(self) -> dict[str, list[TraceStream]]:
+        out: dict[str, list[TraceStream]] = {}
+        for tap in self._children(""):
+            doc = self._node_doc(tap)
+            if doc is None or doc["node_type"] != "group":
+                raise CorruptStoreError(f"{self._display(tap + '/zarr.json')}: field node_type: a tap must be a group")
+            streams = [self._open_stream(tap, writer) for writer in self._children(tap)]
+            out[tap] = [s for s in streams if s is not None]
+        return out
+
+    def _open_stream(self, tap: str, writer: str) -> TraceStream | None:
+        key = f"{tap}/{writer}"
+        where = self._display(key)
+        meta_file = f"{where}/zarr.json"
+        doc = self._node_doc(key)
+        if doc is None or doc["node_type"] != "group":
+            raise CorruptStoreError(f"{meta_file}: field node_type: a writer must be a group")
+        attrs = _group_attributes(doc, meta_file)
+        commit = attrs.get("commit")
+        if not isinstance(commit, dict):
+            raise CorruptStoreError(f"{meta_file}: field 'commit' is missing or not an object")
+        rows = commit.get("rows")
+        if not _is_int(rows) or rows < 0:
+            raise CorruptStoreError(f"{meta_file}: field commit.rows is {rows!r}, expected a count >= 0")
+        seq_names = commit.get("seq_names")
+        if seq_names is not None and not (isinstance(seq_names, dict) and all(_is_int(v) for v in seq_names.values())):
+            raise CorruptStoreError(
+                f"{meta_file}: field commit.seq_names is {_short_repr(seq_names)}, expected an object of name: integer"
+            )
+        dtype = attrs.get("dtype")
+        if not isinstance(dtype, str) or dtype not in VALUE_DTYPES:
+            raise CorruptStoreError(
+                f"{meta_file}: field dtype is {_short_repr(dtype)}; expected one of {', '.join(VALUE_DTYPES)}"
+            )
+        width = attrs.get("width")
+        if not _is_int(width) or width <= 0:
+            raise CorruptStoreError(f"{meta_file}: field width is {_short_repr(width)}, expected a positive integer")
+        phases = attrs.get("phases")
+        if phases is not None and (
+            not isinstance(phases, list)
+            or not all(isinstance(p, str) for p in phases)
+            or list(phases[: len(PHASES)]) != list(PHASES[: len(phases)])
+        ):
+            raise CorruptStoreError(
+                f"{meta_file}: field phases is {_short_repr(phases)}; expected the phase names {list(PHASES)}"
+            )
+        segment_size = attrs.get("segment_size")
+        if segment_size is not None and (not _is_int(segment_size) or segment_size <= 0 or width % segment_size):
+            raise CorruptStoreError(
+                f"{meta_file}: field segment_size is {_short_repr(segment_size)}, expected a positive integer that "
+                f"divides the width {width}"
+            )
+        labels = attrs.get("segment_labels")
+        if labels is not None:
+            if not isinstance(labels, list) or not all(isinstance(x, (str, int)) for x in labels):
+                raise CorruptStoreError(
+                    f"{meta_file}: field segment_labels is {_short_repr(labels)}, expected a list of names"
+                )
+            if segment_size is not None and len(labels) != width // segment_size:
+                raise CorruptStoreError(
+                    f"{meta_file}: field segment_labels names {len(labels)} segments but width {width} / segment_size "
+                    f"{segment_size} makes {width // segment_size}; fix the attribute or record again"
+                )
+        values, values_doc = self._open_array(f"{key}/values", ndim=2, data_type=VALUE_DTYPES[dtype].name, rows=rows)
+        shape = values_doc["shape"]
+        chunk_shape = values_doc["chunk_grid"]["configuration"]["chunk_shape"]
+        if shape[1] != width or chunk_shape[1] != width:
+            raise CorruptStoreError(
+                f"{where}/values/zarr.json: field shape {shape} (chunks {chunk_shape}) does not hold rows of width "
+                f"{width} (field width of {meta_file})"
+            )
+        stored_as = (values_doc.get("attributes") or {}).get("dtype", dtype)
+        if stored_as != dtype:
+            raise CorruptStoreError(
+                f"{where}/values/zarr.json: field attributes.dtype is {_short_repr(stored_as)} but {meta_file} says "
+                f"dtype {dtype!r}: the two disagree on how to decode the values"
+            )
+        arrays = {"values": values}
+        direct: dict[str, tuple[str, int]] = {}
+        for name in LABEL_FIELDS:
+            arrays[name], label_doc = self._open_array(
+                f"{key}/{name}", ndim=1, data_type=LABEL_DTYPES[name].name, rows=rows
+            )
+            label_codecs = label_doc["codecs"]
+            if self._zip is None and [c["name"] for c in label_codecs] == ["bytes", "zstd"]:
+                order = (label_codecs[0].get("configuration") or {}).get("endian", "little")
+                label_chunks = label_doc["chunk_grid"]["configuration"]["chunk_shape"]
+                direct[name] = ("big" if order == "big" else "little", int(label_chunks[0]))
+        codecs = values_doc["codecs"]
+        endian = (codecs[0].get("configuration") or {}).get("endian", "little")
+        return TraceStream(
+            store=self,
+            tap=tap,
+            writer=writer,
+            attrs=attrs,
+            rows=rows,
+            width=width,
+            dtype=dtype,
+            chunk_rows=int(chunk_shape[0]),
+            _group=arrays,
+            _values_raw=[c["name"] for c in codecs] == ["bytes"],
+            _values_endian="big" if endian == "big" else "little",
+            _label_direct=direct,
+        )
+
+    # -- convenience ----------------------------------------------------------------------------
+    @property
+    def taps(self) -> list[str]:
+        return sorted(self.streams)
+
+    def tap_streams(self, tap: str) -> list[TraceStream]:
+        if tap not in self.streams:
+            known = ", ".join(self.taps) or "none"
+            raise UsageError(f"{self.path}: no tap named {tap!r}; taps in this store: {known}")
+        return self.streams[tap]
+
+    def rows(self, tap: str) -> int:
+        return sum(s.rows for s in self.tap_streams(tap))
+
+
+def open_store(path: str | os.PathLike[str]) -> TraceStore:
+    """Open a trace store (folder or ``.zarr.zip``) for reading."""
+    return TraceStore(path)
