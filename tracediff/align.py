@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -141,43 +142,67 @@ class _Group:
 
 def _groups(index: RowIndex) -> list[_Group]:
     valid = np.flatnonzero(index.valid)
-    order = valid[np.lexsort((valid, index.position[valid], index.group[valid]))]
-    groups: list[_Group] = []
-    if order.size == 0:
-        return groups
+    if valid.size == 0:
+        return []
+    group, position = index.group[valid], index.position[valid]
+    # Rows by (sequence, position, row): one int64 key when it fits (Python ints: no wrap-around).
+    p_lo = int(position.min())
+    span = int(position.max()) - p_lo + 1
+    if (int(group.max()) + 1) * span < (1 << 62):
+        order = valid[np.argsort(group * span + (position - p_lo), kind="stable")]
+    else:
+        order = valid[np.lexsort((valid, position, group))]
     g = index.group[order]
-    bounds = np.flatnonzero(np.diff(g)) + 1
-    for chunk in np.split(order, bounds):
-        pos = index.position[chunk]
-        keep = np.ones(chunk.size, dtype=bool)
-        keep[1:] = pos[1:] != pos[:-1]
-        rows = chunk[keep]
-        groups.append(
-            _Group(
-                key=int(index.group[chunk[0]]),
-                positions=index.position[rows],
-                tokens=index.token_id[rows],
-                rows=rows,
-                duplicates=int(chunk.size - rows.size),
-            )
-        )
-    return groups
+    pos = index.position[order]
+    # The first row of each (sequence, position); the rest are duplicates.
+    new_group = np.r_[True, g[1:] != g[:-1]]
+    keep = new_group | np.r_[True, pos[1:] != pos[:-1]]
+    rows = order[keep]
+    positions, tokens = pos[keep], index.token_id[rows]
+    kept_group = g[keep]
+    starts = np.flatnonzero(np.r_[True, kept_group[1:] != kept_group[:-1]])
+    ends = np.r_[starts[1:], rows.size]
+    # Duplicates per group: its rows in ``order`` minus the ones kept.
+    all_starts = np.flatnonzero(new_group)
+    dups = np.diff(np.r_[all_starts, order.size]) - (ends - starts)
+    return [
+        _Group(key=k, positions=positions[a:b], tokens=tokens[a:b], rows=rows[a:b], duplicates=d)
+        for k, a, b, d in zip(kept_group[starts].tolist(), starts.tolist(), ends.tolist(), dups.tolist(), strict=True)
+    ]
 
 
-def _ngram_hashes(tokens: np.ndarray, positions: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Hashes of every window of n consecutive positions with known tokens; and each window's start."""
+def _ngram_ok(tokens: np.ndarray, positions: np.ndarray, n: int, member: np.ndarray | None = None) -> np.ndarray:
+    """Which windows of n consecutive rows hold n consecutive positions with known tokens (and, with
+    ``member``, the sequence of each row, lie inside one sequence)."""
+    count = tokens.size - n + 1
+    if count <= 0:
+        return np.zeros(0, dtype=bool)
+    ok = (positions[n - 1 :] - positions[:count]) == n - 1
+    known = tokens >= 0
+    for k in range(n):
+        ok &= known[k : k + count]
+    if member is not None:
+        ok &= member[:count] == member[n - 1 :]
+    return ok
+
+
+def _ngram_hashes(
+    tokens: np.ndarray, positions: np.ndarray, n: int, member: np.ndarray | None = None
+) -> tuple[np.ndarray, ...]:
+    """Hashes of every window of n consecutive positions with known tokens; and each window's start
+    (and, given ``member`` (see :func:`_ngram_ok`), each window's sequence)."""
     if tokens.size < n:
-        return np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.int64)
+        empty = (np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.int64))
+        return (*empty, np.empty(0, dtype=np.int64)) if member is not None else empty
     count = tokens.size - n + 1
     h = np.zeros(count, dtype=np.uint64)
-    ok = np.ones(count, dtype=bool)
     mult = np.uint64(1_000_003)
     with np.errstate(over="ignore"):
         for k in range(n):
-            t = tokens[k : k + count]
-            ok &= t >= 0
-            h = h * mult + (t.astype(np.uint64) + np.uint64(1))
-    ok &= (positions[n - 1 :] - positions[: count]) == n - 1
+            h = h * mult + (tokens[k : k + count].astype(np.uint64) + np.uint64(1))
+    ok = _ngram_ok(tokens, positions, n, member)
+    if member is not None:
+        return h[ok], positions[:count][ok], member[:count][ok]
     return h[ok], positions[:count][ok]
 
 
@@ -235,32 +260,89 @@ def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = _NGRA
     def table(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Reference n-grams sorted by hash: (hash, owner group, start position)."""
         if n not in tables:
-            hashes, owners, starts = [], [], []
-            for rg in ref_groups.values():
-                h, p = _ngram_hashes(rg.tokens, rg.positions, n)
-                hashes.append(h)
-                starts.append(p)
-                owners.append(np.full(h.size, rg.key, dtype=np.int64))
-            ref_h = np.concatenate(hashes)
+            groups = list(ref_groups.values())
+            keys = np.array([rg.key for rg in groups], dtype=np.int64)
+            member = np.repeat(np.arange(keys.size, dtype=np.int64), [rg.tokens.size for rg in groups])
+            ref_h, starts, owners = _ngram_hashes(np.concatenate([rg.tokens for rg in groups]),
+                                                  np.concatenate([rg.positions for rg in groups]), n, member)
             order = np.argsort(ref_h, kind="stable")
-            tables[n] = (ref_h[order], np.concatenate(owners)[order], np.concatenate(starts)[order])
+            tables[n] = (ref_h[order], keys[owners[order]], starts[order])
         return tables[n]
 
+    # Sequences long enough for full n-grams vote together, in one lookup; shorter ones on their own.
+    whole = [g for g in cand_groups.values() if g.tokens.size >= ngram]
+    found = _votes_together(whole, table(ngram), ngram) if whole else {}
     sequences = []
     for g in cand_groups.values():
-        hyps: list[tuple[int, int, int]] = []
-        n = min(ngram, int(g.tokens.size))
-        h, p = _ngram_hashes(g.tokens, g.positions, n)
-        if h.size:
-            ref_h, ref_owner, ref_start = table(n)
-            lo = np.searchsorted(ref_h, h, side="left")
-            hi = np.searchsorted(ref_h, h, side="right")
-            hyps = _ranked_votes(lo, hi, p, ref_owner, ref_start)[:_MAX_ALIGNMENTS]
+        hyps = found.get(g.key, []) if g.tokens.size >= ngram else _votes_alone(g, table, ngram)
         if hyps:
             top = hyps[0][2]
             hyps = [h for h in hyps if h[2] * 10 >= top or h[2] >= 8]
         sequences.append(SequenceAlignment(g.key, hyps))
     return Alignment(reference, candidate, sequences, True, [], duplicates, ref_groups, cand_groups)
+
+
+def _votes_alone(g: _Group, table: Any, ngram: int) -> list[tuple[int, int, int]]:
+    """The ranked hypotheses of one candidate sequence (n-grams of at most its own length)."""
+    n = min(ngram, int(g.tokens.size))
+    h, p = _ngram_hashes(g.tokens, g.positions, n)
+    if not h.size:
+        return []
+    ref_h, ref_owner, ref_start = table(n)
+    lo = np.searchsorted(ref_h, h, side="left")
+    hi = np.searchsorted(ref_h, h, side="right")
+    return _ranked_votes(lo, hi, p, ref_owner, ref_start)[:_MAX_ALIGNMENTS]
+
+
+def _votes_together(
+    groups: list[_Group], table: tuple[np.ndarray, np.ndarray, np.ndarray], n: int
+) -> dict[int, list[tuple[int, int, int]]]:
+    """:func:`_votes_alone` of every sequence at once (each at least n tokens long): one sorted
+    lookup of all their n-grams instead of one per sequence, the same hypotheses in the same order.
+    Candidate group -> its top hypotheses (sequences with none are left out)."""
+    ref_h, ref_owner, ref_start = table
+    lengths = np.array([g.tokens.size for g in groups], dtype=np.int64)
+    tokens = np.concatenate([g.tokens for g in groups])
+    positions = np.concatenate([g.positions for g in groups])
+    member = np.repeat(np.arange(len(groups), dtype=np.int64), lengths)
+    h, starts, window_group = _ngram_hashes(tokens, positions, n, member)
+    if h.size == 0:
+        return {}
+    # Sorted queries: each binary search starts where the previous one ended.
+    order = np.argsort(h)
+    lo = np.empty(h.size, dtype=np.int64)
+    hi = np.empty(h.size, dtype=np.int64)
+    lo[order] = np.searchsorted(ref_h, h[order], side="left")
+    hi[order] = np.searchsorted(ref_h, h[order], side="right")
+    hit = np.flatnonzero((hi > lo) & (hi - lo <= _MAX_HASH_REPEAT))
+    if hit.size == 0:
+        return {}
+    count = (hi - lo)[hit]
+    window = np.repeat(hit, count)
+    j = np.repeat(lo[hit] - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
+    cand = window_group[window]
+    owner = ref_owner[j].astype(np.int64)
+    delta = (starts[window] - ref_start[j]).astype(np.int64)
+    # One int64 key per (candidate, owner, delta) when the three fit (Python ints: no wrap-around).
+    d_lo, d_span = int(delta.min()), int(delta.max()) - int(delta.min()) + 1
+    o_lo, o_span = int(owner.min()), int(owner.max()) - int(owner.min()) + 1
+    if len(groups) * o_span * d_span >= (1 << 62):
+        return {g.key: _votes_alone(g, lambda _n: table, n) for g in groups}
+    key = (cand * o_span + (owner - o_lo)) * d_span + (delta - d_lo)
+    uniq, first, votes = np.unique(key, return_index=True, return_counts=True)
+    u_delta = uniq % d_span + d_lo
+    u_owner = (uniq // d_span) % o_span + o_lo
+    u_cand = uniq // (d_span * o_span)
+    # Within a candidate: votes, then |delta|, then group, then first vote (as _ranked_votes ranks).
+    rank = np.lexsort((first, u_owner, np.abs(u_delta), -votes, u_cand))
+    u_cand, u_owner, u_delta, votes = u_cand[rank], u_owner[rank], u_delta[rank], votes[rank]
+    starts_of = np.flatnonzero(np.r_[True, u_cand[1:] != u_cand[:-1]])
+    keep = np.arange(u_cand.size) - np.repeat(starts_of, np.diff(np.r_[starts_of, u_cand.size])) < _MAX_ALIGNMENTS
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for c, o, d, v in zip(u_cand[keep].tolist(), u_owner[keep].tolist(), u_delta[keep].tolist(),
+                          votes[keep].tolist(), strict=True):
+        out.setdefault(groups[c].key, []).append((o, d, v))
+    return out
 
 
 def _ranked_votes(

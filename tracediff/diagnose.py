@@ -671,9 +671,24 @@ def row_ref(index: RowIndex, i: int) -> RowRef:
                   token_id=int(index.token_id[i]))
 
 
-def _quantile(values: np.ndarray, q: float) -> float:
+def _quantiles(values: np.ndarray, *qs: float) -> list[float]:
+    """Quantiles of the finite values (NaN without any), one selection each: numpy's several-q call
+    rounds the float32 interpolation differently, and the reports stay bit-identical."""
     finite = values[np.isfinite(values)]
-    return float(np.quantile(finite, q)) if finite.size else float("nan")
+    if not finite.size:
+        return [float("nan")] * len(qs)
+    return [float(np.quantile(finite, q)) for q in qs]
+
+
+def _smallest(rank: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k smallest values of ``rank``, ties in index order: exactly
+    ``np.argsort(rank, kind="stable")[:k]``, without sorting every row."""
+    if rank.size <= 4 * k:
+        return np.argsort(rank, kind="stable")[:k]
+    kth = np.partition(rank, k - 1)[k - 1]
+    below = np.flatnonzero(rank < kth)
+    chosen = np.concatenate([below, np.flatnonzero(rank == kth)[: k - below.size]])
+    return chosen[np.lexsort((chosen, rank[chosen]))]
 
 
 def _finish(acc: _Accumulator, pairs: RowPairs, reference: RowIndex, candidate: RowIndex,
@@ -694,7 +709,7 @@ def _finish(acc: _Accumulator, pairs: RowPairs, reference: RowIndex, candidate: 
     worst_rows = []
     if rows:
         rank = np.where(np.isfinite(row_err), -row_err, np.inf)
-        order = np.argsort(rank, kind="stable")[: min(5, rows)]
+        order = _smallest(rank, min(5, rows))
         for k in order:
             worst_rows.append(
                 {
@@ -726,17 +741,20 @@ def _finish(acc: _Accumulator, pairs: RowPairs, reference: RowIndex, candidate: 
             lo, hi = lo - 0.05, hi + 0.05
         counts_h, edges_h = np.histogram(logr, bins=40, range=(lo, hi))
         hist = {"edges": [float(e) for e in edges_h], "counts": [float(c) for c in counts_h]}
+    (cos_p1,) = _quantiles(cos, 0.01)
+    ratio_p1, ratio_p50, ratio_p99 = _quantiles(acc.ratio, 0.01, 0.5, 0.99)
+    err_p50, err_p99 = _quantiles(row_err, 0.5, 0.99)
     return SegmentMetrics(
         candidate=acc.cand_seg,
         reference=acc.ref_seg,
         rows=rows,
         cos_mean=float(np.nanmean(cos)) if rows else float("nan"),
-        cos_p1=_quantile(cos, 0.01),
+        cos_p1=cos_p1,
         cos_min=float(np.nanmin(cos)) if rows else float("nan"),
         norm_ratio_mean=float(np.nanmean(acc.ratio)) if rows else float("nan"),
-        norm_ratio_p1=_quantile(acc.ratio, 0.01),
-        norm_ratio_p50=_quantile(acc.ratio, 0.5),
-        norm_ratio_p99=_quantile(acc.ratio, 0.99),
+        norm_ratio_p1=ratio_p1,
+        norm_ratio_p50=ratio_p50,
+        norm_ratio_p99=ratio_p99,
         rel_l2=math.sqrt(acc.sq_err / acc.sq_ref) if acc.sq_ref > 0 else float("nan"),
         rel_diff_mean=float(np.nanmean(acc.rel_diff)) if rows else float("nan"),
         rel_diff_max=float(np.nanmax(acc.rel_diff)) if rows else float("nan"),
@@ -748,8 +766,8 @@ def _finish(acc: _Accumulator, pairs: RowPairs, reference: RowIndex, candidate: 
         cos_by_position=by_pos,
         norm_ratio_hist=hist,
         std_rel_error=math.sqrt(acc.std_num / acc.std_den) if acc.std_den > 0 else float("nan"),
-        std_row_error_p50=_quantile(row_err, 0.5),
-        std_row_error_p99=_quantile(row_err, 0.99),
+        std_row_error_p50=err_p50,
+        std_row_error_p99=err_p99,
         std_row_error_max=float(np.nanmax(row_err)) if np.isfinite(row_err).any() else float("nan"),
         std_error_by_position=err_by_pos,
         numerics_budget=float(limits[0]),
