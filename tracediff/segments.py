@@ -100,7 +100,17 @@ def _memo(rows: torch.Tensor, key: str, size: int, compute: Any) -> Any:
 
 def segment_finite(rows: torch.Tensor, size: int) -> torch.Tensor:
     """[n, K] bool: which segments of which rows hold only finite values."""
-    return _memo(rows, "finite", size, lambda: torch.isfinite(split(rows, size)).all(dim=2))
+    return _memo(rows, "finite", size, lambda: _segment_finite(split(rows, size)))
+
+
+def _segment_finite(x: torch.Tensor) -> torch.Tensor:
+    # A segment's sum is finite when all its values are (one read, no [n, K, H] mask); a non-finite
+    # sum may also be an overflow of finite values: only those segments are checked value by value.
+    fin = torch.isfinite(x.sum(dim=2))
+    if not bool(fin.all()):
+        rows, segs = torch.nonzero(~fin, as_tuple=True)
+        fin[rows, segs] = torch.isfinite(x[rows, segs]).all(dim=1)
+    return fin
 
 
 def segment_scales(rows: torch.Tensor, size: int) -> SegmentScales:
@@ -115,14 +125,14 @@ def _segment_scales(rows: torch.Tensor, size: int) -> SegmentScales:
     k = x.shape[1]
     means, scales = torch.zeros(k, size), torch.ones(k, size)
     for j in range(k):
-        xj = x[fin[:, j], j]
+        xj = x[:, j] if bool(fin[:, j].all()) else x[fin[:, j], j]
         if xj.shape[0] == 0:
             continue
         # The median and MAD of a few hundred rows are as good a scale as of thousands, at a
         # fraction of the sort's cost (the plan's largest one).
         head = xj[:SCALE_ROWS]
-        med = head.median(dim=0).values
-        mad = (head - med).abs().median(dim=0).values * 1.4826
+        med = _column_medians(head)
+        mad = _column_medians((head - med).abs()) * 1.4826
         rms = xj.pow(2).mean(dim=0).sqrt()
         scale = (mad.pow(2) + (RESOLUTION * rms).pow(2)).sqrt()
         # A dimension that never varies and is zero (padding) must not divide by zero.
@@ -130,6 +140,15 @@ def _segment_scales(rows: torch.Tensor, size: int) -> SegmentScales:
         scales[j] = torch.maximum(scale, 1e-6 * typical).clamp_min(1e-30)
         means[j] = xj.mean(dim=0)
     return SegmentScales(means, scales)
+
+
+def _column_medians(x: torch.Tensor) -> torch.Tensor:
+    """``x.median(dim=0).values`` of a finite [n, H] tensor (the lower middle value for even n), by a
+    partial selection over contiguous columns: the same values at a quarter of the sort's cost."""
+    n = x.shape[0]
+    cols = np.ascontiguousarray(x.T.numpy())
+    k = (n - 1) // 2
+    return torch.from_numpy(np.partition(cols, k, axis=1)[:, k].copy())
 
 
 def _unit(z: torch.Tensor) -> torch.Tensor:
