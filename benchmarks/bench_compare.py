@@ -246,6 +246,12 @@ def child_compare(ref: str, cand: str) -> dict:
     import tracediff.findings  # noqa: PLC0415, F401
     from tracediff.compare import compare_stores  # noqa: PLC0415
 
+    try:  # what the tracediff program sets for itself (trees before it have no such module)
+        from tracediff.runtime import return_freed_memory  # noqa: PLC0415
+    except ImportError:
+        pass
+    else:
+        return_freed_memory()
     t0 = time.perf_counter()
     report = compare_stores(ref, cand)
     dt = time.perf_counter() - t0

@@ -688,6 +688,9 @@ def run() -> None:
     import logging  # noqa: PLC0415
     import threading  # noqa: PLC0415
 
+    from tracediff.runtime import return_freed_memory  # noqa: PLC0415
+
+    return_freed_memory()
     try:
         main(prog_name="tracediff")
         code: object = 0

@@ -155,14 +155,35 @@ def _unit(z: torch.Tensor) -> torch.Tensor:
     return z / z.norm(dim=2, keepdim=True).clamp_min(1e-30)
 
 
-def _masked_mean_cosines(c: torch.Tensor, mc: torch.Tensor, r: torch.Tensor, mr: torch.Tensor) -> np.ndarray:
+#: Rows of the plan's sample turned into unit segments at a time: the matrices' temporaries stay a
+#: few MiB whatever the width (whole samples made ~0.9 GiB of them at 3 x 4096).
+_CHUNK_ROWS = 256
+
+
+def _masked_mean_cosines(c: torch.Tensor, mc: torch.Tensor, r: torch.Tensor, mr: torch.Tensor,
+                         prepare_c: Any = None, prepare_r: Any = None, r_rows: torch.Tensor | None = None) -> np.ndarray:
     """Mean over rows of cos(c[:, i], r[:, j]) ([n, Kc, H], [n, Kr, H]), each (i, j) over the rows
-    where both segments are finite (masks [n, Kc], [n, Kr]); NaN where there is none."""
+    where both segments are finite (masks [n, Kc], [n, Kr]); NaN where there is none.
+
+    ``prepare_c`` / ``prepare_r`` map a chunk of rows to the segments compared (e.g. standardised);
+    ``r_rows``, the reference row paired with each row (default: the same row). Rows are taken a
+    chunk at a time; every row's cosines are the same numbers as on the whole sample at once."""
+    n, kc, kr = c.shape[0], c.shape[1], r.shape[1]
+    if r_rows is not None:
+        mr = mr[r_rows]
     # Where every segment of every row is finite (nearly always), the masks change nothing: skip them.
-    cu = _unit(c) if bool(mc.all()) else torch.where(mc[:, :, None], _unit(torch.where(mc[:, :, None], c, 0.0)), 0.0)
-    ru = _unit(r) if bool(mr.all()) else torch.where(mr[:, :, None], _unit(torch.where(mr[:, :, None], r, 0.0)), 0.0)
-    # [n, Kc, H] x [n, H, Kr] -> [n, Kc, Kr], summed over rows, over the rows both are finite.
-    sums = torch.bmm(cu, ru.transpose(1, 2)).sum(dim=0).double()
+    all_c, all_r = bool(mc.all()), bool(mr.all())
+    prods = torch.empty(n, kc, kr)
+    for s in range(0, n, _CHUNK_ROWS):
+        e = min(n, s + _CHUNK_ROWS)
+        cz = c[s:e] if prepare_c is None else prepare_c(c[s:e])
+        rz = r[s:e] if r_rows is None else r[r_rows[s:e]]
+        rz = rz if prepare_r is None else prepare_r(rz)
+        cu = _unit(cz) if all_c else torch.where(mc[s:e, :, None], _unit(torch.where(mc[s:e, :, None], cz, 0.0)), 0.0)
+        ru = _unit(rz) if all_r else torch.where(mr[s:e, :, None], _unit(torch.where(mr[s:e, :, None], rz, 0.0)), 0.0)
+        # [b, Kc, H] x [b, H, Kr] -> [b, Kc, Kr]; summed over every row below, as one sum.
+        torch.bmm(cu, ru.transpose(1, 2), out=prods[s:e])
+    sums = prods.sum(dim=0).double()
     counts = (mc.double().T @ mr.double())
     out = torch.where(counts > 0, sums / counts.clamp_min(1), torch.full_like(sums, float("nan")))
     return out.numpy()
@@ -184,17 +205,26 @@ def segment_cosine_matrix(cand: torch.Tensor, ref: torch.Tensor, size: int, *, c
 
 
 def standardised_cosine_matrix(cand: torch.Tensor, ref: torch.Tensor, cand_scales: SegmentScales,
-                               ref_scales: SegmentScales) -> np.ndarray:
+                               ref_scales: SegmentScales, *, roll: int = 0) -> np.ndarray:
     """Mean over rows of cos(z_c[i], z_r[j]), each side standardised by its own segment scales,
-    each entry over the rows where both segments are finite.
+    each entry over the rows where both segments are finite. ``roll``: candidate row i is paired
+    with reference row (i - roll) mod n (``torch.roll(ref, roll, dims=0)``, without the copy).
 
     Invariant to a per-dimension affine map on either side (a norm weight, a constant factor, an
     offset), so it says which tensor a segment *comes from*; how it was transformed is decided
     afterwards by fitting (:mod:`tracediff.transforms`).
     """
     size = ref_scales.mean.shape[1]
-    return _masked_mean_cosines(cand_scales.standardise(cand), segment_finite(cand, size),
-                                ref_scales.standardise(ref), segment_finite(ref, size))
+    n = cand.shape[0]
+    r_rows = (torch.arange(n) - roll) % n if roll else None
+    return _masked_mean_cosines(split(cand, size), segment_finite(cand, size), split(ref, size),
+                                segment_finite(ref, size), _standardiser(cand_scales), _standardiser(ref_scales),
+                                r_rows)
+
+
+def _standardiser(scales: SegmentScales) -> Any:
+    mean, scale = scales.mean, scales.scale
+    return lambda x3: (x3 - mean) / scale
 
 
 def mismatched_rows_matrix(cand: torch.Tensor, ref: torch.Tensor, cand_scales: SegmentScales,
@@ -204,7 +234,7 @@ def mismatched_rows_matrix(cand: torch.Tensor, ref: torch.Tensor, cand_scales: S
     size = ref_scales.mean.shape[1]
     if n < 2:
         return np.full((cand.shape[1] // size, ref.shape[1] // size), np.nan)
-    return standardised_cosine_matrix(cand, torch.roll(ref, shifts=n // 2, dims=0), cand_scales, ref_scales)
+    return standardised_cosine_matrix(cand, ref, cand_scales, ref_scales, roll=n // 2)
 
 
 def relative_error(cand_seg: torch.Tensor, ref_seg: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor) -> float:

@@ -1,0 +1,50 @@
+"""The tracediff program's own process settings (tracediff.runtime)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+
+def _peak_after_churn(setting: bool) -> tuple[bool, int, int]:
+    """In a fresh interpreter: allocate and free a 24 MiB block (glibc then raises its mmap threshold to 24 MiB),
+    then allocate and free many 8 MiB blocks; the RSS left held after the frees, in MiB."""
+    code = textwrap.dedent(f"""
+        import ctypes, sys
+        from tracediff.runtime import return_freed_memory
+        made = return_freed_memory() if {setting} else False
+        def rss():
+            for line in open("/proc/self/status"):
+                if line.startswith("VmRSS"):
+                    return int(line.split()[1]) // 1024
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc.restype = ctypes.c_void_p
+        libc.malloc.argtypes = [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        def touch(p, n):
+            ctypes.memset(p, 1, n)
+        big = libc.malloc(24 << 20); touch(big, 24 << 20); libc.free(big)
+        base = rss()
+        blocks = [libc.malloc(8 << 20) for _ in range(24)]
+        for b in blocks:
+            touch(b, 8 << 20)
+        for b in blocks[:-1]:  # the last one pins the heap's top: freed heap below it stays resident
+            libc.free(b)
+        print(made, base, rss())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    return out[0] == "True", int(out[1]), int(out[2])
+
+
+def test_freed_blocks_go_back_to_the_system():
+    if not sys.platform.startswith("linux"):
+        return
+    made, base, after = _peak_after_churn(True)
+    assert made
+    # 23 of 24 blocks freed: with every 1 MiB+ block its own mapping, one block (8 MiB) stays held.
+    assert after - base < 40, (base, after)
+    default_made, default_base, default_after = _peak_after_churn(False)
+    assert not default_made
+    # Without the setting, glibc's raised threshold keeps the freed blocks in its heap.
+    assert default_after - default_base > 150, (default_base, default_after)
