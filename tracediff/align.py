@@ -20,6 +20,7 @@ from tracediff.store import TraceStore, TraceStream
 
 _NGRAM = 4
 _MAX_HASH_REPEAT = 64  # an n-gram seen more often than this in the reference (padding...) casts no vote
+_VOTE_BATCH_ROWS = 1 << 19  # candidate rows whose n-grams are looked up together
 _MAX_ALIGNMENTS = 4  # alternative (reference sequence, delta) hypotheses kept per candidate sequence
 _INDEX_FIELDS = ("seq", "position", "token_id", "next_token_id", "step", "phase", "valid")
 _OPTIONAL_FIELDS = ("step",)  # label sets built in memory may leave these out (0 then)
@@ -270,8 +271,17 @@ def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = _NGRA
         return tables[n]
 
     # Sequences long enough for full n-grams vote together, in one lookup; shorter ones on their own.
+    # In batches of about _VOTE_BATCH_ROWS rows: the lookup's temporaries stay bounded.
     whole = [g for g in cand_groups.values() if g.tokens.size >= ngram]
-    found = _votes_together(whole, table(ngram), ngram) if whole else {}
+    found: dict[int, list[tuple[int, int, int]]] = {}
+    batch: list[_Group] = []
+    held = 0
+    for i, g in enumerate(whole):
+        batch.append(g)
+        held += int(g.tokens.size)
+        if held >= _VOTE_BATCH_ROWS or i == len(whole) - 1:
+            found.update(_votes_together(batch, table(ngram), ngram))
+            batch, held = [], 0
     sequences = []
     for g in cand_groups.values():
         hyps = found.get(g.key, []) if g.tokens.size >= ngram else _votes_alone(g, table, ngram)
