@@ -47,7 +47,8 @@ VALUE_DTYPES: dict[str, np.dtype] = {
     "float64": np.dtype("float64"),
 }
 COMPRESSORS = ("none", "lz4", "zstd")
-DEFAULT_CHUNK_ROWS = 256
+# 1024 rows: benchmarks/RESULTS.md ## bench_record (fewer, larger files: fewer fsyncs a batch).
+DEFAULT_CHUNK_ROWS = 1024
 DEFAULT_LABEL_CHUNK_ROWS = 4096
 DEFAULT_COMPRESSOR = "none"
 # zarr v3 dimension names of the arrays; xarray reads them as the variables' dimensions.
