@@ -44,7 +44,6 @@ def wait_for_commit(commit_file: Path, batch: int, rec: Any, poll: float = 0.001
         time.sleep(poll)
 
 
-
 # ------------------------------------------------------------------------- deterministic data
 def crash_batch(k: int, n: int) -> np.ndarray:
     """Float32 rows of batch ``k``: seeded by the index, so every batch differs from every other."""

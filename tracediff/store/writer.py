@@ -204,6 +204,7 @@ class TraceWriter:
         self._label_tails: dict[str, np.ndarray] = {}  # direct path: label rows past the last full chunk
         self._label_codecs: dict[str, Any] = {}  # direct path: each label array's zstd, as zarr runs it
         self._folders: set[Path] = set()  # direct path: chunk folders known to exist
+        self._writeback_min_bytes: float = _WRITEBACK_MIN_BYTES
         zarr = _zarr()
         try:
             root = zarr.open_group(str(self.store_path), mode="r+")
@@ -468,7 +469,7 @@ class TraceWriter:
                 self._put(base / name / "c", str(first // lr), encoded)
             tail_rows = stop % lr
             tails[name] = column[column.shape[0] - tail_rows :].copy()
-        if not self.durable and cr * self.width * block.itemsize >= _DROP_PAGES_MIN_BYTES:
+        if not self.durable and cr * self.width * block.itemsize >= self._writeback_min_bytes:
             _fsync_paths(written, drop=True)
         return tails
 
@@ -536,7 +537,7 @@ class TraceWriter:
 
 # A writer that is not durable writes back and drops the pages of values chunks at least this large
 # at every batch (smaller ones: the fsyncs would cost more than the fresh pages).
-_DROP_PAGES_MIN_BYTES = 1 << 20
+_WRITEBACK_MIN_BYTES = 1 << 20
 
 
 def _padded(piece: np.ndarray, rows: int, fill: Any) -> np.ndarray:
