@@ -434,10 +434,10 @@ class TraceWriter:
     ) -> dict[str, np.ndarray]:
         """Write a batch's chunk files as zarr would, without zarr: ``block`` (values from the chunk
         boundary ``block_start``, the kept tail first) and each label column (the batch's rows, up
-        to ``stop``) behind its own kept tail. Every chunk is whole: a last, partial one is padded with the fill
-        value, as zarr writes it, and is rewritten whole by the next batch. Each file is replaced
-        atomically (``_put_chunk``), so a chunk that already holds committed rows holds them, old or
-        new file, at any moment. Returns the label tails the next batch starts from.
+        to ``stop``) behind its own kept tail. Every chunk is whole: a last, partial one is padded
+        with the fill value, as zarr writes it, and is rewritten whole by the next batch. Each file
+        is replaced atomically (``_put_chunk``), so a chunk that already holds committed rows holds
+        them, old file or new, at any moment. Returns the label tails the next batch starts from.
 
         zarr's codec pipeline allocates a fill-valued chunk and copies into it for every chunk, and
         merges label chunks by reading them back; here a full values chunk goes from the batch to
