@@ -323,7 +323,6 @@ class WriterResult:
     cpu_s_per_gb: list[float] = field(default_factory=list)
     other_cores: list[float] = field(default_factory=list)
     ratio: float = float("nan")
-    extra: str = ""
 
 
 def case_np_save(path: Path, bits: list[np.ndarray], steps: int) -> None:
@@ -606,8 +605,6 @@ def bench_writers(args: argparse.Namespace, data_dir: Path, bits: list[np.ndarra
                     res.ratio = raw / tree_bytes(path)
                     if res.case.store:
                         _verify(path, bits, args.steps)
-                    if res.case.name.startswith("TraceWriter") and "durable=True" in res.case.name:
-                        res.extra = _commit_walk_cost(path)
             finally:
                 remove(path)
             print(
@@ -617,22 +614,6 @@ def bench_writers(args: argparse.Namespace, data_dir: Path, bits: list[np.ndarra
                 flush=True,
             )
     return results
-
-
-def _commit_walk_cost(path: Path) -> str:
-    """What one more durable commit costs now: TraceWriter fsyncs every file of its group each time."""
-    group = path / "fc_in" / "w0"
-    files = [os.path.join(r, f) for r, _d, fs in os.walk(group) for f in fs]
-    t0 = time.perf_counter()
-    for f in files:  # what TraceWriter._commit does when durable (tracediff/store/writer.py's _fsync_paths)
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    dt = time.perf_counter() - t0
-    files = len(files)
-    return f"one more commit's fsync walk now: {files} files, {dt * 1e3:.0f} ms (grows with the store)"
 
 
 def _verify(path: Path, bits: list[np.ndarray], steps: int) -> None:
@@ -790,7 +771,7 @@ def render(
             lines.append(
                 f"| {w.case.name} | {m:.2f} | {min(w.durable_gbps):.2f}..{max(w.durable_gbps):.2f} | {vs_np} "
                 f"| {vs_pt} | {median(w.buffered_gbps):.2f} | {median(w.cpu_s_per_gb):.2f} | {w.ratio:.2f} "
-                f"| {fmt(median(w.other_cores))} | {'; '.join(x for x in (w.case.note, w.extra) if x)} |"
+                f"| {fmt(median(w.other_cores))} | {w.case.note} |"
             )
         lines.append("")
     lines += [
