@@ -323,7 +323,6 @@ class WriterResult:
     cpu_s_per_gb: list[float] = field(default_factory=list)
     other_cores: list[float] = field(default_factory=list)
     ratio: float = float("nan")
-    extra: str = ""
 
 
 def case_np_save(path: Path, bits: list[np.ndarray], steps: int) -> None:
@@ -343,8 +342,14 @@ def trace_writer_case(compressor: str, chunk_rows: int, durable: bool = False, p
     def run(path: Path, bits: list[np.ndarray], steps: int) -> None:
         create_store(path, role="bench")
         w = TraceWriter(
-            path, "fc_in", "w0", width=bits[0].shape[1], dtype="bfloat16",
-            chunk_rows=chunk_rows, compressor=compressor, durable=durable,
+            path,
+            "fc_in",
+            "w0",
+            width=bits[0].shape[1],
+            dtype="bfloat16",
+            chunk_rows=chunk_rows,
+            compressor=compressor,
+            durable=durable,
         )
         if patch is not None:
             patch(w)
@@ -361,8 +366,13 @@ def recorder_case(compressor: str, chunk_rows: int, durable: bool = False):
     def run(path: Path, bits: list[np.ndarray], steps: int) -> None:
         tensors = [torch.from_numpy(b.view(np.int16)).view(torch.bfloat16) for b in bits]
         rec = Recorder(
-            path, role="bench", on_full="block", chunk_rows=chunk_rows, compressor=compressor,
-            durable=durable, handle_sigterm=False,
+            path,
+            role="bench",
+            on_full="block",
+            chunk_rows=chunk_rows,
+            compressor=compressor,
+            durable=durable,
+            handle_sigterm=False,
         )
         rec.declare("fc_in", segment_size=bits[0].shape[1] // 3)
         try:
@@ -399,77 +409,14 @@ def case_np_save_drop(path: Path, bits: list[np.ndarray], steps: int) -> None:
         _fsync_drop(f, True)
 
 
-def _patch_direct_chunks(durable_drop: bool):
-    """compressor 'none': write whole values chunks as files directly (temp file + rename: the same
-    bytes, key layout and atomicity zarr's LocalStore gives), skipping zarr's codec pipeline, which
-    allocates a fill-valued chunk and copies into it for every chunk. Partial chunks still go via
-    zarr. ``durable_drop``: after a batch's chunk files are written, fsync each (and its folder) and
-    drop its pages, then commit; the commit record is then durable too."""
+def _use_zarr_write_path(w: TraceWriter) -> None:
+    """The write path TraceWriter used before it wrote chunk files itself: every chunk through zarr."""
+    w._direct = False
 
-    def patch(w: TraceWriter) -> None:
-        real = w._values
-        cr = w.chunk_rows
-        base = w.store_path / w.tap / w.writer
-        vdir = base / "values" / "c"
-        made: set[int] = set()
-        written: list[Path] = []
 
-        class Direct:
-            def __setitem__(self, sel: slice, block: np.ndarray) -> None:
-                start = sel.start
-                stop = start + len(block)
-                last_full = (stop // cr) * cr
-                if start % cr or last_full <= start:
-                    real[sel] = block
-                    return
-                for r in range(start, last_full, cr):
-                    ci = r // cr
-                    d = vdir / str(ci)
-                    if ci not in made:
-                        d.mkdir(parents=True, exist_ok=True)
-                        made.add(ci)
-                    dst = d / "0"
-                    tmp = d / f"0.{uuid.uuid4().hex}.partial"
-                    with open(tmp, "wb") as fh:
-                        fh.write(memoryview(np.ascontiguousarray(block[r - start : r - start + cr])))
-                    os.replace(tmp, dst)
-                    written.append(dst)
-                if last_full < stop:
-                    real[last_full:stop] = block[last_full - start :]
-
-            def resize(self, shape: tuple[int, ...]) -> None:
-                real.resize(shape)
-
-        w._values = Direct()  # type: ignore[assignment]
-        orig_close = w.close
-
-        def close(*a: Any, **k: Any) -> None:
-            w._values = real
-            orig_close(*a, **k)
-
-        w.close = close  # type: ignore[method-assign]
-        if durable_drop:
-
-            def commit(*_args: Any) -> None:
-                lab = DEFAULT_LABEL_CHUNK_ROWS
-                stop = w.counts.rows
-                paths = list(written)
-                written.clear()
-                if stop:
-                    ci = (stop - 1) // lab  # label chunks touched by the last batch (start of the batch
-                    paths += [base / n / "c" / str(c) for n in LABEL_FIELDS for c in range(max(0, ci - 1), ci + 1)]
-                for f in paths:
-                    with contextlib.suppress(FileNotFoundError):
-                        _fsync_drop(f, f.parent.parent.name == "c")  # values chunks only; labels are re-read
-                for folder in {f.parent for f in paths}:
-                    with contextlib.suppress(FileNotFoundError):
-                        _fsync_drop(folder, False)
-                w._group.attrs.put(w._attrs())
-                _fsync_drop(base / "zarr.json", False)
-
-            w._commit = commit  # type: ignore[method-assign]
-
-    return patch
+def _no_writeback_per_batch(w: TraceWriter) -> None:
+    """The direct path without its per-batch writeback (fsync + page drop): pages stay cached."""
+    w._writeback_min_bytes = float("inf")
 
 
 def _patch_incremental_fsync(w: TraceWriter, drop: bool = False) -> None:
@@ -477,6 +424,7 @@ def _patch_incremental_fsync(w: TraceWriter, drop: bool = False) -> None:
     whole group at every commit (os.walk + fsync of every file so far: O(files) per commit).
     ``drop``: then drop the pages of the values chunks (labels are read back for merging)."""
     base = w.store_path / w.tap / w.writer
+    _use_zarr_write_path(w)
     state = {"start": 0}
     orig_append = w.append
 
@@ -542,51 +490,90 @@ def patch_pooled_cpu_copy(rec: Recorder) -> None:
 
 def writer_cases(args: argparse.Namespace) -> list[WriterCase]:
     cases = [
-        WriterCase("np.save, one .npy per step", "baseline", case_np_save, note="raw bytes: about the disk's limit",
-                   store=False),
-        WriterCase("torch.save, one .pt per step", "baseline", case_torch_save, note="the peer approach (SGLang dumper)",
-                   store=False),
         WriterCase(
-            f"TraceWriter {DEFAULT_COMPRESSOR}, {DEFAULT_CHUNK_ROWS}-row chunks (default)", "tracediff",
-            trace_writer_case(DEFAULT_COMPRESSOR, DEFAULT_CHUNK_ROWS),
+            "np.save, one .npy per step",
+            "baseline",
+            case_np_save,
+            note="raw bytes: about the disk's limit",
+            store=False,
         ),
-        WriterCase("TraceWriter none, 1024-row chunks", "tracediff", trace_writer_case("none", 1024)),
-        WriterCase("TraceWriter none, 4096-row chunks", "tracediff", trace_writer_case("none", 4096)),
-        WriterCase("TraceWriter lz4, 256-row chunks", "tracediff", trace_writer_case("lz4", 256)),
-        WriterCase("TraceWriter zstd, 256-row chunks", "tracediff", trace_writer_case("zstd", 256)),
         WriterCase(
-            "TraceWriter none, 256, durable=True", "tracediff", trace_writer_case("none", 256, durable=True),
+            "torch.save, one .pt per step",
+            "baseline",
+            case_torch_save,
+            note="the peer approach (SGLang dumper)",
+            store=False,
+        ),
+        WriterCase(
+            f"TraceWriter {DEFAULT_COMPRESSOR}, {DEFAULT_CHUNK_ROWS}-row chunks (default)",
+            "tracediff",
+            trace_writer_case(DEFAULT_COMPRESSOR, DEFAULT_CHUNK_ROWS),
+            note="chunk files written directly, values written back + pages dropped per batch",
+        ),
+        WriterCase(
+            "TraceWriter none, 256-row chunks, zarr write path (the previous default)",
+            "tracediff",
+            trace_writer_case("none", 256, patch=_use_zarr_write_path),
+            note="as before the direct path (tracediff 442bd25)",
+        ),
+        WriterCase("TraceWriter none, 256-row chunks", "tracediff", trace_writer_case("none", 256)),
+        WriterCase("TraceWriter none, 4096-row chunks", "tracediff", trace_writer_case("none", 4096)),
+        WriterCase(
+            f"TraceWriter lz4, {DEFAULT_CHUNK_ROWS}-row chunks",
+            "tracediff",
+            trace_writer_case("lz4", DEFAULT_CHUNK_ROWS),
+            note="zarr write path",
+        ),
+        WriterCase(
+            f"TraceWriter zstd, {DEFAULT_CHUNK_ROWS}-row chunks",
+            "tracediff",
+            trace_writer_case("zstd", DEFAULT_CHUNK_ROWS),
+            note="zarr write path",
+        ),
+        WriterCase(
+            f"TraceWriter none, {DEFAULT_CHUNK_ROWS}, durable=True",
+            "tracediff",
+            trace_writer_case("none", DEFAULT_CHUNK_ROWS, durable=True),
             note="fsync at every commit",
         ),
         WriterCase(
-            f"Recorder end to end ({DEFAULT_COMPRESSOR}, {DEFAULT_CHUNK_ROWS})", "tracediff",
+            f"Recorder end to end ({DEFAULT_COMPRESSOR}, {DEFAULT_CHUNK_ROWS})",
+            "tracediff",
             recorder_case(DEFAULT_COMPRESSOR, DEFAULT_CHUNK_ROWS),
             note="capture (clone) -> queue -> writer -> close() + fsync",
         ),
         WriterCase(
-            "Recorder end to end, durable=True", "tracediff", recorder_case("none", 256, durable=True),
+            "Recorder end to end, durable=True",
+            "tracediff",
+            recorder_case("none", DEFAULT_CHUNK_ROWS, durable=True),
             note="close() returns durable",
         ),
     ]
     if args.proposals:
         cases += [
-            WriterCase("[reference] np.save + fsync + drop pages, per file", "proposal", case_np_save_drop,
-                       note="the disk's limit here (no fresh page-cache pages)", store=False),
-            WriterCase("[proposal] direct chunk files, none, 256", "proposal",
-                       trace_writer_case("none", 256, patch=_patch_direct_chunks(False)),
-                       note="full chunks written as files, not via zarr"),
-            WriterCase("[proposal] direct chunk files + fsync/drop per batch", "proposal",
-                       trace_writer_case("none", 256, patch=_patch_direct_chunks(True)),
-                       note="every commit durable"),
-            WriterCase("[proposal] direct chunk files + fsync/drop, 1024-row chunks", "proposal",
-                       trace_writer_case("none", 1024, patch=_patch_direct_chunks(True)),
-                       note="4 fsyncs a batch instead of 16"),
-            WriterCase("[proposal] durable=True, fsync new files only", "proposal",
-                       trace_writer_case("none", 256, durable=True, patch=_patch_incremental_fsync)),
-            WriterCase("[proposal] durable=True, new files only + drop their pages", "proposal",
-                       trace_writer_case("none", 256, durable=True,
-                                         patch=lambda w: _patch_incremental_fsync(w, drop=True)),
-                       note="zarr write path unchanged"),
+            WriterCase(
+                "[reference] np.save + fsync + drop pages, per file",
+                "proposal",
+                case_np_save_drop,
+                note="the disk's limit here (no fresh page-cache pages)",
+                store=False,
+            ),
+            WriterCase(
+                f"[proposal] direct path, {DEFAULT_CHUNK_ROWS}-row chunks, no writeback per batch",
+                "proposal",
+                trace_writer_case("none", DEFAULT_CHUNK_ROWS, patch=_no_writeback_per_batch),
+                note="pages left in the page cache until the final fsync",
+            ),
+            WriterCase(
+                "[proposal] zarr path, durable=True, fsync new files only",
+                "proposal",
+                trace_writer_case("none", 256, durable=True, patch=_patch_incremental_fsync),
+            ),
+            WriterCase(
+                "[proposal] zarr path, durable=True, new files only + drop their pages",
+                "proposal",
+                trace_writer_case("none", 256, durable=True, patch=lambda w: _patch_incremental_fsync(w, drop=True)),
+            ),
         ]
     return cases
 
@@ -618,8 +605,6 @@ def bench_writers(args: argparse.Namespace, data_dir: Path, bits: list[np.ndarra
                     res.ratio = raw / tree_bytes(path)
                     if res.case.store:
                         _verify(path, bits, args.steps)
-                    if res.case.name == "TraceWriter none, 256, durable=True":
-                        res.extra = _commit_walk_cost(path)
             finally:
                 remove(path)
             print(
@@ -629,22 +614,6 @@ def bench_writers(args: argparse.Namespace, data_dir: Path, bits: list[np.ndarra
                 flush=True,
             )
     return results
-
-
-def _commit_walk_cost(path: Path) -> str:
-    """What one more durable commit costs now: TraceWriter fsyncs every file of its group each time."""
-    group = path / "fc_in" / "w0"
-    files = [os.path.join(r, f) for r, _d, fs in os.walk(group) for f in fs]
-    t0 = time.perf_counter()
-    for f in files:  # what TraceWriter._commit does when durable (tracediff/store/writer.py's _fsync_paths)
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    dt = time.perf_counter() - t0
-    files = len(files)
-    return f"one more commit's fsync walk now: {files} files, {dt * 1e3:.0f} ms (grows with the store)"
 
 
 def _verify(path: Path, bits: list[np.ndarray], steps: int) -> None:
@@ -683,10 +652,12 @@ def machine_info(data_dir: Path) -> dict[str, str]:
     commit = "?"
     with contextlib.suppress(Exception):
         root = HERE.parent
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "tracediff"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "tracediff"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
         if dirty:
             commit += " + uncommitted changes in tracediff/"
     return {
@@ -800,7 +771,7 @@ def render(
             lines.append(
                 f"| {w.case.name} | {m:.2f} | {min(w.durable_gbps):.2f}..{max(w.durable_gbps):.2f} | {vs_np} "
                 f"| {vs_pt} | {median(w.buffered_gbps):.2f} | {median(w.cpu_s_per_gb):.2f} | {w.ratio:.2f} "
-                f"| {fmt(median(w.other_cores))} | {'; '.join(x for x in (w.case.note, w.extra) if x)} |"
+                f"| {fmt(median(w.other_cores))} | {w.case.note} |"
             )
         lines.append("")
     lines += [
@@ -848,7 +819,15 @@ def targets(steps: dict[str, dict[str, StepResult]], writers: list[WriterResult]
     pt_ref = next((w for w in writers if w.case.name.startswith("torch.save")), None)
     if default and pt_ref:
         d, p = median(default.durable_gbps), median(pt_ref.durable_gbps)
-        out.append(f"- default writer faster than torch.save: {'**met**' if d > p else '**missed**'} ({d:.2f} vs {p:.2f} GB/s)")
+        out.append(
+            f"- default writer at least 1.5x torch.save (issue #16): {'**met**' if d >= 1.5 * p else '**missed**'} "
+            f"({d / p:.2f}x: {d:.2f} vs {p:.2f} GB/s)"
+        )
+        dc, pc = median(default.cpu_s_per_gb), median(pt_ref.cpu_s_per_gb)
+        out.append(
+            f"- default writer at no more CPU per GB than torch.save: {'**met**' if dc <= pc else '**missed**'} "
+            f"({dc:.2f} vs {pc:.2f} CPU s/GB)"
+        )
     if default and np_ref:
         d, n = median(default.durable_gbps), median(np_ref.durable_gbps)
         out.append(
@@ -870,7 +849,12 @@ def write_section(out: Path, section: str) -> None:
         end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
         before = "\n".join(lines[:start]).rstrip("\n")
         after = "\n".join(lines[end:])
-        new = (before + "\n\n" if before else "") + section.rstrip("\n") + "\n" + ("\n" + after.rstrip("\n") + "\n" if after else "")
+        new = (
+            (before + "\n\n" if before else "")
+            + section.rstrip("\n")
+            + "\n"
+            + ("\n" + after.rstrip("\n") + "\n" if after else "")
+        )
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(new)
     os.replace(tmp, out)
@@ -878,12 +862,18 @@ def write_section(out: Path, section: str) -> None:
 
 # ------------------------------------------------------------------------------------------ main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=32, help="batches (steps) per writer case (default 32: 1.5 GiB)")
     p.add_argument("--rows", type=int, default=4096, help="rows per step (default 4096)")
     p.add_argument("--width", type=int, default=3 * 2048, help="fc input width (default 6144 = 3 x 2048)")
-    p.add_argument("--fwd-steps", type=int, default=None, help="timed forward steps per mode and round "
-                   "(default 3 for the full forward, 8 for the short one)")
+    p.add_argument(
+        "--fwd-steps",
+        type=int,
+        default=None,
+        help="timed forward steps per mode and round (default 3 for the full forward, 8 for the short one)",
+    )
     p.add_argument("--rounds", type=int, default=2, help="rounds of the step-time modes (default 2: a,b,c,c,b,a)")
     p.add_argument("--writer-rounds", type=int, default=3, help="interleaved rounds of writer cases (default 3)")
     p.add_argument("--forwards", default="full,short", help="step-time blocks to run: full,short (or 'none')")
@@ -892,10 +882,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-writers", action="store_true", help="step time only")
     p.add_argument("--proposals", action="store_true", help="add experimental write paths (patched copies)")
     p.add_argument("--pause", type=float, default=3.0, help="seconds of settling (after os.sync) before each case")
-    p.add_argument("--quiet-wait", type=float, default=10.0,
-                   help="wait up to this long before a case for other processes to use < 0.5 cores (default 10)")
-    p.add_argument("--out", type=Path, default=None, help="results file (default benchmarks/RESULTS.md; "
-                   "--quick prints only unless --out is given)")
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=10.0,
+        help="wait up to this long before a case for other processes to use < 0.5 cores (default 10)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results file (default benchmarks/RESULTS.md; --quick prints only unless --out is given)",
+    )
     p.add_argument("--dir", type=Path, default=None, help="data folder (default: new folder under benchmarks/_data)")
     p.add_argument("--quick", action="store_true", help="small smoke run")
     args = p.parse_args(argv)
@@ -928,7 +926,10 @@ def main(argv: list[str] | None = None) -> int:
     base.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(base).free
     if free < 3 * needed:
-        print(f"refusing to run: {base} has {free / 2**30:.1f} GiB free, need 3 x {needed / 2**30:.1f} GiB", file=sys.stderr)
+        print(
+            f"refusing to run: {base} has {free / 2**30:.1f} GiB free, need 3 x {needed / 2**30:.1f} GiB",
+            file=sys.stderr,
+        )
         return 2
     data_dir = Path(tempfile.mkdtemp(prefix="bench_record-", dir=base))
     print(f"data in {data_dir} ({free / 2**30:.0f} GiB free; peak use about {needed / 2**30:.2f} GiB)", flush=True)

@@ -74,8 +74,18 @@ def _train(
     return {"losses": losses, "params_sha256": params}
 
 
-def full_disk(store: str, out: str, steps: int, batch: int, width: int, chunk_rows: int) -> None:
-    """Train without, then with a recorder whose store lies on a small tmpfs that fills up."""
+def full_disk(
+    store: str,
+    out: str,
+    steps: int,
+    batch: int,
+    width: int,
+    chunk_rows: int,
+    compressor: str = "none",
+    durable: bool = False,
+) -> None:
+    """Train without, then with a recorder whose store lies on a small tmpfs that fills up (uncompressed:
+    the writer's direct chunk files; a compressor: zarr's write path)."""
     import tracediff  # noqa: PLC0415
 
     _host_setup()
@@ -89,7 +99,9 @@ def full_disk(store: str, out: str, steps: int, batch: int, width: int, chunk_ro
     model, opt = _training_model(width)
     started = time.monotonic()
     # block: the queue never drops, so the store holds exactly a prefix of what was fed.
-    rec = tracediff.record(store, role="trainer", on_full="block", chunk_rows=chunk_rows)
+    rec = tracediff.record(
+        store, role="trainer", on_full="block", chunk_rows=chunk_rows, compressor=compressor, durable=durable
+    )
     rec.tap(model[3], "fc_in", capture="input")
     recorded = _train(model, opt, steps, batch, lambda s: rec.labels(step=s, seq=s))
     loop_s = time.monotonic() - started

@@ -44,7 +44,6 @@ def wait_for_commit(commit_file: Path, batch: int, rec: Any, poll: float = 0.001
         time.sleep(poll)
 
 
-
 # ------------------------------------------------------------------------- deterministic data
 def crash_batch(k: int, n: int) -> np.ndarray:
     """Float32 rows of batch ``k``: seeded by the index, so every batch differs from every other."""
@@ -96,8 +95,10 @@ class KillSwitch:
     """Watches this process's writes to one store and SIGKILLs the process at a planned point.
 
     Every file zarr writes goes through ``zarr.storage._local._put`` (write a temporary file, rename
-    it over the old one) and every chunk it removes through ``LocalStore.delete``; the switch wraps
-    both, and the :class:`TraceWriter` methods that frame them, so each write has a *phase*:
+    it over the old one), every chunk file the writer's direct path writes (uncompressed stores)
+    through ``tracediff.store.writer._put_chunk`` (the same, without zarr), and every chunk zarr
+    removes through ``LocalStore.delete``; the switch wraps all three, and the :class:`TraceWriter`
+    methods that frame them, so each write has a *phase*:
     ``<section>:<file kind>``, e.g. ``append:values_chunk``, ``commit:commit_record``,
     ``close:array_meta``. A kill point is the ``n``-th write of one phase (``before`` it,
     ``middle``: half of its temporary file written, or ``after`` it) or the ``n``-th call of a
@@ -165,10 +166,11 @@ class KillSwitch:
         import zarr.storage._local as local  # noqa: PLC0415
 
         import tracediff.recorder  # noqa: PLC0415
+        import tracediff.store.writer as writer_module  # noqa: PLC0415
         from tracediff.store import TraceWriter  # noqa: PLC0415
 
         switch = self
-        put, delete = local._put, local.LocalStore.delete
+        put, delete, put_chunk = local._put, local.LocalStore.delete, writer_module._put_chunk
 
         def watched_put(path: Path, value: Any, exclusive: bool = False) -> int:
             phase = switch.phase_of(path)
@@ -193,8 +195,22 @@ class KillSwitch:
                 switch.die()
             switch.mark(switch.section)
 
+        def watched_put_chunk(path: Path, data: Any) -> None:
+            phase = switch.phase_of(path)
+            when = switch.reach(phase)
+            if when == "middle":  # what the direct path's atomic write leaves when killed halfway
+                raw = memoryview(data if isinstance(data, bytes) else np.ascontiguousarray(data)).cast("B")
+                with open(path.with_suffix(f".{uuid.uuid4().hex}.partial"), "wb") as fh:
+                    fh.write(raw[: len(raw) // 2])
+                switch.die()
+            put_chunk(path, data)
+            if when == "after":
+                switch.die()
+            switch.mark(switch.section)
+
         local._put = watched_put
         local.LocalStore.delete = watched_delete
+        writer_module._put_chunk = watched_put_chunk
 
         def framed(name: str, section: str) -> None:
             method = getattr(TraceWriter, name)

@@ -83,11 +83,17 @@ FULL_DISK = {"steps": 60, "batch": 32, "width": 128, "chunk_rows": 64}  # 60 x 1
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("size_kib", [384, 640])
+@pytest.mark.parametrize(
+    ("size_kib", "writer"),
+    [(384, {}), (640, {}), (384, {"durable": True}), (384, {"compressor": "lz4"})],
+    ids=["384k", "640k", "384k-durable", "384k-lz4-zarr-path"],
+)
 def test_a_full_disk_stops_recording_with_one_clear_error_and_keeps_every_committed_row(
-    tmp_path: Path, size_kib: int, reliability_report: dict[str, Any]
+    tmp_path: Path, size_kib: int, writer: dict[str, Any], reliability_report: dict[str, Any]
 ) -> None:
-    proc, out = record_onto_tmpfs(tmp_path, size_kib, **FULL_DISK)
+    # Batches of 32 rows in 64-row chunks: every other batch ends mid-chunk, and the disk fills up
+    # in the middle of some batch's chunk files (the writer's direct path unless a compressor is set).
+    proc, out = record_onto_tmpfs(tmp_path, size_kib, **FULL_DISK, **writer)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert list((tmp_path / "disk").iterdir()) == []  # the tmpfs was private: nothing reached the real disk
@@ -131,7 +137,8 @@ def test_a_full_disk_stops_recording_with_one_clear_error_and_keeps_every_commit
     assert shown.returncode == 0, shown.stderr
     assert "status failed" in shown.stdout and "No space left on device" in shown.stdout
 
-    reliability_report.setdefault("full_disk", {})[f"tmpfs_{size_kib}k"] = {
+    key = "_".join([f"tmpfs_{size_kib}k", *(f"{k}_{v}" for k, v in writer.items())])
+    reliability_report.setdefault("full_disk", {})[key] = {
         "tmpfs_kib": size_kib,
         "rows_fed": steps * batch,
         "rows_committed": rows,

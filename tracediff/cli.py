@@ -110,7 +110,7 @@ def _replay_options(func: Any) -> Any:
 @click.option("--queue-bytes", default="1GiB", show_default=True, help="Host memory the queue may hold.")
 @click.option("--compressor", type=click.Choice(["none", "lz4", "zstd"]), default="none", show_default=True,
               help="Compress value chunks (none is the fastest to write and to compare; zstd the smallest).")
-@click.option("--chunk-rows", type=int, default=256, show_default=True,
+@click.option("--chunk-rows", type=int, default=1024, show_default=True,  # tracediff.store.DEFAULT_CHUNK_ROWS
               help="Rows per chunk file: larger chunks mean fewer files, smaller ones less lost on a kill.")
 @click.option("--durable", is_flag=True, help="fsync each batch before committing it.")
 @click.option("--all-ranks", is_flag=True,

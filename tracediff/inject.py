@@ -52,6 +52,7 @@ class _Context:
     def recorder(self) -> Any:
         if self.recorder_obj is None and not self.failed:
             from tracediff.recorder import Limits, Recorder  # noqa: PLC0415
+            from tracediff.store import DEFAULT_CHUNK_ROWS  # noqa: PLC0415
 
             cfg = self.config
             limits = Limits(**{k: v for k, v in (cfg.get("limits") or {}).items() if v is not None})
@@ -65,7 +66,7 @@ class _Context:
                 limits=limits,
                 on_full=cfg.get("on_full", "drop"),
                 max_queue_bytes=int(cfg.get("max_queue_bytes", 1 << 30)),
-                chunk_rows=int(cfg.get("chunk_rows", 256)),
+                chunk_rows=int(cfg.get("chunk_rows", DEFAULT_CHUNK_ROWS)),
                 compressor=cfg.get("compressor", "none"),
                 durable=bool(cfg.get("durable", False)),
                 adapter=",".join(self.adapters) or "generic",

@@ -15,7 +15,8 @@ Every array carries zarr v3 ``dimension_names`` (VALUES_DIMS, LABEL_DIMS) and ``
 the labels as coordinates.
 
 Commit protocol: a batch's chunks are written first, past the arrays' recorded shapes (each chunk
-file is replaced atomically by zarr's LocalStore), then every array's shape is set to the new row
+file is replaced atomically: temporary file, then rename, by zarr's LocalStore or, for uncompressed
+stores, by the writer itself, byte for byte what zarr writes), then every array's shape is set to the new row
 count, then the writer group's ``commit`` attribute is rewritten (also atomically) with it. tracediff
 only trusts ``commit.rows``: rows past it (a batch killed halfway) are invisible. A SIGKILL
 therefore loses at most the batch in flight, never a torn one; and since no shape ever covers a row

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +200,11 @@ class TraceWriter:
         self._tail_rows = 0  # rows at the end that do not fill a whole values chunk yet
         self._tail: np.ndarray | None = None
         self._resized = False  # array metadata rewritten since the last durable commit
+        self._label_chunk_rows = DEFAULT_LABEL_CHUNK_ROWS
+        self._label_tails: dict[str, np.ndarray] = {}  # direct path: label rows past the last full chunk
+        self._label_codecs: dict[str, Any] = {}  # direct path: each label array's zstd, as zarr runs it
+        self._folders: set[Path] = set()  # direct path: chunk folders known to exist
+        self._writeback_min_bytes: float = _WRITEBACK_MIN_BYTES
         zarr = _zarr()
         try:
             root = zarr.open_group(str(self.store_path), mode="r+")
@@ -246,6 +253,37 @@ class TraceWriter:
         except OSError as exc:
             raise StoreWriteError(f"{self.store_path}/{tap}: cannot create writer group: {exc}") from exc
         self.compressor = compressor
+        self._direct = self._can_write_chunks_directly()
+
+    def _can_write_chunks_directly(self) -> bool:
+        """Whether this writer writes its chunk files itself instead of through zarr (see
+        :meth:`_write_chunks_directly`): only for the layout whose bytes it knows, a local folder,
+        raw little-endian values and zstd labels exactly as created above. Anything else (a
+        compressor, another zarr that lays chunks out differently) keeps zarr's write path."""
+        from zarr.codecs import BytesCodec, ZstdCodec  # noqa: PLC0415
+        from zarr.storage import LocalStore  # noqa: PLC0415
+
+        if self.compressor != "none" or sys.byteorder != "little":
+            return False
+        arrays = self._arrays
+        if not all(isinstance(arr.store_path.store, LocalStore) for arr in arrays):
+            return False
+        if any(getattr(arr.metadata.chunk_key_encoding, "separator", None) != "/" for arr in arrays):
+            return False
+        if tuple(self._values.metadata.codecs) != (BytesCodec(endian="little"),):
+            return False
+        try:
+            from numcodecs import Zstd  # noqa: PLC0415
+        except ImportError:
+            return False
+        for name, arr in self._labels.items():
+            codecs = tuple(arr.metadata.codecs)
+            if len(codecs) != 2 or not isinstance(codecs[0], BytesCodec) or not isinstance(codecs[1], ZstdCodec):
+                return False
+            if codecs[0].endian not in (None, BytesCodec(endian="little").endian):
+                return False
+            self._label_codecs[name] = Zstd(level=codecs[1].level, checksum=codecs[1].checksum)
+        return True
 
     # -- attributes / commit record -------------------------------------------------------------
     def _attrs(self) -> dict[str, Any]:
@@ -355,17 +393,22 @@ class TraceWriter:
             else:
                 block = values
                 block_start = start
-            # The chunks go past the recorded shapes (through views whose shape says ``stop``);
-            # only then do the shapes, and last the commit record, include the new rows.
-            _run_all(
-                [
-                    _rows_view(self._values, stop).setitem(slice(block_start, stop), block),
-                    *(
-                        _rows_view(self._labels[name], stop).setitem(slice(start, stop), column)
-                        for name, column in columns.items()
-                    ),
-                ]
-            )
+            # The chunks go past the recorded shapes (as files, or through zarr views whose shape
+            # says ``stop``); only then do the shapes, and last the commit record, include the rows.
+            if self._direct:
+                label_tails = self._write_chunks_directly(block_start, block, stop, columns)
+            else:
+                _run_all(
+                    [
+                        _rows_view(self._values, stop).setitem(slice(block_start, stop), block),
+                        *(
+                            _rows_view(self._labels[name], stop).setitem(slice(start, stop), column)
+                            for name, column in columns.items()
+                        ),
+                    ]
+                )
+                label_tails = {}
+            self._label_tails = label_tails
             tail_rows = stop % self.chunk_rows
             self._tail = block[len(block) - tail_rows :].copy() if tail_rows else None
             self._tail_rows = tail_rows
@@ -385,6 +428,58 @@ class TraceWriter:
             raise StoreWriteError(
                 f"{self.store_path}/{self.tap}/{self.writer}: write of rows {start}..{stop} failed: {exc}"
             ) from exc
+
+    def _write_chunks_directly(
+        self, block_start: int, block: np.ndarray, stop: int, columns: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """Write a batch's chunk files as zarr would, without zarr: ``block`` (values from the chunk
+        boundary ``block_start``, the kept tail first) and each label column (the batch's rows, up
+        to ``stop``) behind its own kept tail. Every chunk is whole: a last, partial one is padded
+        with the fill value, as zarr writes it, and is rewritten whole by the next batch. Each file
+        is replaced atomically (``_put_chunk``), so a chunk that already holds committed rows holds
+        them, old file or new, at any moment. Returns the label tails the next batch starts from.
+
+        zarr's codec pipeline allocates a fill-valued chunk and copies into it for every chunk, and
+        merges label chunks by reading them back; here a full values chunk goes from the batch to
+        the file untouched. A writer that is not durable still writes its large values chunks back
+        and drops their pages now: on a VM whose fresh memory is slow (see benchmarks/RESULTS.md)
+        reusing the same page-cache pages for the next batch is what makes writing fast, and the
+        recording does not evict the host's own page cache. A durable writer does the same in
+        :meth:`_commit`, with the rest of what a durable commit needs."""
+        base = self.store_path / self.tap / self.writer
+        cr = self.chunk_rows
+        written = []
+        for first in range(block_start, stop, cr):
+            piece = block[first - block_start : first - block_start + cr]
+            if piece.shape[0] < cr:
+                piece = _padded(piece, cr, 0)
+            written.append(self._put(base / "values" / "c" / str(first // cr), "0", piece))
+        lr = self._label_chunk_rows
+        tails: dict[str, np.ndarray] = {}
+        for name, column in columns.items():
+            tail = self._label_tails.get(name)
+            if tail is not None and tail.shape[0]:
+                column = np.concatenate([tail, column])
+            column_start = stop - column.shape[0]
+            for first in range(column_start, stop, lr):
+                piece = column[first - column_start : first - column_start + lr]
+                if piece.shape[0] < lr:
+                    piece = _padded(piece, lr, LABEL_FILL[name])
+                encoded = self._label_codecs[name].encode(np.ascontiguousarray(piece))
+                self._put(base / name / "c", str(first // lr), encoded)
+            tail_rows = stop % lr
+            tails[name] = column[column.shape[0] - tail_rows :].copy()
+        if not self.durable and cr * self.width * block.itemsize >= self._writeback_min_bytes:
+            _fsync_paths(written, drop=True)
+        return tails
+
+    def _put(self, folder: Path, name: str, data: Any) -> Path:
+        if folder not in self._folders:
+            folder.mkdir(parents=True, exist_ok=True)
+            self._folders.add(folder)
+        path = folder / name
+        _put_chunk(path, data)
+        return path
 
     def _discard_uncommitted(self) -> None:
         """Best effort: delete the chunk files that hold no committed row (what a failed batch wrote
@@ -438,6 +533,35 @@ class TraceWriter:
             raise StoreWriteError(
                 f"{where}: {rows} rows committed, but trimming the arrays to them failed: {exc}"
             ) from exc
+
+
+# A writer that is not durable writes back and drops the pages of values chunks at least this large
+# at every batch (smaller ones: the fsyncs would cost more than the fresh pages).
+_WRITEBACK_MIN_BYTES = 1 << 20
+
+
+def _padded(piece: np.ndarray, rows: int, fill: Any) -> np.ndarray:
+    """``piece`` followed by ``fill`` up to ``rows`` rows: a chunk at the array's end, as zarr writes it."""
+    out = np.full((rows, *piece.shape[1:]), fill, dtype=piece.dtype)
+    out[: piece.shape[0]] = piece
+    return out
+
+
+def _put_chunk(path: Path, data: Any) -> None:
+    """Replace the file ``path`` by ``data`` atomically, as zarr's LocalStore does: a temporary file
+    of the same name pattern (``<name>.<hex>.partial``) in the same folder, then a rename over it.
+    A failed write removes its temporary file (on a full disk it holds the space the final commit
+    record needs). Every chunk file the direct path writes goes through here."""
+    tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")
+    view = memoryview(data if isinstance(data, (bytes, bytearray)) else np.ascontiguousarray(data)).cast("B")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(view)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def _rows_view(array: Any, rows: int) -> Any:
