@@ -18,6 +18,7 @@ from tracediff.errors import (
 )
 from tracediff.store.files import _IOV_MAX, ChunkFiles, _open_chunk_file, _open_plain_file, _read_error
 from tracediff.store.format import _MAX_CHUNK_BYTES, LABEL_DTYPES, LABEL_FIELDS, VALUE_DTYPES, decode_values
+from tracediff.store.location import remote_error
 
 if TYPE_CHECKING:
     from tracediff.store.reader import TraceStore
@@ -97,8 +98,17 @@ class TraceStream:
         expect = chunk_rows * dtype.itemsize
         out = np.empty(-(-self.rows // chunk_rows) * chunk_rows, dtype=LABEL_DTYPES[name])
         codec = Zstd()
+        count = out.shape[0] // chunk_rows
+        if self.store._remote is not None:  # the chunk objects, fetched together
+            keys = [f"{self.tap}/{self.writer}/{name}/c/{index}" for index in range(count)]
+            blobs = self.store._chunk_objects(keys, None, _MAX_CHUNK_BYTES)
+            for index, (key, blob) in enumerate(zip(keys, blobs, strict=True)):
+                out[index * chunk_rows : (index + 1) * chunk_rows] = self._decode_label(
+                    codec, blob, self.store._display(key), expect, dtype
+                )
+            return out[: self.rows]
         folder = os.fspath(self.store.path / self.tap / self.writer / name / "c")
-        for index in range(out.shape[0] // chunk_rows):
+        for index in range(count):
             path = f"{folder}/{index}"
             fd = _open_plain_file(path)
             if fd is None:
@@ -112,16 +122,18 @@ class TraceStream:
                 raise _read_error(path, exc) from exc
             finally:
                 os.close(fd)
-            try:
-                raw = codec.decode(blob)
-            except Exception as exc:  # noqa: BLE001  (the codec raises several types for a bad frame)
-                raise CorruptStoreError(
-                    f"{path}: chunk cannot be decoded ({type(exc).__name__}: {first_line(exc)})"
-                ) from exc
-            if len(raw) != expect:
-                raise CorruptStoreError(f"{path}: chunk cannot be decoded to {expect} bytes (it holds {len(raw)})")
-            out[index * chunk_rows : (index + 1) * chunk_rows] = np.frombuffer(raw, dtype=dtype)
+            out[index * chunk_rows : (index + 1) * chunk_rows] = self._decode_label(codec, blob, path, expect, dtype)
         return out[: self.rows]
+
+    @staticmethod
+    def _decode_label(codec: Any, blob: bytes, where: str, expect: int, dtype: np.dtype) -> np.ndarray:
+        try:
+            raw = codec.decode(blob)
+        except Exception as exc:  # noqa: BLE001  (the codec raises several types for a bad frame)
+            raise CorruptStoreError(f"{where}: chunk cannot be decoded ({type(exc).__name__}: {first_line(exc)})") from exc
+        if len(raw) != expect:
+            raise CorruptStoreError(f"{where}: chunk cannot be decoded to {expect} bytes (it holds {len(raw)})")
+        return np.frombuffer(raw, dtype=dtype)
 
     def _chunk_key(self, name: str, index: int) -> str:
         return f"{self.tap}/{self.writer}/{name}/c/{index}" + ("/0" if name == "values" else "")
@@ -137,6 +149,12 @@ class TraceStream:
         try:
             return np.asarray(select(arr))
         except Exception as exc:  # noqa: BLE001  (codecs raise many types; all mean "cannot be decoded")
+            if self.store._remote is not None and _is_transport_error(exc):
+                # the object store failed (retries spent), not the data: no hunt chunk by chunk
+                where = self.store._display(self._chunk_key(name, int(chunks[0]) if chunks.size else 0))
+                if isinstance(exc, FileNotFoundError):
+                    raise CorruptStoreError(f"{where}: a chunk object is missing (deleted?) but holds committed rows") from exc
+                raise remote_error(where, exc) from exc
             bad, cause = self._failing_chunk(arr, chunks, exc)
             where = self.store._display(self._chunk_key(name, bad))
             if isinstance(cause, OSError):
@@ -158,6 +176,22 @@ class TraceStream:
     def _raw_chunk_bytes(self) -> int:
         return self.chunk_rows * self.width * VALUE_DTYPES[self.dtype].itemsize
 
+    def _remote_chunks(self, chunks: Sequence[int]) -> list[np.ndarray]:
+        """Uncompressed values chunks ``chunks`` of a remote store: their objects fetched together
+        (a response cut short fails the size check), as [chunk_rows, width] arrays."""
+        keys = [self._chunk_key("values", c) for c in chunks]
+        blobs = self.store._chunk_objects(keys, self._raw_chunk_bytes, self._raw_chunk_bytes)
+        dtype = VALUE_DTYPES[self.dtype]
+        return [
+            np.frombuffer(b, dtype=self._raw_dtype).reshape(self.chunk_rows, self.width).astype(dtype, copy=False)
+            for b in blobs
+        ]
+
+    @property
+    def _remote_raw(self) -> bool:
+        """Values chunks are objects of plain bytes on object storage: fetched and sliced here."""
+        return self._values_raw and self.store._remote is not None
+
     def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Raw stored values of rows [start, stop) (uint16 bits for bf16)."""
         stop = self.rows if stop is None else min(stop, self.rows)
@@ -165,6 +199,10 @@ class TraceStream:
         if start >= stop:
             return np.empty((0, self.width), dtype=VALUE_DTYPES[self.dtype])
         chunks = np.arange(start // self.chunk_rows, (stop - 1) // self.chunk_rows + 1)
+        if self._remote_raw:
+            first = int(chunks[0]) * self.chunk_rows
+            block = np.concatenate(self._remote_chunks(chunks.tolist()))
+            return block[start - first : stop - first]
         return self._read_array("values", chunks, lambda a: a[start:stop])
 
     def read_float32(self, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -178,6 +216,14 @@ class TraceStream:
         if rows.min() < 0 or rows.max() >= self.rows:
             raise UsageError(f"row index out of range 0..{self.rows - 1}")
         chunks = np.unique(rows // self.chunk_rows)
+        if self._remote_raw:
+            out = np.empty((rows.size, self.width), dtype=VALUE_DTYPES[self.dtype])
+            for lo in range(0, chunks.size, 64):  # a bounded number of chunks in memory at once
+                part = chunks[lo : lo + 64].tolist()
+                for c, data in zip(part, self._remote_chunks(part), strict=True):
+                    hit = np.flatnonzero(rows // self.chunk_rows == c)
+                    out[hit] = data[rows[hit] - c * self.chunk_rows]
+            return out
         return self._read_array("values", chunks, lambda a: a.get_orthogonal_selection((rows, slice(None))))
 
     def read_chunk(
@@ -346,7 +392,7 @@ class TraceStream:
     def _raw_chunks(self) -> bool:
         """Values chunks are plain files of plain bytes (a folder store, no codec but ``bytes``), so
         rows can be read straight from them; decided from the metadata checked on open."""
-        return self._values_raw and self.store._zip is None
+        return self._values_raw and self.store._zip is None and self.store._remote is None
 
     @property
     def _raw_dtype(self) -> np.dtype:
@@ -366,3 +412,18 @@ class TraceStream:
     @property
     def nbytes(self) -> int:
         return self.rows * self.width * VALUE_DTYPES[self.dtype].itemsize
+
+
+def _is_transport_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is the object store or the network failing, not a codec
+    refusing the data: a request error of botocore/aiohttp, a timeout, a refused connection."""
+    seen = 0
+    while exc is not None and seen < 8:
+        module = type(exc).__module__ or ""
+        if module.startswith(("botocore", "aiohttp", "aiobotocore", "s3fs", "gcsfs", "urllib3")):
+            return True
+        if isinstance(exc, (ConnectionError, TimeoutError, PermissionError, FileNotFoundError)):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        seen += 1
+    return False
