@@ -29,7 +29,6 @@ from tracediff.store.location import Location, remote_error
 from tracediff.store.stream import TraceStream
 from tracediff.store.validate import _check_array_doc, _group_attributes, _is_int, _json_type, _short_repr
 
-
 _CHUNK_KEY = re.compile(r"^(.*)/c(?:/\d+)+$")
 
 
@@ -117,7 +116,8 @@ class TraceStore:
             try:
                 entries = loc.fs.ls(loc.root, detail=False)
             except FileNotFoundError as exc:
-                raise StoreNotFoundError(f"{loc.display}: no such trace store ({first_line(exc)})") from exc
+                why = first_line(exc) if "bucket" in str(exc).lower() else "no object at this URL"
+                raise StoreNotFoundError(f"{loc.display}: no such trace store ({why})") from exc
             except Exception as exc:  # noqa: BLE001
                 raise remote_error(loc.display, exc, "listed") from exc
             if not entries:
