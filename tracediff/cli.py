@@ -762,9 +762,7 @@ def pack(store: Path | str, dest: Path | None, overwrite: bool) -> None:
 @click.argument("local", type=click.Path(path_type=Path))
 @click.argument("url")
 @click.option("--overwrite", is_flag=True, help="Replace another store already at URL.")
-@click.option("--progress/--no-progress", default=None,
-              help="A progress bar on stderr (default: on a terminal).")
-def push(local: Path, url: str, overwrite: bool, progress: bool | None) -> None:
+def push(local: Path, url: str, overwrite: bool) -> None:
     """Upload the committed rows of store folder LOCAL to URL (s3://bucket/train.zarr, gs://...).
 
     Chunk objects first, then metadata, every writer group's commit record last: readers of URL
@@ -776,11 +774,7 @@ def push(local: Path, url: str, overwrite: bool, progress: bool | None) -> None:
 
     if not is_url(url) or url.startswith("file://"):
         raise UsageError(f"push URL {url!r}: give an object-store URL such as s3://bucket/train.zarr")
-    show = sys.stderr.isatty() if progress is None else progress
-    bar: Any = click.progressbar(length=0, label="pushing", file=sys.stderr) if show else None
-    result = push_store(local, url, overwrite=overwrite, progress=bar.update if bar is not None else None)
-    if bar is not None:
-        bar.render_finish()
+    result = push_store(local, url, overwrite=overwrite)
     click.echo(f"tracediff: {result.summary()}")
 
 

@@ -36,9 +36,7 @@ _default_options: dict[str, Any] = {}
 
 def is_url(target: object) -> bool:
     """Whether ``target`` is a URL with a scheme (``s3://...``), not a local path."""
-    return isinstance(target, (str, Location)) and (
-        isinstance(target, Location) or _SCHEME.match(target) is not None
-    )
+    return isinstance(target, (str, Location)) and (isinstance(target, Location) or _SCHEME.match(target) is not None)
 
 
 def parse_storage_options(items: Sequence[str]) -> dict[str, Any]:
@@ -50,7 +48,9 @@ def parse_storage_options(items: Sequence[str]) -> dict[str, Any]:
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not key or any(not part for part in key.split(".")):
-            raise UsageError(f"--storage-option {item.split('=')[0]!r}: expected KEY=VALUE, e.g. endpoint_url=http://127.0.0.1:9000")
+            raise UsageError(
+                f"--storage-option {item.split('=')[0]!r}: expected KEY=VALUE, e.g. endpoint_url=http://127.0.0.1:9000"
+            )
         try:
             value: Any = json.loads(text)
         except ValueError:
@@ -106,9 +106,7 @@ class Location:
             raise UsageError(f"{url!r}: not a URL (expected SCHEME://...)")
         self.protocol = match.group(1).lower()
         self.url = url.rstrip("/") if len(url) > match.end() + 1 else url
-        self.storage_options: dict[str, Any] = dict(
-            _default_options if storage_options is None else storage_options
-        )
+        self.storage_options: dict[str, Any] = dict(_default_options if storage_options is None else storage_options)
         self.local: Path | None = None
         if self.protocol in ("file", "local"):
             self.local = Path(url[match.end() :] or "/")
@@ -145,7 +143,7 @@ class Location:
 
     @property
     def name(self) -> str:
-        return self.url.rstrip("/").rsplit("/", 1)[-1]
+        return _strip_secrets(self.url).rstrip("/").rsplit("/", 1)[-1]
 
     def __str__(self) -> str:
         return self.display
@@ -213,7 +211,9 @@ class Location:
 
         try:
             return FsspecStore.from_url(
-                self.url, storage_options=self.storage_options, read_only=read_only,
+                self.url,
+                storage_options=self.storage_options,
+                read_only=read_only,
                 **({"allowed_exceptions": ()} if read_only else {}),
             )
         except ImportError as exc:

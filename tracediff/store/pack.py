@@ -15,7 +15,9 @@ from tracediff.store.location import Location, remote_error
 from tracediff.store.reader import TraceStore
 
 
-def pack_store(src: str | os.PathLike[str] | Location, dest: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+def pack_store(
+    src: str | os.PathLike[str] | Location, dest: str | os.PathLike[str], *, overwrite: bool = False
+) -> Path:
     """Copy a store folder (local, or at a URL) into one uncompressed local ``.zarr.zip`` file (to
     attach to a bug report).
 

@@ -51,9 +51,7 @@ class TraceStore:
     :class:`Location` (it prints as the URL without credentials).
     """
 
-    def __init__(
-        self, path: str | os.PathLike[str] | Location, storage_options: dict[str, Any] | None = None
-    ) -> None:
+    def __init__(self, path: str | os.PathLike[str] | Location, storage_options: dict[str, Any] | None = None) -> None:
         self.location = Location.of(path, storage_options)
         self._zip = None  # zarr's ZipStore of a .zarr.zip store
         self._zipfile: zipfile.ZipFile | None = None

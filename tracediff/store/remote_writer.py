@@ -15,6 +15,7 @@ Kept apart from :mod:`tracediff.store.writer`'s local path, which writes files a
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 from collections.abc import Mapping
 from typing import Any
@@ -52,8 +53,6 @@ def store_exists(loc: Location) -> bool:
     data = loc.read_object("zarr.json", _MAX_METADATA_BYTES)
     if data is None:
         return False
-    import json  # noqa: PLC0415
-
     try:
         return "tracediff" in (json.loads(data).get("attributes") or {})
     except (ValueError, AttributeError):
@@ -80,33 +79,49 @@ def create_remote_store(
     exists = store_exists(loc)
     if exists and join:
         return loc
-    try:
-        present = loc.fs.ls(loc.root, detail=False)
-    except FileNotFoundError as exc:
-        if "bucket" in str(exc).lower():
-            raise StoreWriteError(f"{loc.display}: cannot create the store ({exc}); create the bucket first") from exc
-        present = []
-    except Exception as exc:  # noqa: BLE001
-        raise remote_error(loc.display, exc, "listed") from exc
-    if present and not exists:
-        raise StoreExistsError(
-            f"{loc.display}: holds objects that are no tracediff store; refusing to delete them, choose another URL"
-        )
     if exists:
         if not overwrite:
             raise StoreExistsError(f"{loc.display}: already exists; pass --overwrite (overwrite=True) to replace it")
         remove_remote_store(loc)
+    else:
+        try:
+            present = loc.fs.ls(loc.root, detail=False)
+        except FileNotFoundError as exc:
+            if "bucket" in str(exc).lower():
+                raise StoreWriteError(
+                    f"{loc.display}: cannot create the store ({exc}); create the bucket first"
+                ) from exc
+            present = []
+        except Exception as exc:  # noqa: BLE001
+            raise remote_error(loc.display, exc, "listed") from exc
+        if present:
+            if join and store_exists(loc):  # another node created it since we looked
+                return loc
+            raise StoreExistsError(
+                f"{loc.display}: holds objects that are no tracediff store; refusing to delete them, choose another URL"
+            )
     attrs = {
         "tracediff": {"format": FORMAT, "version": __version__},
         "source": dict(source) if source is not None else default_source(role),
         "meta": _jsonable(dict(meta or {})),
     }
+    doc = {"attributes": attrs, "zarr_format": 3, "consolidated_metadata": None, "node_type": "group"}
+    # One PUT of the root zarr.json, never zarr's mode="w" (it first deletes everything under the
+    # prefix: another node's groups included). "create" (If-None-Match) where the store supports
+    # it: of nodes creating the store at once, one wins and the others join it.
+    data = json.dumps(doc, indent=2).encode()
+    path = loc.object_path("zarr.json")
     try:
-        _zarr().open_group(store=loc.zarr_store(read_only=False), mode="w", attributes=attrs)
-    except StoreError:
-        raise
+        try:
+            loc.fs.pipe_file(path, data, mode="create")
+        except TypeError:  # an fsspec filesystem without conditional writes
+            loc.fs.pipe_file(path, data)
+    except FileExistsError as exc:
+        if join:
+            return loc
+        raise StoreExistsError(f"{loc.display}: was created by another process meanwhile; choose another URL") from exc
     except Exception as exc:  # noqa: BLE001
-        raise remote_error(loc.display, exc, "written") from exc
+        raise remote_error(loc.where("zarr.json"), exc, "written") from exc
     return loc
 
 

@@ -130,7 +130,9 @@ class TraceStream:
         try:
             raw = codec.decode(blob)
         except Exception as exc:  # noqa: BLE001  (the codec raises several types for a bad frame)
-            raise CorruptStoreError(f"{where}: chunk cannot be decoded ({type(exc).__name__}: {first_line(exc)})") from exc
+            raise CorruptStoreError(
+                f"{where}: chunk cannot be decoded ({type(exc).__name__}: {first_line(exc)})"
+            ) from exc
         if len(raw) != expect:
             raise CorruptStoreError(f"{where}: chunk cannot be decoded to {expect} bytes (it holds {len(raw)})")
         return np.frombuffer(raw, dtype=dtype)
@@ -153,7 +155,9 @@ class TraceStream:
                 # the object store failed (retries spent), not the data: no hunt chunk by chunk
                 where = self.store._display(self._chunk_key(name, int(chunks[0]) if chunks.size else 0))
                 if isinstance(exc, FileNotFoundError):
-                    raise CorruptStoreError(f"{where}: a chunk object is missing (deleted?) but holds committed rows") from exc
+                    raise CorruptStoreError(
+                        f"{where}: a chunk object is missing (deleted?) but holds committed rows"
+                    ) from exc
                 raise remote_error(where, exc) from exc
             bad, cause = self._failing_chunk(arr, chunks, exc)
             where = self.store._display(self._chunk_key(name, bad))
