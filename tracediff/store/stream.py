@@ -23,6 +23,11 @@ from tracediff.store.location import remote_error
 if TYPE_CHECKING:
     from tracediff.store.reader import TraceStore
 
+#: Chunks of a remote store that :meth:`TraceStream.read_chunk` fetches together: at most this
+#: many, and at most READ_AHEAD_BYTES of them.
+READ_AHEAD_CHUNKS = 16
+READ_AHEAD_BYTES = 64 << 20
+
 
 @dataclass
 class TraceStream:
@@ -269,7 +274,35 @@ class TraceStream:
             return data.reshape(self.chunk_rows, self.width)[: stop - start].astype(
                 VALUE_DTYPES[self.dtype], copy=False
             )
+        if self.store._remote is not None:
+            return self._read_ahead(index)[: stop - start]
         return self.read(start, stop)
+
+    def _read_ahead(self, index: int) -> np.ndarray:
+        """Chunk ``index`` of a remote store, fetched with the next ones (READ_AHEAD_CHUNKS objects
+        in flight together, not one round trip per chunk): a streaming pass asks for chunks in
+        order, and each request costs a round trip to the object store."""
+        import threading  # noqa: PLC0415
+        from collections import OrderedDict  # noqa: PLC0415
+
+        state = self.__dict__.get("_ahead_state")
+        if state is None:
+            state = self.__dict__["_ahead_state"] = (threading.Lock(), OrderedDict())
+        lock, ahead = state
+        with lock:
+            data = ahead.pop(index, None)
+            if data is not None:
+                return data
+            row_bytes = self.width * VALUE_DTYPES[self.dtype].itemsize
+            count = max(1, min(READ_AHEAD_CHUNKS, READ_AHEAD_BYTES // max(1, self.chunk_rows * row_bytes)))
+            stop_chunk = min(index + count, self.chunks)
+            block = self.read(index * self.chunk_rows, stop_chunk * self.chunk_rows)
+            for c in range(index + 1, stop_chunk):
+                lo = (c - index) * self.chunk_rows
+                ahead[c] = block[lo : lo + self.chunk_rows]
+            while len(ahead) > 2 * count:  # chunks skipped over: bounded memory
+                ahead.popitem(last=False)
+            return block[: self.chunk_rows]
 
     def _read_chunk_rows(
         self,
