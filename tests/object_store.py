@@ -86,13 +86,16 @@ class FaultProxy:
     """A TCP proxy on 127.0.0.1 in front of ``upstream`` that drops connections: the first
     ``faults`` connections are reset (RST, no FIN) after a random number of response bytes, mid
     response; the connections after them pass through. ``faults=None``: every connection is reset
-    as soon as its request arrives (an endpoint that never answers)."""
+    as soon as its request arrives; ``hang=True``: every request is read and never answered (an
+    endpoint that times out)."""
 
-    def __init__(self, upstream: str, faults: int | None, seed: int = 0) -> None:
+    def __init__(self, upstream: str, faults: int | None, seed: int = 0, *, hang: bool = False) -> None:
         host, port = upstream.removeprefix("http://").split(":")
         self.upstream = (host, int(port))
         self.faults = faults
+        self.hang = hang
         self.cuts = 0
+        self._held: list[socket.socket] = []
         self._rng = random.Random(seed)
         self._count = itertools.count()
         self._lock = threading.Lock()
@@ -105,6 +108,8 @@ class FaultProxy:
     def close(self) -> None:
         self._stop = True
         self._server.close()
+        for sock in self._held:
+            self._reset(sock)
         self._thread.join(timeout=5)
 
     def __enter__(self) -> FaultProxy:
@@ -120,6 +125,9 @@ class FaultProxy:
             except OSError:
                 return
             index = next(self._count)
+            if self.hang:
+                self._held.append(client)  # read by nobody, answered never
+                continue
             with self._lock:
                 if self.faults is None:
                     budget: int | None = 0

@@ -302,11 +302,22 @@ def test_an_endpoint_that_drops_every_connection_is_a_one_line_error(
 ) -> None:
     with FaultProxy(object_store.endpoint, faults=None) as proxy:
         result = invoke_tracediff("inspect", bucket_samples["train"], "--storage-option", f"endpoint_url={proxy.endpoint}",
-                                  "--storage-option", "config_kwargs.retries.max_attempts=1",
+                                  "--storage-option", "config_kwargs.retries.max_attempts=1", "--storage-option", "retries=2",
                                   "--storage-option", "key=testing",
                                   "--storage-option", "secret=SUPERSECRET-NEVER-PRINTED")  # fmt: skip
     line = _one_line_error(result, bucket_samples["train"] + "/zarr.json", "endpoint")
     assert "SUPERSECRET" not in line
+
+
+@pytest.mark.slow
+def test_an_endpoint_that_never_answers_times_out_into_a_one_line_error(
+    bucket_samples: dict[str, str], object_store: ObjectStore
+) -> None:
+    with FaultProxy(object_store.endpoint, faults=0, hang=True) as proxy:
+        result = invoke_tracediff("inspect", bucket_samples["train"], "--storage-option", f"endpoint_url={proxy.endpoint}",
+                                  "--storage-option", "config_kwargs.read_timeout=0.5", "--storage-option", "retries=1",
+                                  "--storage-option", "config_kwargs.retries.max_attempts=1")  # fmt: skip
+    _one_line_error(result, bucket_samples["train"] + "/zarr.json", "Timeout", "read_timeout")
 
 
 def test_a_partial_set_of_credentials_is_a_one_line_error_saying_what_to_check(bucket_samples: dict[str, str]) -> None:
@@ -323,7 +334,7 @@ def test_a_refused_connection_is_a_one_line_error_naming_the_url(bucket_samples:
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     result = invoke_tracediff("compare", bucket_samples["train"], bucket_samples["server_fixed"],
                               "--storage-option", f"endpoint_url={dead}",
-                              "--storage-option", "config_kwargs.retries.max_attempts=1")  # fmt: skip
+                              "--storage-option", "config_kwargs.retries.max_attempts=1", "--storage-option", "retries=2")  # fmt: skip
     _one_line_error(result, bucket_samples["train"], "EndpointConnectionError")
 
 
@@ -392,3 +403,15 @@ def test_a_location_prints_without_credentials_and_keeps_local_paths_local(tmp_p
     assert loc.remote and loc.name == "train.zarr"
     assert Location.of(f"file://{tmp_path}/a.zarr").local == tmp_path / "a.zarr"
     assert Location.of(tmp_path / "a.zarr").local == tmp_path / "a.zarr"
+
+
+def test_a_location_pickles_with_its_options_for_worker_processes(bucket_samples: dict[str, str]) -> None:
+    import pickle
+
+    loc = Location.of(bucket_samples["train"], {"use_ssl": False})
+    with open_store(loc) as store:
+        rows = store.rows("fc_in")
+    again = pickle.loads(pickle.dumps(loc))
+    assert again == loc and again.storage_options == {"use_ssl": False}
+    with open_store(again) as store:
+        assert store.rows("fc_in") == rows

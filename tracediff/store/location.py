@@ -165,6 +165,10 @@ class Location:
     def __hash__(self) -> int:
         return hash(self.url)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Picklable for worker processes (dask): the filesystem is made again where it is used.
+        return {**self.__dict__, "_fs": None}
+
     def resolve(self) -> Location:
         """Itself (``Path.resolve`` for a URL: the URL is already absolute)."""
         return self
@@ -180,17 +184,32 @@ class Location:
                 raise UsageError(
                     f"{self.display}: reading URLs needs fsspec (pip install 'tracediff[remote]')"
                 ) from exc
-            options = dict(self.storage_options)
-            if self.protocol in ("s3", "s3a"):
-                # A reader of a store being recorded must see new objects: no cached listings.
-                options.setdefault("use_listings_cache", False)
-            try:
-                self._fs, _ = fsspec.url_to_fs(self.url, **options)
-            except ImportError as exc:
-                raise UsageError(f"{self.display}: {first_line(exc)}") from exc
-            except (TypeError, ValueError) as exc:
-                raise UsageError(f"{self.display}: bad storage options ({first_line(exc)})") from exc
+            self._fs = self._make_fs(fsspec, asynchronous=False)
         return self._fs
+
+    def _make_fs(self, fsspec: Any, *, asynchronous: bool) -> Any:
+        options = dict(self.storage_options)
+        # s3fs retries a failed request 5 times inside each of 5 retries of the call: tens of
+        # seconds before an unreachable endpoint is reported. ``retries`` sets that count.
+        retries = options.pop("retries", None)
+        if self.protocol in ("s3", "s3a"):
+            # A reader of a store being recorded must see new objects: no cached listings.
+            options.setdefault("use_listings_cache", False)
+        if retries is not None:
+            options["skip_instance_cache"] = True  # not the cached instance other callers share
+        if asynchronous:
+            options["asynchronous"] = True
+        try:
+            fs, _ = fsspec.url_to_fs(self.url, **options)
+        except ImportError as exc:
+            raise UsageError(f"{self.display}: {first_line(exc)}") from exc
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"{self.display}: bad storage options ({first_line(exc)})") from exc
+        if retries is not None:
+            if not isinstance(retries, int) or isinstance(retries, bool) or retries < 1:
+                raise UsageError(f"{self.display}: storage option retries={retries!r}: expected an integer >= 1")
+            fs.retries = retries
+        return fs
 
     @property
     def root(self) -> str:
@@ -207,19 +226,13 @@ class Location:
     def zarr_store(self, *, read_only: bool) -> Any:
         """zarr's FsspecStore of this URL. Reading: a missing object raises instead of reading as
         the fill value (a chunk of committed rows must exist: a fill value would be a wrong report)."""
+        import fsspec  # noqa: PLC0415
         from zarr.storage import FsspecStore  # noqa: PLC0415
 
-        try:
-            return FsspecStore.from_url(
-                self.url,
-                storage_options=self.storage_options,
-                read_only=read_only,
-                **({"allowed_exceptions": ()} if read_only else {}),
-            )
-        except ImportError as exc:
-            raise UsageError(f"{self.display}: {first_line(exc)}") from exc
-        except (TypeError, ValueError) as exc:
-            raise UsageError(f"{self.display}: bad storage options ({first_line(exc)})") from exc
+        allowed = {"allowed_exceptions": ()} if read_only else {}
+        if not getattr(self.fs, "async_impl", False):  # zarr wraps a sync filesystem itself
+            return FsspecStore.from_url(self.url, storage_options=self.storage_options, read_only=read_only, **allowed)
+        return FsspecStore(fs=self._make_fs(fsspec, asynchronous=True), path=self.root, read_only=read_only, **allowed)
 
     # -- object operations, errors mapped to one line --------------------------------------------
     def read_object(self, key: str, limit: int | None = None) -> bytes | None:
