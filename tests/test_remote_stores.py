@@ -415,3 +415,14 @@ def test_a_location_pickles_with_its_options_for_worker_processes(bucket_samples
     assert again == loc and again.storage_options == {"use_ssl": False}
     with open_store(again) as store:
         assert store.rows("fc_in") == rows
+
+
+def test_open_values_of_a_url_is_the_same_dask_array_as_of_the_folder(bucket_samples: dict[str, str]) -> None:
+    import pickle
+
+    import tracediff
+
+    remote = tracediff.open_values(bucket_samples["train"])
+    local = tracediff.open_values(SAMPLES / "train.zarr")
+    assert np.array_equal(remote.compute(), local.compute())
+    assert np.array_equal(pickle.loads(pickle.dumps(remote)).compute(), local.compute())  # what a worker gets

@@ -65,7 +65,8 @@ def _storage_options(func: Any) -> Any:
         "--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", expose_value=False,
         callback=_set_storage_options, is_eager=True,
         help="fsspec option for the store URLs (repeatable; VALUE is JSON when it parses), e.g. "
-             "endpoint_url=http://127.0.0.1:9000, anon=true, config_kwargs.read_timeout=30. Credentials "
+             "endpoint_url=http://127.0.0.1:9000, anon=true, config_kwargs.read_timeout=30, retries=2 (s3fs's retry "
+             "count). Credentials "
              "otherwise come from the standard environment and config files (AWS_*, ~/.aws/).",
     )(func)
 
@@ -765,8 +766,9 @@ def pack(store: Path | str, dest: Path | None, overwrite: bool) -> None:
 def push(local: Path, url: str, overwrite: bool) -> None:
     """Upload the committed rows of store folder LOCAL to URL (s3://bucket/train.zarr, gs://...).
 
-    Chunk objects first, then metadata, every writer group's commit record last: readers of URL
-    never see a group that is not complete. Resumable: run it again after a crash and it skips the
+    The root's zarr.json first (it names the recording, so a rerun resumes), then the chunk
+    objects, then array metadata, every writer group's commit record last: readers of URL never see
+    a group that is not complete. Resumable: run it again after a crash and it skips the
     objects already there with the right size. The result is opened with the strict reader.
     """
     from tracediff.store.location import is_url  # noqa: PLC0415
