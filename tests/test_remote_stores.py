@@ -426,3 +426,17 @@ def test_open_values_of_a_url_is_the_same_dask_array_as_of_the_folder(bucket_sam
     local = tracediff.open_values(SAMPLES / "train.zarr")
     assert np.array_equal(remote.compute(), local.compute())
     assert np.array_equal(pickle.loads(pickle.dumps(remote)).compute(), local.compute())  # what a worker gets
+
+
+def test_record_to_a_url_refuses_an_existing_store_and_leaves_no_empty_one(
+    bucket_samples: dict[str, str], object_store: ObjectStore
+) -> None:
+    taken = bucket_samples["train"]
+    _one_line_error(invoke_tracediff("record", "--tap", "NoSuchClass.fc", "-o", taken, "--", sys.executable, "-c", "pass"),
+                    taken, "--overwrite")  # fmt: skip
+    _one_line_error(invoke_tracediff("record", "--append", "--overwrite", "--tap", "X.fc", "-o", taken, "--", "true"),
+                    "--append")  # fmt: skip
+    url = f"s3://{object_store.bucket()}/empty.zarr"
+    result = invoke_tracediff("record", "--tap", "NoSuchClass.fc", "-o", url, "--", sys.executable, "-c", "pass")
+    assert result.returncode == 0 and f"tracediff: removed {url}: it held no rows" in result.stderr, result.stderr
+    assert object_store.fs.find(url.removeprefix("s3://")) == []
