@@ -25,7 +25,7 @@ from conftest import REPO, cli_env, invoke_tracediff
 from object_store import KILL_WIDTH, NODE_SCRIPT, FaultProxy, ObjectStore, object_store, record_to_url_until_killed
 from test_send import SEQS, FakeServer, write_trace
 
-from tracediff.errors import UsageError
+from tracediff.errors import CorruptStoreError, UsageError
 from tracediff.store import TraceWriter, create_store, open_store
 from tracediff.store.location import Location, parse_storage_options
 from tracediff.store.push import push_store
@@ -440,3 +440,31 @@ def test_record_to_a_url_refuses_an_existing_store_and_leaves_no_empty_one(
     result = invoke_tracediff("record", "--tap", "NoSuchClass.fc", "-o", url, "--", sys.executable, "-c", "pass")
     assert result.returncode == 0 and f"tracediff: removed {url}: it held no rows" in result.stderr, result.stderr
     assert object_store.fs.find(url.removeprefix("s3://")) == []
+
+
+def test_rows_of_a_remote_store_read_as_from_the_folder_whatever_the_access(
+    object_store: ObjectStore, tmp_path: Path
+) -> None:
+    """Whole chunks, chunks read ahead, scattered rows by ranged GETs: the same bits as locally."""
+    local = _local_store(tmp_path, [40, 40, 7, 33])
+    url = f"s3://{object_store.bucket()}/rows.zarr"
+    push_store(local, url)
+    rows = np.array([119, 0, 5, 6, 7, 64, 3, 119, 100, 101, 102, 103, 104, 105, 106, 107, 108, 31])
+    with open_store(url) as there, open_store(local) as here:
+        (r,), (h,) = there.streams["fc_in"], here.streams["fc_in"]
+        assert r.rows == h.rows == 120
+        assert np.array_equal(r.take(rows), h.take(rows))
+        assert np.array_equal(r.read(13, 77), h.read(13, 77))
+        for c in (7, 0, 1, 2, 6):
+            assert np.array_equal(r.read_chunk(c), h.read_chunk(c))
+        out = np.zeros((4, 12), np.float32)
+        assert np.array_equal(
+            r.read_rows(np.array([9, 2]), out=out, dest=np.array([3, 0]))[[3, 0]], h.take(np.array([9, 2]))
+        )
+        chunk = f"{url.removeprefix('s3://')}/fc_in/rank0/values/c/6/0"
+        object_store.fs.pipe(chunk, b"\0" * 100)  # cut short after the store was opened
+        with pytest.raises(CorruptStoreError, match=r"values/c/6/0: the object is shorter .* \(truncated\?\)"):
+            r.take(np.array([100]))
+        object_store.fs.pipe(chunk, b"\0" * (16 * 12 * 4 + 96))  # a foreign object, longer
+        with pytest.raises(CorruptStoreError, match=r"values/c/6/0: chunk holds more than 768 bytes, expected 768"):
+            r.read(96, 100)

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tracediff.errors import RemoteStoreError, StoreError, UsageError, first_line
+from tracediff.errors import CorruptStoreError, RemoteStoreError, StoreError, UsageError, first_line
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 #: Object requests one operation keeps in flight (each a chunk of a few MiB at most).
@@ -247,16 +247,20 @@ class Location:
         except Exception as exc:  # noqa: BLE001  (s3fs, aiohttp and botocore raise many types)
             raise remote_error(self.where(key), exc) from exc
 
-    def read_objects(self, keys: Sequence[str], limit: int | None = None) -> list[bytes | BaseException]:
+    def read_objects(
+        self, keys: Sequence[str], limit: int | None = None, spans: Sequence[tuple[int, int]] | None = None
+    ) -> list[bytes | BaseException]:
         """The bytes of each object in ``keys``, fetched concurrently (up to FETCH_CONCURRENCY in
         flight); a failed fetch is its exception in the list (FileNotFoundError when absent). With
-        ``limit``, at most ``limit + 1`` bytes of each."""
+        ``limit``, at most ``limit + 1`` bytes of each; with ``spans``, bytes [start, end) of each
+        (ranged GETs)."""
         paths = [self.object_path(k) for k in keys]
         fs = self.fs
-        span = {} if limit is None else {"start": 0, "end": limit + 1}
+        whole = {} if limit is None else {"start": 0, "end": limit + 1}
+        ranges = [whole] * len(paths) if spans is None else [{"start": a, "end": b} for a, b in spans]
         if not getattr(fs, "async_impl", False):
             out: list[bytes | BaseException] = []
-            for path in paths:
+            for path, span in zip(paths, ranges, strict=True):
                 try:
                     out.append(fs.cat_file(path, **span))
                 except Exception as exc:  # noqa: BLE001
@@ -267,14 +271,14 @@ class Location:
         async def fetch_all() -> list[bytes | BaseException]:
             gate = asyncio.Semaphore(FETCH_CONCURRENCY)
 
-            async def one(path: str) -> bytes | BaseException:
+            async def one(path: str, span: dict[str, int]) -> bytes | BaseException:
                 async with gate:
                     try:
                         return await fs._cat_file(path, **span)
                     except Exception as exc:  # noqa: BLE001
                         return exc
 
-            return await asyncio.gather(*(one(p) for p in paths))
+            return await asyncio.gather(*(one(p, r) for p, r in zip(paths, ranges, strict=True)))
 
         return sync(fs.loop, fetch_all)
 
@@ -312,6 +316,8 @@ def remote_error(where: str, exc: BaseException, verb: str = "read") -> StoreErr
     what to check. botocore keeps the endpoint URL in its messages; it names no credential."""
     name = type(exc).__name__
     text = first_line(exc)
+    if "not satisfiable" in text:  # a ranged GET past the object's end: the object is short
+        return CorruptStoreError(f"{where}: the object is shorter than the store's metadata says (truncated?)")
     if isinstance(exc, PermissionError) or name in ("NoCredentialsError", "PartialCredentialsError", "ClientError"):
         hint = "check the credentials (AWS_ACCESS_KEY_ID / ~/.aws/credentials or --storage-option key=... secret=...)"
     elif isinstance(exc, (TimeoutError, asyncio.TimeoutError)) or "timeout" in name.lower() or "timed out" in text:

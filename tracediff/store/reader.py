@@ -350,8 +350,9 @@ class TraceStore:
             if isinstance(blob, BaseException):
                 raise remote_error(where, blob) from blob
             if raw_size is not None and len(blob) != raw_size:
+                size = f"more than {raw_size}" if len(blob) > raw_size else str(len(blob))
                 raise CorruptStoreError(
-                    f"{where}: chunk holds {len(blob)} bytes, expected {raw_size} (truncated or foreign object?)"
+                    f"{where}: chunk holds {size} bytes, expected {raw_size} (truncated or foreign object?)"
                 )
             if not blob or len(blob) > limit:
                 raise CorruptStoreError(f"{where}: chunk object holds {len(blob)} bytes (truncated or foreign object?)")

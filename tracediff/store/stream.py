@@ -196,6 +196,48 @@ class TraceStream:
             for b in blobs
         ]
 
+    def _remote_take(self, rows: np.ndarray, chunks: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` of a remote store's uncompressed values: a chunk most of whose rows are
+        wanted is fetched whole; from the others, each run of consecutive rows is one ranged GET
+        (a sample spread over a store reads its rows, not every chunk). Every body's length is
+        checked: a response cut short is an error, never rows."""
+        out = np.empty((rows.size, self.width), dtype=VALUE_DTYPES[self.dtype])
+        cr = self.chunk_rows
+        row_bytes = self.width * VALUE_DTYPES[self.dtype].itemsize
+        unique = np.unique(rows)
+        per_chunk = np.bincount(unique // cr - chunks[0], minlength=int(chunks[-1] - chunks[0]) + 1)
+        whole = [int(c) for c in chunks.tolist() if per_chunk[c - chunks[0]] * 4 >= cr]
+        for lo in range(0, len(whole), 64):  # a bounded number of chunks in memory at once
+            part = whole[lo : lo + 64]
+            for c, data in zip(part, self._remote_chunks(part), strict=True):
+                hit = np.flatnonzero(rows // cr == c)
+                out[hit] = data[rows[hit] - c * cr]
+        sparse = unique[~np.isin(unique // cr, whole)]
+        if sparse.size:
+            breaks = np.flatnonzero((np.diff(sparse) != 1) | (np.diff(sparse // cr) != 0)) + 1
+            runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(sparse, breaks)]
+            keys = [self._chunk_key("values", a // cr) for a, _ in runs]
+            spans = [((a % cr) * row_bytes, (a % cr + b - a) * row_bytes) for a, b in runs]
+            assert self.store._remote is not None
+            found: dict[int, np.ndarray] = {}
+            for (a, b), key, blob in zip(runs, keys, self.store._remote.read_objects(keys, spans=spans), strict=True):
+                where = self.store._display(key)
+                if isinstance(blob, FileNotFoundError):
+                    raise CorruptStoreError(f"{where}: chunk object is missing (deleted?) but holds committed rows")
+                if isinstance(blob, BaseException):
+                    raise remote_error(where, blob) from blob
+                if len(blob) != (b - a) * row_bytes:
+                    raise CorruptStoreError(
+                        f"{where}: rows {a}..{b} came back as {len(blob)} bytes, expected {(b - a) * row_bytes} "
+                        "(object truncated or response cut short)"
+                    )
+                block = np.frombuffer(blob, dtype=self._raw_dtype).reshape(b - a, self.width)
+                for r in range(a, b):
+                    found[r] = block[r - a]
+            hit = np.flatnonzero(np.isin(rows, sparse))
+            out[hit] = np.stack([found[int(r)] for r in rows[hit].tolist()]).astype(out.dtype, copy=False)
+        return out
+
     @property
     def _remote_raw(self) -> bool:
         """Values chunks are objects of plain bytes on object storage: fetched and sliced here."""
@@ -226,13 +268,7 @@ class TraceStream:
             raise UsageError(f"row index out of range 0..{self.rows - 1}")
         chunks = np.unique(rows // self.chunk_rows)
         if self._remote_raw:
-            out = np.empty((rows.size, self.width), dtype=VALUE_DTYPES[self.dtype])
-            for lo in range(0, chunks.size, 64):  # a bounded number of chunks in memory at once
-                part = chunks[lo : lo + 64].tolist()
-                for c, data in zip(part, self._remote_chunks(part), strict=True):
-                    hit = np.flatnonzero(rows // self.chunk_rows == c)
-                    out[hit] = data[rows[hit] - c * self.chunk_rows]
-            return out
+            return self._remote_take(rows, chunks)
         return self._read_array("values", chunks, lambda a: a.get_orthogonal_selection((rows, slice(None))))
 
     def read_chunk(
