@@ -468,3 +468,19 @@ def test_rows_of_a_remote_store_read_as_from_the_folder_whatever_the_access(
         object_store.fs.pipe(chunk, b"\0" * (16 * 12 * 4 + 96))  # a foreign object, longer
         with pytest.raises(CorruptStoreError, match=r"values/c/6/0: chunk holds more than 768 bytes, expected 768"):
             r.read(96, 100)
+
+
+def test_a_push_through_dropped_connections_is_complete_or_a_one_line_error(
+    object_store: ObjectStore, tmp_path: Path
+) -> None:
+    local = _local_store(tmp_path, [40, 40, 7, 33])
+    url = f"s3://{object_store.bucket()}/flaky.zarr"
+    with FaultProxy(object_store.endpoint, faults=6, seed=11) as proxy:
+        result = invoke_tracediff("push", local, url, "--storage-option", f"endpoint_url={proxy.endpoint}")
+        assert proxy.cuts > 0
+    if result.returncode == 2:
+        _one_line_error(result, url)
+        result = invoke_tracediff("push", local, url)  # and the rerun resumes
+    assert result.returncode == 0, result.stderr
+    there, here = _stream_arrays(url), _stream_arrays(local)
+    assert all(np.array_equal(there[k], here[k]) for k in here)
