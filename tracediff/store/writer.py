@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from tracediff.store.format import (
     default_source,
 )
 
+if TYPE_CHECKING:
+    from tracediff.store.location import Location
+
 
 def create_store(
     path: str | os.PathLike[str],
@@ -49,7 +52,7 @@ def create_store(
     source: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     join: bool = False,
-) -> Path:
+) -> Path | Location:
     """Create an empty trace store (the root group and its attributes).
 
     Refuses an existing path unless ``overwrite``; then only a trace store (or an empty folder) is
