@@ -484,3 +484,30 @@ def test_a_push_through_dropped_connections_is_complete_or_a_one_line_error(
     assert result.returncode == 0, result.stderr
     there, here = _stream_arrays(url), _stream_arrays(local)
     assert all(np.array_equal(there[k], here[k]) for k in here)
+
+
+@pytest.mark.slow
+def test_a_push_killed_midway_leaves_a_readable_store_and_the_rerun_completes_it(
+    object_store: ObjectStore, tmp_path: Path
+) -> None:
+    local = _local_store(tmp_path, [200] * 4, chunk_rows=4)  # 200 values chunks, 300+ objects
+    url = f"s3://{object_store.bucket()}/killed-push.zarr"
+    root = url.removeprefix("s3://")
+    proc = subprocess.Popen([sys.executable, "-m", "tracediff", "push", str(local), url], env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while len(object_store.fs.find(f"{root}/fc_in/rank0/values/c")) < 30:
+            assert proc.poll() is None and time.monotonic() < deadline, "the push ended before it could be killed"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    with open_store(url) as store:  # the strict reader: the group is invisible until its commit record
+        assert [s.rows for s in store.streams.get("fc_in", [])] in ([], [800])
+    result = invoke_tracediff("push", local, url)
+    assert result.returncode == 0, result.stderr
+    skipped = int(result.stdout.split(" already there")[0].rsplit(" ", 1)[-1])
+    assert skipped >= 30
+    there, here = _stream_arrays(url), _stream_arrays(local)
+    assert all(np.array_equal(there[k], here[k]) for k in here)
