@@ -299,6 +299,16 @@ class Location:
             if name.startswith(prefix) and info.get("type", "file") != "directory"
         }
 
+    def list_sizes_many(self, keys: Sequence[str]) -> list[dict[str, int]]:
+        """:meth:`list_sizes` of each of ``keys``, the listings made concurrently (one round trip
+        for a writer group's eight arrays instead of eight)."""
+        from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+        if len(keys) <= 1:
+            return [self.list_sizes(k) for k in keys]
+        with ThreadPoolExecutor(min(len(keys), 8), thread_name_prefix="tracediff-list") as pool:
+            return list(pool.map(self.list_sizes, keys))
+
     def list_folders(self, key: str) -> list[str]:
         """Names of the "folders" (common prefixes) directly below ``key``, sorted."""
         base = self.object_path(key)

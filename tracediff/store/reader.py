@@ -453,6 +453,20 @@ class TraceStore:
                     f"{meta_file}: field segment_labels names {len(labels)} segments but width {width} / segment_size "
                     f"{segment_size} makes {width // segment_size}; fix the attribute or record again"
                 )
+        if self._remote is not None:  # every array's zarr.json and chunk listing in one round trip each
+            arrays_at = [f"{key}/{name}" for name in ("values", *LABEL_FIELDS)]
+            docs = self._remote.read_objects([f"{a}/zarr.json" for a in arrays_at], limit=_MAX_METADATA_BYTES)
+            for array_key, doc in zip(arrays_at, docs, strict=True):
+                if isinstance(doc, FileNotFoundError):
+                    continue  # reported by _open_array as a missing array
+                if isinstance(doc, BaseException):
+                    raise remote_error(self._display(f"{array_key}/zarr.json"), doc) from doc
+                self._prefetched[f"{array_key}/zarr.json"] = doc
+            if rows:
+                missing = [a for a in arrays_at if a not in self._objects]
+                self._objects.update(
+                    zip(missing, self._remote.list_sizes_many([f"{a}/c" for a in missing]), strict=True)
+                )
         values, values_doc = self._open_array(f"{key}/values", ndim=2, data_type=VALUE_DTYPES[dtype].name, rows=rows)
         shape = values_doc["shape"]
         chunk_shape = values_doc["chunk_grid"]["configuration"]["chunk_shape"]
