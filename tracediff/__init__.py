@@ -48,11 +48,12 @@ def record(*args: Any, **kwargs: Any) -> Any:
     return rec
 
 
-def open_store(path: Any) -> Any:
-    """Open a trace store for reading (:class:`tracediff.store.TraceStore`)."""
+def open_store(path: Any, storage_options: dict[str, Any] | None = None) -> Any:
+    """Open a trace store for reading (:class:`tracediff.store.TraceStore`): a folder, a ``.zarr.zip``
+    file or an fsspec URL (``s3://bucket/train.zarr``; ``storage_options`` go to fsspec)."""
     from tracediff.store import TraceStore  # noqa: PLC0415
 
-    return TraceStore(path)
+    return TraceStore(path, storage_options)
 
 
 def open_values(store: Any, tap: str = "fc_in", writer: str | None = None, *, block_rows: int | None = None) -> Any:

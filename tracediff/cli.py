@@ -36,6 +36,45 @@ def parse_size(text: str | None, what: str) -> int | None:
     return int(number * (1024 ** " kmgt".index(unit or " ")))
 
 
+class _StoreType(click.ParamType):
+    """A store argument: a local path (a Path) or an fsspec URL (kept as the string: a Path would
+    fold the ``//`` of ``s3://``)."""
+
+    name = "store"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if isinstance(value, Path):
+            return value
+        from tracediff.store.location import is_url  # noqa: PLC0415
+
+        return str(value) if is_url(str(value)) else Path(value)
+
+
+STORE = _StoreType()
+
+
+def _set_storage_options(ctx: click.Context, param: Any, value: tuple[str, ...]) -> None:
+    from tracediff.store.location import default_storage_options, parse_storage_options  # noqa: PLC0415
+
+    ctx.with_resource(default_storage_options(parse_storage_options(value)))
+
+
+def _storage_options(func: Any) -> Any:
+    """``--storage-option KEY=VALUE``: fsspec options for every URL the command opens."""
+    return click.option(
+        "--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", expose_value=False,
+        callback=_set_storage_options, is_eager=True,
+        help="fsspec option for the store URLs (repeatable; VALUE is JSON when it parses), e.g. "
+             "endpoint_url=http://127.0.0.1:9000, anon=true, config_kwargs.read_timeout=30, retries=2 (s3fs's retry "
+             "count). Credentials "
+             "otherwise come from the standard environment and config files (AWS_*, ~/.aws/).",
+    )(func)
+
+
+def _store_name(store: Path | str) -> str:
+    return str(store) if isinstance(store, Path) else str(store).rstrip("/").rsplit("/", 1)[-1]
+
+
 class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -90,7 +129,8 @@ def _replay_options(func: Any) -> Any:
 
 # ---------------------------------------------------------------------------------- record
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="Store to create.")
+@_storage_options
+@click.option("-o", "--output", "output", required=True, type=STORE, help="Store to create.")
 @click.option("--adapter", "adapters", multiple=True, help="Framework adapter: sglang, vllm, speculators, specforge, hf (a bank of every layer), generic; repeatable.")
 @click.option("--tap", "taps", multiple=True,
               help="Tap spec [NAME=]CLASS[.ATTR.PATH][:input|:output][@ARG] (grammar below); repeatable.")
@@ -100,6 +140,9 @@ def _replay_options(func: Any) -> Any:
 @click.option("--segment-labels", help="Comma-separated segment names, e.g. hs0,hs3,hs6.")
 @click.option("--role", default="", help="What this recording is (trainer, server, bank...).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing store.")
+@click.option("--append", "join", is_flag=True,
+              help="Add this run's writer groups to the store if it exists already (several nodes recording into one "
+                   "store, e.g. -o s3://bucket/server.zarr on each).")
 @click.option("--max-rows", type=int, help="Rows to record at most, per tap and process.")
 @click.option("--max-bytes", help="Bytes to record at most, per tap and process (e.g. 4GiB).")
 @click.option("--every-n-steps", type=int, default=1, show_default=True, help="Record one step in N.")
@@ -128,6 +171,7 @@ def record(
     segment_labels: str | None,
     role: str,
     overwrite: bool,
+    join: bool,
     max_rows: int | None,
     max_bytes: str | None,
     every_n_steps: int,
@@ -145,6 +189,8 @@ def record(
     """Run COMMAND with recording injected into each of its Python processes.
 
     Example: tracediff record --tap Eagle3DraftModel.fc:input -o train.zarr -- python train.py
+
+    -o may be an fsspec URL (s3://bucket/server.zarr): the rows are uploaded as they are committed.
 
     \b
     Tap spec grammar: [NAME=]CLASS[.ATTR.PATH][:input|:output][@ARG]
@@ -191,9 +237,14 @@ def record(
         raise UsageError("no command to run after --")
     if shutil.which(command[0]) is None:  # checked before the store exists: nothing is left behind
         raise UsageError(f"cannot run {command[0]!r}: no such command (check its name, path and the PATH)")
+    if join and overwrite:
+        raise UsageError("--append adds to the store and --overwrite replaces it: give one of them")
 
+    from tracediff.store.location import Location  # noqa: PLC0415
+
+    location = Location.of(output)
     config = {
-        "store": str(output.resolve()),
+        "store": location.url if location.remote else str(Path(output).resolve()),
         "role": role,
         "taps": [s.text for s in specs],
         "adapters": list(adapters),
@@ -212,8 +263,12 @@ def record(
     source = default_source(role)
     source["argv"] = list(command)
     source["recorded_by"] = ["tracediff", "record", *sys.argv[2:]] if len(sys.argv) > 1 else ["tracediff", "record"]
-    create_store(output, role=role, source=source, overwrite=overwrite,
+    existed = join and _store_exists(location)
+    create_store(location if location.remote else output, role=role, source=source, overwrite=overwrite, join=join,
                  meta={"record": {k: v for k, v in config.items() if k != "store"}})
+    if location.remote and location.storage_options:
+        # The children write with the same options (never stored in the store's meta: credentials).
+        config["storage_options"] = location.storage_options
 
     env = dict(os.environ)
     hooks_dir = _hooks_dir()
@@ -222,10 +277,11 @@ def record(
     try:
         returncode = _run_forwarding_signals(list(command), env)
     except UsageError:
-        shutil.rmtree(output, ignore_errors=True)  # the command never started: leave no empty store
+        if not existed:  # the command never started: leave no empty store
+            _discard_store(location)
         raise
 
-    store = open_store(output)
+    store = open_store(location)
     try:
         from tracediff.describe import describe_store, warnings_for  # noqa: PLC0415
 
@@ -235,14 +291,32 @@ def record(
     click.echo(_record_summary(desc, returncode), err=True)
     for warning in warnings_for(desc, expected_taps=names) + _adapter_warnings(adapters, command, desc):
         click.echo(f"tracediff: warning: {warning}", err=True)
-    if not any(info["rows"] for info in desc["taps"].values()):
+    if not existed and not any(info["rows"] for info in desc["taps"].values()):
         # A store without one row only blocks the rerun (it would need --overwrite): leave nothing.
         from tracediff.store import remove_store  # noqa: PLC0415
 
-        remove_store(output)
+        remove_store(location if location.remote else output)
         click.echo(f"tracediff: removed {output}: it held no rows (rerun with the same -o; no --overwrite needed)",
                    err=True)
     sys.exit(returncode)
+
+
+def _store_exists(location: Any) -> bool:
+    if location.remote:
+        from tracediff.store.remote_writer import store_exists  # noqa: PLC0415
+
+        return store_exists(location)
+    return (Path(location.local) / "zarr.json").is_file()
+
+
+def _discard_store(location: Any) -> None:
+    if location.remote:
+        from tracediff.store import remove_store  # noqa: PLC0415
+
+        with contextlib.suppress(TracediffError):
+            remove_store(location)
+    else:
+        shutil.rmtree(location.local, ignore_errors=True)
 
 
 def _adapter_warnings(adapters: tuple[str, ...], command: tuple[str, ...], desc: dict[str, Any]) -> list[str]:
@@ -335,8 +409,9 @@ def _progress(command: str, flag: bool | None) -> Any:
 
 
 @main.command()
-@click.argument("reference", type=click.Path(path_type=Path))
-@click.argument("candidate", type=click.Path(path_type=Path))
+@_storage_options
+@click.argument("reference", type=STORE)
+@click.argument("candidate", type=STORE)
 @click.option("--tap", help="Tap to compare on both sides (default: the common tap, fc_in first).")
 @click.option("--ref-tap", help="Tap of the reference, when the names differ.")
 @click.option("--cand-tap", help="Tap of the candidate, when the names differ.")
@@ -346,7 +421,7 @@ def _progress(command: str, flag: bool | None) -> Any:
 @click.option("--html", "html_path", type=click.Path(path_type=Path), help="Write a self-contained HTML report here.")
 @click.option("--fail-on", type=click.Choice(["error", "warning"]), default="error", show_default=True,
               help="Exit 1 on error findings only, or on warnings too (strict CI).")
-@click.option("--bank", type=click.Path(path_type=Path), help="A bank recorded with --adapter hf: name each segment's layer.")
+@click.option("--bank", type=STORE, help="A bank recorded with --adapter hf: name each segment's layer.")
 @click.option("--sample-rows", type=int, default=2048, show_default=True, help="Rows sampled to plan the comparison.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the verdict line.")
 @click.option("--verbose", "-v", is_flag=True,
@@ -431,8 +506,9 @@ def _replay(report: Any, draft: Path, target: Path | None, server_draft: Path | 
 
 
 @main.command()
-@click.argument("reference", type=click.Path(path_type=Path))
-@click.argument("candidate", type=click.Path(path_type=Path))
+@_storage_options
+@click.argument("reference", type=STORE)
+@click.argument("candidate", type=STORE)
 @click.option("--tap", help="Tap to replay on both sides (default: as compare picks it).")
 @click.option("--ref-tap", help="Tap of the reference, when the names differ.")
 @click.option("--cand-tap", help="Tap of the candidate, when the names differ.")
@@ -476,8 +552,9 @@ def replay(reference: Path, candidate: Path, tap: str | None, ref_tap: str | Non
 
 # ---------------------------------------------------------------------------------- identify
 @main.command()
-@click.argument("store", type=click.Path(path_type=Path))
-@click.option("--bank", required=True, type=click.Path(path_type=Path),
+@_storage_options
+@click.argument("store", type=STORE)
+@click.option("--bank", required=True, type=STORE,
               help="A trace of every layer of the target model (tracediff record --adapter hf).")
 @click.option("--tap", help="Tap of STORE to identify (default fc_in).")
 @click.option("--bank-tap", help="Tap of the bank (default: its only bank tap).")
@@ -579,7 +656,8 @@ def demo(out: Path, samples: Path | None) -> None:
 
 # ---------------------------------------------------------------------------------- send
 @main.command()
-@click.argument("trace", type=click.Path(path_type=Path))
+@_storage_options
+@click.argument("trace", type=STORE)
 @click.option("--url", required=True, help="Base URL of the running server, e.g. http://127.0.0.1:30000.")
 @click.option("--engine", type=click.Choice(["sglang", "vllm"]), default="sglang", show_default=True,
               help="The server's API: SGLang /generate, or vLLM's OpenAI-compatible /v1/completions.")
@@ -648,7 +726,8 @@ def send(trace: Path, url: str, engine: str, model: str | None, tap: str | None,
 
 # ---------------------------------------------------------------------------------- inspect
 @main.command()
-@click.argument("store", type=click.Path(path_type=Path))
+@_storage_options
+@click.argument("store", type=STORE)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def inspect(store: Path, as_json: bool) -> None:
     """Show what STORE holds: taps, processes, rows, width, dtype, segments, phases, drops, meta."""
@@ -665,15 +744,40 @@ def inspect(store: Path, as_json: bool) -> None:
 
 # ---------------------------------------------------------------------------------- pack
 @main.command()
-@click.argument("store", type=click.Path(path_type=Path))
+@_storage_options
+@click.argument("store", type=STORE)
 @click.argument("dest", type=click.Path(path_type=Path), required=False)
 @click.option("--overwrite", is_flag=True, help="Replace DEST if it exists already.")
-def pack(store: Path, dest: Path | None, overwrite: bool) -> None:
-    """Pack a store folder into one .zarr.zip file (to attach to a bug report)."""
+def pack(store: Path | str, dest: Path | None, overwrite: bool) -> None:
+    """Pack a store folder (or a store at a URL) into one local .zarr.zip file (to attach to a bug report)."""
     from tracediff.store import pack_store  # noqa: PLC0415
 
-    dest = dest or store.with_name(store.name + ".zip")
+    if dest is None:
+        dest = store.with_name(store.name + ".zip") if isinstance(store, Path) else Path(_store_name(store) + ".zip")
     click.echo(str(pack_store(store, dest, overwrite=overwrite)))
+
+
+# ---------------------------------------------------------------------------------- push
+@main.command()
+@_storage_options
+@click.argument("local", type=click.Path(path_type=Path))
+@click.argument("url")
+@click.option("--overwrite", is_flag=True, help="Replace another store already at URL.")
+def push(local: Path, url: str, overwrite: bool) -> None:
+    """Upload the committed rows of store folder LOCAL to URL (s3://bucket/train.zarr, gs://...).
+
+    The root's zarr.json first (it names the recording, so a rerun resumes), then the chunk
+    objects, then array metadata, every writer group's commit record last: readers of URL never see
+    a group that is not complete. Resumable: run it again after a crash and it skips the
+    objects already there with the right size. The result is opened with the strict reader.
+    """
+    from tracediff.store.location import is_url  # noqa: PLC0415
+    from tracediff.store.push import push_store  # noqa: PLC0415
+
+    if not is_url(url) or url.startswith("file://"):
+        raise UsageError(f"push URL {url!r}: give an object-store URL such as s3://bucket/train.zarr")
+    result = push_store(local, url, overwrite=overwrite)
+    click.echo(f"tracediff: {result.summary()}")
 
 
 def run() -> None:

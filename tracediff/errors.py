@@ -47,6 +47,12 @@ class StoreWriteError(StoreError, OSError):
     """Writing to the store failed (full disk, permissions...)."""
 
 
+class RemoteStoreError(StoreError, ConnectionError):
+    """A store on object storage (an fsspec URL) cannot be reached or refuses the request: refused
+    connection, timeout, missing or rejected credentials, a dropped connection that retries did not
+    get past. The message names the URL (never its credentials) and the object."""
+
+
 class CompareError(TracediffError, ValueError):
     """Two stores cannot be compared (no common tap, zero aligned rows, bad segment size...)."""
 

@@ -71,6 +71,7 @@ class _Context:
                 durable=bool(cfg.get("durable", False)),
                 adapter=",".join(self.adapters) or "generic",
                 meta={"injected": True},
+                storage_options=cfg.get("storage_options"),  # record -o URL --storage-option ...
             )
             for spec in self.specs:
                 self.recorder_obj.declare(spec.name, **_segment_kw(cfg, spec.name))

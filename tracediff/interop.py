@@ -162,14 +162,14 @@ class _CommittedValues:
     @property
     def token(self) -> tuple[Any, ...]:
         s = self.stream
-        return (os.fspath(s.store.path), s.tap, s.writer, s.rows, s.width, s.dtype, str(s.commit.get("updated")))
+        return (_store_key(s.store), s.tap, s.writer, s.rows, s.width, s.dtype, str(s.commit.get("updated")))
 
     def __dask_tokenize__(self) -> tuple[Any, ...]:
         return self.token
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         s = self.stream
-        return _reopen, (os.fspath(s.store.path), s.tap, s.writer, s.rows)
+        return _reopen, (_store_key(s.store), s.tap, s.writer, s.rows)
 
     def __getitem__(self, key: Any) -> np.ndarray:
         key = key if isinstance(key, tuple) else (key,)
@@ -195,8 +195,13 @@ class _CommittedValues:
         return out
 
 
+def _store_key(store: TraceStore) -> Any:
+    """What a worker reopens: the folder's path, or the URL's Location (it keeps its storage options)."""
+    return store.location if store.location.remote else os.fspath(store.path)
+
+
 @lru_cache(maxsize=16)
-def _reopened_store(path: str) -> TraceStore:
+def _reopened_store(path: Any) -> TraceStore:
     """One validated TraceStore per path in a worker process (opening checks every chunk file)."""
     return TraceStore(path)
 

@@ -45,6 +45,8 @@ from tracediff.store import (
     default_source,
     phase_code,
 )
+from tracediff.store.location import Location
+from tracediff.store.remote_writer import RemoteTraceWriter, default_writer_name, store_exists
 
 log = logging.getLogger("tracediff")
 
@@ -215,6 +217,8 @@ class Recorder:
     """Records tapped tensors of this process into a trace store.
 
     Use as a context manager (``with tracediff.record(path) as rec:``) or call :meth:`close`.
+    ``path`` may be an fsspec URL (``s3://bucket/train.zarr``, with ``storage_options`` for fsspec):
+    the same commit protocol, written as objects (see ``docs/remote.md``).
     ``append=True`` adds this process's groups to an existing store (how `tracediff record -- CMD`
     children write); otherwise the store is created, refusing an existing path unless ``overwrite``.
     """
@@ -242,12 +246,15 @@ class Recorder:
         framework_version: str = "",
         adapter: str | None = None,
         handle_sigterm: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if on_full not in ("drop", "block"):
             raise UsageError(f"on_full must be 'drop' or 'block', got {on_full!r}")
         if max_queue_bytes <= 0 or max_queue_batches <= 0:
             raise UsageError("max_queue_bytes and max_queue_batches must be positive")
-        self.path = Path(path)
+        # A folder, or an fsspec URL (s3://...) written through zarr's FsspecStore.
+        self.location = Location.of(path, None if storage_options is None else dict(storage_options))
+        self.path: Any = self.location if self.location.remote else Path(self.location.local)
         self.role = role
         self.limits = limits or Limits()
         self.on_full = on_full
@@ -282,7 +289,13 @@ class Recorder:
         self._state_lock = threading.Lock()  # drop counts: host threads and the writer add to them
         self._close_lock = threading.RLock()  # re-entrant: SIGTERM may arrive while close() runs
 
-        if append:
+        if self.location.remote:
+            if append:
+                if not store_exists(self.location):
+                    raise UsageError(f"{self.path}: append=True needs an existing trace store")
+            else:
+                create_store(self.location, role=role, meta=self.meta, source=self.source, overwrite=overwrite)
+        elif append:
             if not (self.path / "zarr.json").is_file():
                 raise UsageError(f"{self.path}: append=True needs an existing trace store")
         else:
@@ -290,6 +303,8 @@ class Recorder:
                 raise StoreExistsError(f"{self.path}: already exists; pass overwrite=True (--overwrite) to replace it")
             create_store(self.path, role=role, meta=self.meta, source=self.source, overwrite=overwrite)
         pid = os.getpid()
+        if writer_name is None and self.location.remote:  # nodes share the store: pids repeat
+            writer_name = default_writer_name(rank, pid)
         self.writer_name = writer_name or (f"rank{rank}-pid{pid}" if rank is not None else f"pid{pid}")
         self._thread = threading.Thread(target=self._writer_loop, name="tracediff-writer", daemon=True)
         self._thread.start()
@@ -794,7 +809,7 @@ class Recorder:
                 "phases": list(PHASES),
             }
         )
-        writer = TraceWriter(
+        writer = (RemoteTraceWriter if self.location.remote else TraceWriter)(
             self.path,
             state.name,
             self.writer_name,

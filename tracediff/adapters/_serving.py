@@ -89,15 +89,17 @@ def activate_from_plugin(adapter: str, framework: str, version: str, store_env: 
         from tracediff.errors import StoreExistsError  # noqa: PLC0415
         from tracediff.inject import activate  # noqa: PLC0415
         from tracediff.store import create_store, default_source  # noqa: PLC0415
+        from tracediff.store.location import is_url  # noqa: PLC0415
 
-        path = os.path.abspath(store)
-        if not os.path.isfile(os.path.join(path, "zarr.json")):
+        remote = is_url(store) and not store.startswith("file://")  # s3://...: credentials from the environment
+        path = store if remote else os.path.abspath(store.removeprefix("file://"))
+        if remote or not os.path.isfile(os.path.join(path, "zarr.json")):
             source = default_source("server", framework, version)
             source["argv"] = list(sys.argv)
             source["recorded_by"] = [f"{framework} plugin", store_env]
-            # Another process of this server may have created it first.
+            # Another process of this server may have created it first (join: kept as it is).
             with contextlib.suppress(StoreExistsError, FileExistsError):
-                create_store(path, role="server", source=source, meta={"record": {"adapters": [adapter]}})
+                create_store(path, role="server", source=source, meta={"record": {"adapters": [adapter]}}, join=True)
         activate({"store": path, "role": "server", "adapters": [adapter],
                   "all_ranks": all_ranks_requested(all_ranks_env)})
     except Exception as exc:  # noqa: BLE001

@@ -29,7 +29,10 @@ Modules, along the data's path: :mod:`~tracediff.store.format` (layout, dtypes, 
 :mod:`~tracediff.store.writer` (creating stores, :class:`TraceWriter`), :mod:`~tracediff.store.validate`
 (metadata checks), :mod:`~tracediff.store.files` (safe, direct file reads),
 :mod:`~tracediff.store.stream` (one writer group's rows), :mod:`~tracediff.store.reader`
-(:class:`TraceStore`), :mod:`~tracediff.store.pack` (``.zarr.zip``).
+(:class:`TraceStore`), :mod:`~tracediff.store.pack` (``.zarr.zip``). Stores at fsspec URLs:
+:mod:`~tracediff.store.location` (path or URL, credentials, object requests),
+:mod:`~tracediff.store.remote_writer` (recording to a URL), :mod:`~tracediff.store.push` (uploading
+a local store); the commit protocol on object storage is in ``docs/remote.md``.
 """
 
 from tracediff.store.files import ChunkFiles
@@ -50,7 +53,9 @@ from tracediff.store.format import (
     encode_bfloat16,
     phase_code,
 )
+from tracediff.store.location import Location
 from tracediff.store.pack import pack_store
+from tracediff.store.push import PushResult, push_store
 from tracediff.store.reader import TraceStore, open_store
 from tracediff.store.stream import TraceStream
 from tracediff.store.writer import (
@@ -76,6 +81,8 @@ __all__ = [
     "PHASES",
     "VALUE_DTYPES",
     "ChunkFiles",
+    "Location",
+    "PushResult",
     "TraceStore",
     "TraceStream",
     "TraceWriter",
@@ -87,6 +94,7 @@ __all__ = [
     "encode_bfloat16",
     "open_store",
     "pack_store",
+    "push_store",
     "phase_code",
     "remove_store",
     "replace_store",

@@ -7,9 +7,9 @@ import contextlib
 import json
 import math
 import os
+import re
 import stat
 import zipfile
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,12 +25,16 @@ from tracediff.errors import (
 )
 from tracediff.store.files import _file_kind, _open_plain_file, _read_error
 from tracediff.store.format import _MAX_METADATA_BYTES, FORMAT, LABEL_DTYPES, LABEL_FIELDS, PHASES, VALUE_DTYPES, _zarr
+from tracediff.store.location import Location, remote_error
 from tracediff.store.stream import TraceStream
 from tracediff.store.validate import _check_array_doc, _group_attributes, _is_int, _json_type, _short_repr
 
+_CHUNK_KEY = re.compile(r"^(.*)/c(?:/\d+)+$")
+
 
 class TraceStore:
-    """A trace store opened for reading: a folder or a ``.zarr.zip`` file. Validates on open.
+    """A trace store opened for reading: a folder, a ``.zarr.zip`` file, or a folder on object
+    storage (an fsspec URL: ``s3://bucket/train.zarr``). Validates on open.
 
     Every metadata document (``zarr.json``) is read and checked here before zarr sees it: node
     types, the commit record against the arrays' shapes, dtypes, chunk shapes, and the codecs
@@ -39,13 +43,28 @@ class TraceStore:
     when uncompressed) before any is read. So a damaged or hostile store fails on open, with one
     :class:`StoreError` naming the file and the field, and never makes a reader run code from the
     store, block on a FIFO, follow a symlink loop or allocate what its metadata claims.
+
+    A store at a URL gets the same checks, made on objects: each ``zarr.json`` is fetched with one
+    ranged GET of at most the metadata limit, each array's chunk objects and their sizes come from
+    one listing (no request per chunk), and reads fetch whole chunk objects whose sizes are checked
+    again, so a dropped connection never passes a short chunk off as data. ``path`` is then the
+    :class:`Location` (it prints as the URL without credentials).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike[str] | Location, storage_options: dict[str, Any] | None = None) -> None:
+        self.location = Location.of(path, storage_options)
         self._zip = None  # zarr's ZipStore of a .zarr.zip store
         self._zipfile: zipfile.ZipFile | None = None
         self._zip_names: dict[str, zipfile.ZipInfo] = {}
+        self._remote: Location | None = None  # a store at a URL
+        self._prefetched: dict[str, bytes | None] = {}  # zarr.json objects fetched by a listing
+        self._objects: dict[str, dict[str, int]] = {}  # array key -> its chunk objects' sizes
+        if self.location.remote:
+            self.path: Any = self.location
+            self._remote = self.location
+            self._open_remote()
+            return
+        self.path = self.location.local
         if not os.path.lexists(self.path):
             raise StoreNotFoundError(f"{self.path}: no such trace store")
         try:
@@ -83,6 +102,27 @@ class TraceStore:
         except BaseException:
             self.close()
             raise
+
+    def _open_remote(self) -> None:
+        loc = self.location
+        if loc.name.endswith(".zip"):
+            raise UsageError(
+                f"{loc.display}: a .zarr.zip store is read from a local file; download it, or push the store folder "
+                "(tracediff push) and read that URL"
+            )
+        if self._read_bytes("zarr.json", _MAX_METADATA_BYTES) is None:
+            try:
+                entries = loc.fs.ls(loc.root, detail=False)
+            except FileNotFoundError as exc:
+                why = first_line(exc) if "bucket" in str(exc).lower() else "no object at this URL"
+                raise StoreNotFoundError(f"{loc.display}: no such trace store ({why})") from exc
+            except Exception as exc:  # noqa: BLE001
+                raise remote_error(loc.display, exc, "listed") from exc
+            if not entries:
+                raise StoreNotFoundError(f"{loc.display}: no such trace store (no object at this URL)")
+            raise NotATraceStoreError(f"{loc.display}: not a zarr v3 store (no zarr.json at its top)")
+        self._zstore = loc.zarr_store(read_only=True)
+        self._open_root()
 
     def _open_root(self) -> None:
         doc = self._node_doc("", root=True)
@@ -130,6 +170,11 @@ class TraceStore:
     def _read_bytes(self, key: str, limit: int) -> bytes | None:
         """The bytes of store key ``key`` (None if absent), refusing more than ``limit`` bytes."""
         where = self._display(key)
+        if self._remote is not None:
+            data = self._prefetched.pop(key) if key in self._prefetched else self._remote.read_object(key, limit)
+            if data is not None and len(data) > limit:
+                raise CorruptStoreError(f"{where}: more than {limit} bytes, more than a trace store's metadata holds")
+            return data
         if self._zipfile is not None:
             info = self._zip_names.get(key)
             if info is None:
@@ -188,6 +233,21 @@ class TraceStore:
 
     def _children(self, key: str) -> list[str]:
         """Names of the child nodes (folders holding a zarr.json) of group ``key``, sorted."""
+        if self._remote is not None:
+            # One listing, then every child's zarr.json at once (kept for _node_doc): a folder
+            # without one is a writer still creating its group (or killed doing so), no node.
+            prefix = f"{key}/" if key else ""
+            names = [n for n in self._remote.list_folders(key) if n != "zarr.json"]
+            docs = self._remote.read_objects([f"{prefix}{n}/zarr.json" for n in names], limit=_MAX_METADATA_BYTES)
+            out = []
+            for name, doc in zip(names, docs, strict=True):
+                if isinstance(doc, FileNotFoundError):
+                    continue
+                if isinstance(doc, BaseException):
+                    raise remote_error(self._display(f"{prefix}{name}/zarr.json"), doc) from doc
+                self._prefetched[f"{prefix}{name}/zarr.json"] = doc
+                out.append(name)
+            return out
         if self._zipfile is not None:
             prefix = f"{key}/" if key else ""
             depth = prefix.count("/") + 1
@@ -226,6 +286,9 @@ class TraceStore:
 
     def _chunk_count(self, key: str) -> int:
         """How many chunk entries array ``key`` has under ``c/`` (a bound, found by one listing)."""
+        if self._remote is not None:
+            prefix = f"{key}/c/"
+            return len({name[len(prefix) :].split("/")[0] for name in self._object_sizes(key)})
         if self._zipfile is not None:
             prefix = f"{key}/c/"
             return len({name[len(prefix) :].split("/")[0] for name in self._zip_names if name.startswith(prefix)})
@@ -240,7 +303,10 @@ class TraceStore:
         """Chunk ``key`` holds committed rows: it must be a plain file, of exactly ``raw_size`` bytes
         when uncompressed, else not empty."""
         where = self._display(key)
-        if self._zipfile is not None:
+        if self._remote is not None:
+            match = _CHUNK_KEY.match(key)
+            size = self._object_sizes(match.group(1)).get(key) if match else None
+        elif self._zipfile is not None:
             info = self._zip_names.get(key)
             size = None if info is None else info.file_size
         else:
@@ -262,6 +328,36 @@ class TraceStore:
             )
         if size == 0:
             raise CorruptStoreError(f"{where}: chunk file is empty (truncated?)")
+
+    def _object_sizes(self, key: str) -> dict[str, int]:
+        """Array ``key``'s chunk objects (store keys) and their sizes: one listing, kept."""
+        sizes = self._objects.get(key)
+        if sizes is None:
+            assert self._remote is not None
+            sizes = self._objects[key] = self._remote.list_sizes(f"{key}/c")
+        return sizes
+
+    def _chunk_objects(self, keys: list[str], raw_size: int | None, limit: int) -> list[bytes]:
+        """The bytes of chunk objects ``keys`` of a remote store, fetched together, each checked as
+        :meth:`_check_chunk` checks a file (present, not empty, exactly ``raw_size`` bytes when
+        uncompressed, at most ``limit``): a response cut short is an error, never data."""
+        assert self._remote is not None
+        out = []
+        for key, blob in zip(keys, self._remote.read_objects(keys, limit=limit), strict=True):
+            where = self._display(key)
+            if isinstance(blob, FileNotFoundError):
+                raise CorruptStoreError(f"{where}: chunk object is missing (deleted?) but holds committed rows")
+            if isinstance(blob, BaseException):
+                raise remote_error(where, blob) from blob
+            if raw_size is not None and len(blob) != raw_size:
+                size = f"more than {raw_size}" if len(blob) > raw_size else str(len(blob))
+                raise CorruptStoreError(
+                    f"{where}: chunk holds {size} bytes, expected {raw_size} (truncated or foreign object?)"
+                )
+            if not blob or len(blob) > limit:
+                raise CorruptStoreError(f"{where}: chunk object holds {len(blob)} bytes (truncated or foreign object?)")
+            out.append(blob)
+        return out
 
     def _open_array(self, key: str, *, ndim: int, data_type: str, rows: int) -> tuple[Any, dict[str, Any]]:
         """Check array ``key``'s metadata, its committed chunk files, then open it with zarr."""
@@ -286,6 +382,8 @@ class TraceStore:
         try:
             array = _zarr().open_array(store=self._zstore, path=key, mode="r", zarr_format=3)
         except Exception as exc:  # noqa: BLE001  (zarr rejects odd metadata with several types)
+            if self._remote is not None and not isinstance(exc, (ValueError, TypeError, KeyError)):
+                raise remote_error(where, exc) from exc
             raise CorruptStoreError(
                 f"{where}: not a readable zarr array ({type(exc).__name__}: {first_line(exc)})"
             ) from exc
@@ -355,6 +453,20 @@ class TraceStore:
                     f"{meta_file}: field segment_labels names {len(labels)} segments but width {width} / segment_size "
                     f"{segment_size} makes {width // segment_size}; fix the attribute or record again"
                 )
+        if self._remote is not None:  # every array's zarr.json and chunk listing in one round trip each
+            arrays_at = [f"{key}/{name}" for name in ("values", *LABEL_FIELDS)]
+            docs = self._remote.read_objects([f"{a}/zarr.json" for a in arrays_at], limit=_MAX_METADATA_BYTES)
+            for array_key, doc in zip(arrays_at, docs, strict=True):
+                if isinstance(doc, FileNotFoundError):
+                    continue  # reported by _open_array as a missing array
+                if isinstance(doc, BaseException):
+                    raise remote_error(self._display(f"{array_key}/zarr.json"), doc) from doc
+                self._prefetched[f"{array_key}/zarr.json"] = doc
+            if rows:
+                missing = [a for a in arrays_at if a not in self._objects]
+                self._objects.update(
+                    zip(missing, self._remote.list_sizes_many([f"{a}/c" for a in missing]), strict=True)
+                )
         values, values_doc = self._open_array(f"{key}/values", ndim=2, data_type=VALUE_DTYPES[dtype].name, rows=rows)
         shape = values_doc["shape"]
         chunk_shape = values_doc["chunk_grid"]["configuration"]["chunk_shape"]
@@ -412,6 +524,13 @@ class TraceStore:
         return sum(s.rows for s in self.tap_streams(tap))
 
 
-def open_store(path: str | os.PathLike[str]) -> TraceStore:
-    """Open a trace store (folder or ``.zarr.zip``) for reading."""
-    return TraceStore(path)
+def open_store(
+    location: str | os.PathLike[str] | Location, storage_options: dict[str, Any] | None = None
+) -> TraceStore:
+    """Open a trace store for reading: a folder, a ``.zarr.zip`` file, or an fsspec URL
+    (``s3://bucket/train.zarr``, ``gs://...``, ``https://...``, ``file://...``).
+
+    ``storage_options`` go to fsspec for a URL (``endpoint_url``, ``key``, ``secret``, ``anon``...);
+    without them, the standard environment and config files apply (``AWS_*``, ``~/.aws/``).
+    """
+    return TraceStore(location, storage_options)

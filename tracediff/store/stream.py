@@ -18,9 +18,15 @@ from tracediff.errors import (
 )
 from tracediff.store.files import _IOV_MAX, ChunkFiles, _open_chunk_file, _open_plain_file, _read_error
 from tracediff.store.format import _MAX_CHUNK_BYTES, LABEL_DTYPES, LABEL_FIELDS, VALUE_DTYPES, decode_values
+from tracediff.store.location import remote_error
 
 if TYPE_CHECKING:
     from tracediff.store.reader import TraceStore
+
+#: Chunks of a remote store that :meth:`TraceStream.read_chunk` fetches together: at most this
+#: many, and at most READ_AHEAD_BYTES of them.
+READ_AHEAD_CHUNKS = 16
+READ_AHEAD_BYTES = 64 << 20
 
 
 @dataclass
@@ -97,8 +103,17 @@ class TraceStream:
         expect = chunk_rows * dtype.itemsize
         out = np.empty(-(-self.rows // chunk_rows) * chunk_rows, dtype=LABEL_DTYPES[name])
         codec = Zstd()
+        count = out.shape[0] // chunk_rows
+        if self.store._remote is not None:  # the chunk objects, fetched together
+            keys = [f"{self.tap}/{self.writer}/{name}/c/{index}" for index in range(count)]
+            blobs = self.store._chunk_objects(keys, None, _MAX_CHUNK_BYTES)
+            for index, (key, blob) in enumerate(zip(keys, blobs, strict=True)):
+                out[index * chunk_rows : (index + 1) * chunk_rows] = self._decode_label(
+                    codec, blob, self.store._display(key), expect, dtype
+                )
+            return out[: self.rows]
         folder = os.fspath(self.store.path / self.tap / self.writer / name / "c")
-        for index in range(out.shape[0] // chunk_rows):
+        for index in range(count):
             path = f"{folder}/{index}"
             fd = _open_plain_file(path)
             if fd is None:
@@ -112,16 +127,20 @@ class TraceStream:
                 raise _read_error(path, exc) from exc
             finally:
                 os.close(fd)
-            try:
-                raw = codec.decode(blob)
-            except Exception as exc:  # noqa: BLE001  (the codec raises several types for a bad frame)
-                raise CorruptStoreError(
-                    f"{path}: chunk cannot be decoded ({type(exc).__name__}: {first_line(exc)})"
-                ) from exc
-            if len(raw) != expect:
-                raise CorruptStoreError(f"{path}: chunk cannot be decoded to {expect} bytes (it holds {len(raw)})")
-            out[index * chunk_rows : (index + 1) * chunk_rows] = np.frombuffer(raw, dtype=dtype)
+            out[index * chunk_rows : (index + 1) * chunk_rows] = self._decode_label(codec, blob, path, expect, dtype)
         return out[: self.rows]
+
+    @staticmethod
+    def _decode_label(codec: Any, blob: bytes, where: str, expect: int, dtype: np.dtype) -> np.ndarray:
+        try:
+            raw = codec.decode(blob)
+        except Exception as exc:  # noqa: BLE001  (the codec raises several types for a bad frame)
+            raise CorruptStoreError(
+                f"{where}: chunk cannot be decoded ({type(exc).__name__}: {first_line(exc)})"
+            ) from exc
+        if len(raw) != expect:
+            raise CorruptStoreError(f"{where}: chunk cannot be decoded to {expect} bytes (it holds {len(raw)})")
+        return np.frombuffer(raw, dtype=dtype)
 
     def _chunk_key(self, name: str, index: int) -> str:
         return f"{self.tap}/{self.writer}/{name}/c/{index}" + ("/0" if name == "values" else "")
@@ -137,6 +156,14 @@ class TraceStream:
         try:
             return np.asarray(select(arr))
         except Exception as exc:  # noqa: BLE001  (codecs raise many types; all mean "cannot be decoded")
+            if self.store._remote is not None and _is_transport_error(exc):
+                # the object store failed (retries spent), not the data: no hunt chunk by chunk
+                where = self.store._display(self._chunk_key(name, int(chunks[0]) if chunks.size else 0))
+                if isinstance(exc, FileNotFoundError):
+                    raise CorruptStoreError(
+                        f"{where}: a chunk object is missing (deleted?) but holds committed rows"
+                    ) from exc
+                raise remote_error(where, exc) from exc
             bad, cause = self._failing_chunk(arr, chunks, exc)
             where = self.store._display(self._chunk_key(name, bad))
             if isinstance(cause, OSError):
@@ -158,6 +185,64 @@ class TraceStream:
     def _raw_chunk_bytes(self) -> int:
         return self.chunk_rows * self.width * VALUE_DTYPES[self.dtype].itemsize
 
+    def _remote_chunks(self, chunks: Sequence[int]) -> list[np.ndarray]:
+        """Uncompressed values chunks ``chunks`` of a remote store: their objects fetched together
+        (a response cut short fails the size check), as [chunk_rows, width] arrays."""
+        keys = [self._chunk_key("values", c) for c in chunks]
+        blobs = self.store._chunk_objects(keys, self._raw_chunk_bytes, self._raw_chunk_bytes)
+        dtype = VALUE_DTYPES[self.dtype]
+        return [
+            np.frombuffer(b, dtype=self._raw_dtype).reshape(self.chunk_rows, self.width).astype(dtype, copy=False)
+            for b in blobs
+        ]
+
+    def _remote_take(self, rows: np.ndarray, chunks: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` of a remote store's uncompressed values: a chunk most of whose rows are
+        wanted is fetched whole; from the others, each run of consecutive rows is one ranged GET
+        (a sample spread over a store reads its rows, not every chunk). Every body's length is
+        checked: a response cut short is an error, never rows."""
+        out = np.empty((rows.size, self.width), dtype=VALUE_DTYPES[self.dtype])
+        cr = self.chunk_rows
+        row_bytes = self.width * VALUE_DTYPES[self.dtype].itemsize
+        unique = np.unique(rows)
+        per_chunk = np.bincount(unique // cr - chunks[0], minlength=int(chunks[-1] - chunks[0]) + 1)
+        whole = [int(c) for c in chunks.tolist() if per_chunk[c - chunks[0]] * 4 >= cr]
+        for lo in range(0, len(whole), 64):  # a bounded number of chunks in memory at once
+            part = whole[lo : lo + 64]
+            for c, data in zip(part, self._remote_chunks(part), strict=True):
+                hit = np.flatnonzero(rows // cr == c)
+                out[hit] = data[rows[hit] - c * cr]
+        sparse = unique[~np.isin(unique // cr, whole)]
+        if sparse.size:
+            breaks = np.flatnonzero((np.diff(sparse) != 1) | (np.diff(sparse // cr) != 0)) + 1
+            runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(sparse, breaks)]
+            keys = [self._chunk_key("values", a // cr) for a, _ in runs]
+            spans = [((a % cr) * row_bytes, (a % cr + b - a) * row_bytes) for a, b in runs]
+            assert self.store._remote is not None
+            found: dict[int, np.ndarray] = {}
+            for (a, b), key, blob in zip(runs, keys, self.store._remote.read_objects(keys, spans=spans), strict=True):
+                where = self.store._display(key)
+                if isinstance(blob, FileNotFoundError):
+                    raise CorruptStoreError(f"{where}: chunk object is missing (deleted?) but holds committed rows")
+                if isinstance(blob, BaseException):
+                    raise remote_error(where, blob) from blob
+                if len(blob) != (b - a) * row_bytes:
+                    raise CorruptStoreError(
+                        f"{where}: rows {a}..{b} came back as {len(blob)} bytes, expected {(b - a) * row_bytes} "
+                        "(object truncated or response cut short)"
+                    )
+                block = np.frombuffer(blob, dtype=self._raw_dtype).reshape(b - a, self.width)
+                for r in range(a, b):
+                    found[r] = block[r - a]
+            hit = np.flatnonzero(np.isin(rows, sparse))
+            out[hit] = np.stack([found[int(r)] for r in rows[hit].tolist()]).astype(out.dtype, copy=False)
+        return out
+
+    @property
+    def _remote_raw(self) -> bool:
+        """Values chunks are objects of plain bytes on object storage: fetched and sliced here."""
+        return self._values_raw and self.store._remote is not None
+
     def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Raw stored values of rows [start, stop) (uint16 bits for bf16)."""
         stop = self.rows if stop is None else min(stop, self.rows)
@@ -165,6 +250,10 @@ class TraceStream:
         if start >= stop:
             return np.empty((0, self.width), dtype=VALUE_DTYPES[self.dtype])
         chunks = np.arange(start // self.chunk_rows, (stop - 1) // self.chunk_rows + 1)
+        if self._remote_raw:
+            first = int(chunks[0]) * self.chunk_rows
+            block = np.concatenate(self._remote_chunks(chunks.tolist()))
+            return block[start - first : stop - first]
         return self._read_array("values", chunks, lambda a: a[start:stop])
 
     def read_float32(self, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -178,6 +267,8 @@ class TraceStream:
         if rows.min() < 0 or rows.max() >= self.rows:
             raise UsageError(f"row index out of range 0..{self.rows - 1}")
         chunks = np.unique(rows // self.chunk_rows)
+        if self._remote_raw:
+            return self._remote_take(rows, chunks)
         return self._read_array("values", chunks, lambda a: a.get_orthogonal_selection((rows, slice(None))))
 
     def read_chunk(
@@ -219,7 +310,35 @@ class TraceStream:
             return data.reshape(self.chunk_rows, self.width)[: stop - start].astype(
                 VALUE_DTYPES[self.dtype], copy=False
             )
+        if self.store._remote is not None:
+            return self._read_ahead(index)[: stop - start]
         return self.read(start, stop)
+
+    def _read_ahead(self, index: int) -> np.ndarray:
+        """Chunk ``index`` of a remote store, fetched with the next ones (READ_AHEAD_CHUNKS objects
+        in flight together, not one round trip per chunk): a streaming pass asks for chunks in
+        order, and each request costs a round trip to the object store."""
+        import threading  # noqa: PLC0415
+        from collections import OrderedDict  # noqa: PLC0415
+
+        state = self.__dict__.get("_ahead_state")
+        if state is None:
+            state = self.__dict__["_ahead_state"] = (threading.Lock(), OrderedDict())
+        lock, ahead = state
+        with lock:
+            data = ahead.pop(index, None)
+            if data is not None:
+                return data
+            row_bytes = self.width * VALUE_DTYPES[self.dtype].itemsize
+            count = max(1, min(READ_AHEAD_CHUNKS, READ_AHEAD_BYTES // max(1, self.chunk_rows * row_bytes)))
+            stop_chunk = min(index + count, self.chunks)
+            block = self.read(index * self.chunk_rows, stop_chunk * self.chunk_rows)
+            for c in range(index + 1, stop_chunk):
+                lo = (c - index) * self.chunk_rows
+                ahead[c] = block[lo : lo + self.chunk_rows]
+            while len(ahead) > 2 * count:  # chunks skipped over: bounded memory
+                ahead.popitem(last=False)
+            return block[: self.chunk_rows]
 
     def _read_chunk_rows(
         self,
@@ -346,7 +465,7 @@ class TraceStream:
     def _raw_chunks(self) -> bool:
         """Values chunks are plain files of plain bytes (a folder store, no codec but ``bytes``), so
         rows can be read straight from them; decided from the metadata checked on open."""
-        return self._values_raw and self.store._zip is None
+        return self._values_raw and self.store._zip is None and self.store._remote is None
 
     @property
     def _raw_dtype(self) -> np.dtype:
@@ -366,3 +485,18 @@ class TraceStream:
     @property
     def nbytes(self) -> int:
         return self.rows * self.width * VALUE_DTYPES[self.dtype].itemsize
+
+
+def _is_transport_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is the object store or the network failing, not a codec
+    refusing the data: a request error of botocore/aiohttp, a timeout, a refused connection."""
+    seen = 0
+    while exc is not None and seen < 8:
+        module = type(exc).__module__ or ""
+        if module.startswith(("botocore", "aiohttp", "aiobotocore", "s3fs", "gcsfs", "urllib3")):
+            return True
+        if isinstance(exc, (ConnectionError, TimeoutError, PermissionError, FileNotFoundError)):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        seen += 1
+    return False

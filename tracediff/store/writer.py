@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -42,6 +42,9 @@ from tracediff.store.format import (
     default_source,
 )
 
+if TYPE_CHECKING:
+    from tracediff.store.location import Location
+
 
 def create_store(
     path: str | os.PathLike[str],
@@ -50,13 +53,25 @@ def create_store(
     meta: Mapping[str, Any] | None = None,
     source: Mapping[str, Any] | None = None,
     overwrite: bool = False,
-) -> Path:
+    join: bool = False,
+) -> Path | Location:
     """Create an empty trace store (the root group and its attributes).
 
     Refuses an existing path unless ``overwrite``; then only a trace store (or an empty folder) is
-    replaced, never an unrelated directory.
+    replaced, never an unrelated directory. ``join``: a trace store already there is kept (several
+    recordings adding their writer groups to one store). A URL is created by
+    :func:`tracediff.store.remote_writer.create_remote_store` (and a Location returned).
     """
-    path = Path(path)
+    from tracediff.store.location import Location  # noqa: PLC0415
+
+    location = Location.of(path)
+    if location.remote:
+        from tracediff.store.remote_writer import create_remote_store  # noqa: PLC0415
+
+        return create_remote_store(location, role=role, meta=meta, source=source, overwrite=overwrite, join=join)
+    path = Path(location.local)
+    if join and _looks_like_trace_store(path):
+        return path
     if str(path).endswith(".zip"):
         raise UsageError(f"{path}: a .zarr.zip store is read-only; record into a folder and pack it")
     if path.exists():
@@ -128,8 +143,17 @@ def _looks_like_trace_store(path: Path) -> bool:
 
 
 def remove_store(path: str | os.PathLike[str]) -> None:
-    """Delete a trace store folder (only a trace store: an unrelated folder raises)."""
-    path = Path(path)
+    """Delete a trace store folder (only a trace store: an unrelated folder raises), or the store
+    at a URL."""
+    from tracediff.store.location import Location  # noqa: PLC0415
+
+    location = Location.of(path)
+    if location.remote:
+        from tracediff.store.remote_writer import remove_remote_store  # noqa: PLC0415
+
+        remove_remote_store(location)
+        return
+    path = Path(location.local)
     check_replaceable(path, overwrite=True)
     _remove_tree(path)
 

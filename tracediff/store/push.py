@@ -1,0 +1,212 @@
+"""Uploading a local store to object storage (``tracediff push LOCAL URL``), with the commit
+protocol of :mod:`tracediff.store`: committed rows only, every chunk object before the metadata
+that covers it, every writer group's commit record last.
+
+The root ``zarr.json`` goes first: it names the recording (its ``source``), so a second push after
+a crash knows the objects already there are this store's, skips every chunk object already
+present with the right size, and writes the metadata and commit records again. Until a writer
+group's commit record is written, readers skip the group (a folder without its ``zarr.json``), so
+a push killed at any point leaves a store that opens with the strict reader and shows only groups
+that are complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tracediff.errors import NotATraceStoreError, StoreExistsError, StoreWriteError, UsageError
+from tracediff.store.format import _MAX_METADATA_BYTES, LABEL_FIELDS
+from tracediff.store.location import FETCH_CONCURRENCY, Location, remote_error
+from tracediff.store.reader import TraceStore
+
+
+@dataclass
+class PushResult:
+    """What one push did; ``groups`` maps ``tap/writer`` to the committed rows now at ``url``."""
+
+    url: str
+    uploaded: int = 0
+    skipped: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    groups: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        rows = sum(self.groups.values())
+        return (
+            f"pushed {rows} committed rows in {len(self.groups)} writer group(s) to {self.url}: {self.uploaded} "
+            f"objects ({self.bytes / 2**20:.1f} MiB) uploaded, {self.skipped} already there, in {self.seconds:.1f}s"
+        )
+
+
+def push_store(
+    src: str | os.PathLike[str],
+    dest: str | Location,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> PushResult:
+    """Upload the committed rows of local store folder ``src`` to URL ``dest``; resumable.
+
+    ``dest`` may already hold this store (an earlier, interrupted or older push): objects present
+    with the right size are kept. Another store there is refused unless ``overwrite``. The result
+    is checked by opening ``dest`` with the strict reader. ``progress`` gets each object's bytes.
+    """
+    started = time.perf_counter()
+    loc = Location.of(dest, None if storage_options is None else dict(storage_options))
+    if not loc.remote:
+        raise UsageError(f"{loc.display}: push uploads to a URL (s3://..., gs://...); to copy a folder use cp -r")
+    with TraceStore(src) as local:
+        if local.location.remote or local._zipfile is not None:
+            raise UsageError(f"{local.path}: push takes a local store folder")
+        plan = _plan(local)
+        result = PushResult(url=loc.display, groups={f"{g['tap']}/{g['writer']}": g["rows"] for g in plan["groups"]})
+        present = _prepare_destination(loc, local, overwrite)
+        base = os.fspath(local.path)
+
+        def upload(keys: list[str]) -> None:
+            files = [(k, os.path.join(base, *k.split("/"))) for k in keys]
+            todo = [(k, p, os.path.getsize(p)) for k, p in files]
+            fresh = [(k, p, n) for k, p, n in todo if present.get(k) != n]
+            result.skipped += len(todo) - len(fresh)
+            _put_files(loc, fresh, progress)
+            result.uploaded += len(fresh)
+            result.bytes += sum(n for _, _, n in fresh)
+
+        def put_docs(docs: list[tuple[str, bytes]]) -> None:
+            _put_bytes(loc, docs)
+            result.uploaded += len(docs)
+            result.bytes += sum(len(b) for _, b in docs)
+
+        put_docs([("zarr.json", plan["root"])] + [(f"{tap}/zarr.json", doc) for tap, doc in plan["taps"]])
+        upload([key for g in plan["groups"] for key in g["chunks"]])
+        put_docs([doc for g in plan["groups"] for doc in g["arrays"]])
+        put_docs([g["commit"] for g in plan["groups"]])
+    with TraceStore(loc) as remote:  # the strict reader: every check a local store gets
+        got = {f"{s.tap}/{s.writer}": s.rows for streams in remote.streams.values() for s in streams}
+    for group, rows in result.groups.items():
+        if got.get(group) != rows:
+            raise StoreWriteError(
+                f"{loc.display}/{group}: holds {got.get(group)} committed rows after the push, expected {rows}; "
+                "push again (it resumes)"
+            )
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _plan(local: TraceStore) -> dict[str, Any]:
+    """The objects to upload, from the store as opened (one consistent snapshot of every commit
+    record, whatever a live writer commits meanwhile): chunk keys of committed rows, array
+    metadata with the committed shape, the commit records."""
+    root = local._read_bytes("zarr.json", _MAX_METADATA_BYTES)
+    assert root is not None
+    taps, groups = [], []
+    for tap in local.taps:
+        doc = local._read_bytes(f"{tap}/zarr.json", _MAX_METADATA_BYTES)
+        assert doc is not None
+        taps.append((tap, doc))
+        for stream in local.streams[tap]:
+            key = f"{tap}/{stream.writer}"
+            chunks: list[str] = []
+            arrays: list[tuple[str, bytes]] = []
+            for name in ("values", *LABEL_FIELDS):
+                array_doc = local._node_doc(f"{key}/{name}")
+                assert array_doc is not None
+                chunk_rows = int(array_doc["chunk_grid"]["configuration"]["chunk_shape"][0])
+                suffix = "/0" * (len(array_doc["shape"]) - 1)
+                chunks += [f"{key}/{name}/c/{i}{suffix}" for i in range(math.ceil(stream.rows / chunk_rows))]
+                # shapes say the committed rows: rows a killed batch wrote past them stay local
+                array_doc["shape"] = [stream.rows, *array_doc["shape"][1:]]
+                arrays.append((f"{key}/{name}/zarr.json", json.dumps(array_doc, indent=2).encode()))
+            group_doc = local._node_doc(key)
+            assert group_doc is not None
+            group_doc["attributes"] = stream.attrs  # the commit record as read, matching the chunks
+            groups.append(
+                {
+                    "tap": tap,
+                    "writer": stream.writer,
+                    "rows": stream.rows,
+                    "chunks": chunks,
+                    "arrays": arrays,
+                    "commit": (f"{key}/zarr.json", json.dumps(group_doc, indent=2).encode()),
+                }
+            )
+    return {"root": root, "taps": taps, "groups": groups}
+
+
+def _prepare_destination(loc: Location, local: TraceStore, overwrite: bool) -> dict[str, int]:
+    """The objects already at ``loc`` (key -> size) that a resumed push may keep; refuses (or with
+    ``overwrite`` deletes) anything that is not this store."""
+    present = loc.list_sizes("")
+    if not present:
+        return present
+    same = False
+    if "zarr.json" in present:
+        try:
+            with TraceStore(loc) as there:
+                same = bool(there.source) and there.source == local.source
+        except (NotATraceStoreError, ValueError):
+            same = False
+    if same:
+        return present
+    if not overwrite:
+        what = "another trace store" if "zarr.json" in present else f"{len(present)} objects that are no trace store"
+        raise StoreExistsError(f"{loc.display}: holds {what}; choose another URL or pass --overwrite to replace it")
+    try:
+        loc.fs.rm(loc.root, recursive=True)
+    except FileNotFoundError:
+        pass
+    except Exception as exc:  # noqa: BLE001
+        raise remote_error(loc.display, exc, "deleted") from exc
+    return {}
+
+
+def _run(loc: Location, coroutines: list[Callable[[], Any]], what: list[str]) -> None:
+    """Run upload coroutines (FETCH_CONCURRENCY at a time) on the filesystem's loop; the first
+    failure, after all have finished, is raised as one line naming its object."""
+    from fsspec.asyn import sync  # noqa: PLC0415
+
+    async def run_all() -> list[Any]:
+        gate = asyncio.Semaphore(FETCH_CONCURRENCY)
+
+        async def one(make: Callable[[], Any]) -> Any:
+            async with gate:
+                try:
+                    return await make()
+                except Exception as exc:  # noqa: BLE001
+                    return exc
+
+        return await asyncio.gather(*(one(m) for m in coroutines))
+
+    for key, outcome in zip(what, sync(loc.fs.loop, run_all), strict=True):
+        if isinstance(outcome, BaseException):
+            raise remote_error(loc.where(key), outcome, "written") from outcome
+
+
+def _put_files(loc: Location, files: list[tuple[str, str, int]], progress: Callable[[int], None] | None) -> None:
+    fs = loc.fs
+    for lo in range(0, len(files), 256):  # progress between batches; each batch in flight together
+        batch = files[lo : lo + 256]
+        _run(loc, [_bind(fs._put_file, path, loc.object_path(key)) for key, path, _ in batch], [k for k, _, _ in batch])
+        if progress is not None:
+            progress(sum(n for _, _, n in batch))
+
+
+def _put_bytes(loc: Location, docs: list[tuple[str, bytes]]) -> None:
+    if docs:
+        _run(loc, [_bind(loc.fs._pipe_file, loc.object_path(key), data) for key, data in docs], [k for k, _ in docs])
+
+
+def _bind(func: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    return lambda: func(*args)
+
+
+__all__ = ["PushResult", "push_store"]
