@@ -158,9 +158,9 @@ def read_rows(index: RowIndex, rows: np.ndarray) -> torch.Tensor:
     width = index.streams[0].width
     dtype = index.streams[0].dtype
     buf = _aligned_empty((rows.size, width), VALUE_DTYPES[dtype])
-    reader = _ChunkReader(index, max_chunks=16)  # reads each chunk once whatever the order of rows
+    reader = _ChunkReader(index.streams, max_chunks=16)  # reads each chunk once whatever the order of rows
     try:
-        reader.gather(rows, buf)
+        reader.gather(index, rows, buf)
     finally:
         reader.close()
     return to_float32(buf, dtype)
