@@ -588,7 +588,7 @@ class BlockRunner(Protocol):
     spec through :func:`run_blocks` on ``plan``, each result handed to ``add`` (in any order) on the
     calling thread. Raises :class:`tracediff.errors.CompareError` when a block cannot be run."""
 
-    def run(self, plan: PassPlan, specs: Iterable[BlockSpec], add: Callable[[_BlockResult], None]) -> None: ...
+    def run(self, plan: PassPlan, specs: Iterable[BlockSpec], blocks: int, add: Callable[[_BlockResult], None]) -> None: ...
 
 
 class _Merger:
@@ -646,6 +646,22 @@ class _Merger:
     def check_complete(self) -> None:
         if self.next != self.blocks:
             raise CompareError(f"streaming pass: {self.blocks - self.next} of {self.blocks} blocks never arrived")
+
+
+class BlockWorker:
+    """One thread's share of a pass run elsewhere: the per-block function and the buffers it reuses
+    from block to block (a cluster worker keeps one per thread for the whole compare)."""
+
+    def __init__(self, plan: PassPlan, reference: Sequence[TraceStream], candidate: Sequence[TraceStream]) -> None:
+        self._job = _Pass(plan, reference, candidate)
+        self._bufs = self._job.buffers()
+
+    def run(self, spec: BlockSpec) -> _BlockResult:
+        return self._job.block_metrics(self._bufs, spec)
+
+    def close(self) -> None:
+        self._bufs.cand.close()
+        self._bufs.ref.close()
 
 
 def run_blocks(plan: PassPlan, reference: Sequence[TraceStream], candidate: Sequence[TraceStream],
@@ -724,7 +740,7 @@ def stream_metrics(
     if runner is not None:
         specs = (BlockSpec.of(pairs, reference, candidate, buckets, b, start, stop)
                  for b, (start, stop) in enumerate(spans))
-        runner.run(plan, specs, merger.add)
+        runner.run(plan, specs, len(spans), merger.add)
     else:
         direct = all(s.reads_rows_directly for s in (*candidate.streams, *reference.streams))
         if workers is None:

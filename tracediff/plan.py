@@ -76,6 +76,9 @@ class CompareOptions:
     stage: Callable[[str], None] | None = None
     bank: str | None = None
     extra_notes: list[str] = field(default_factory=list)
+    #: Where the streaming pass runs its blocks (:class:`tracediff.distributed.DaskRunner`); None:
+    #: threads of this process.
+    runner: Any = None
 
 
 # ------------------------------------------------------------------------------------------ taps
