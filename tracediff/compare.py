@@ -150,7 +150,7 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
             opts.progress_total(len(pairs))
         stream = stream_metrics(pairs, ref_index, cand_index, pass_pairs, size, scales, progress=opts.progress,
                                 limits=pair_limits(segplan, pass_pairs), profiles=profile_requests(segplan),
-                                runner=opts.runner)
+                                runner=opts.runner, block_bytes=opts.block_bytes)
         matched_set = set(matched)
         stream.metrics = [m for m in stream.metrics if (m.candidate, m.reference) in matched_set]
         _stage(opts, "localising")

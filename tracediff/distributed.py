@@ -38,6 +38,7 @@ __all__ = ["DaskRunner", "parse_dask_target"]
 _LOCAL = re.compile(r"local:(\d+)")
 #: Raw rows a task reads at most (a few blocks: the scheduler's per-task cost stays small next to it).
 _TASK_BYTES = 64 << 20
+_LOST = {"KilledWorker", "CancelledError", "FutureCancelledError"}
 
 
 def parse_dask_target(text: str) -> tuple[str, int | str]:
@@ -108,6 +109,7 @@ class DaskRunner:
         if self.client is not None:
             return self.client
         try:
+            import dask  # noqa: PLC0415
             import distributed  # noqa: PLC0415
         except ImportError as exc:
             raise UsageError("--dask needs dask.distributed: pip install 'tracediff[dask]'") from exc
@@ -123,7 +125,9 @@ class DaskRunner:
                 )
                 self.client = distributed.Client(self.cluster, set_as_default=False)
             else:
-                self.client = distributed.Client(str(self.where), timeout="20s", set_as_default=False)
+                # dask's own setting (distributed.comm.timeouts.connect, DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT).
+                timeout = dask.config.get("distributed.comm.timeouts.connect", "30s")
+                self.client = distributed.Client(str(self.where), timeout=timeout, set_as_default=False)
         except Exception as exc:  # noqa: BLE001  (distributed raises OSError, TimeoutError and its own)
             self.close()
             what = f"a LocalCluster of {self.where} workers" if self.kind == "local" else f"dask scheduler {self.where}"
@@ -216,9 +220,9 @@ def _task_error(plan: PassPlan, batch: list[BlockSpec], exc: BaseException) -> s
     ref = _stores_of(plan.reference_streams, np.unique(np.concatenate([b.ref_stream for b in batch])).tolist())
     blocks = f"block {batch[0].number}" if len(batch) == 1 else f"blocks {batch[0].number}-{batch[-1].number}"
     where = f"{blocks} (row pairs {batch[0].start}..{batch[-1].stop}) of candidate {cand} against reference {ref}"
-    if type(exc).__name__ == "KilledWorker":
-        return (f"dask: the workers running {where} died (KilledWorker): a worker process was killed or ran out "
-                f"of memory; no report was written")
+    if type(exc).__name__ in _LOST:  # the workers died under it (killed, out of memory) or the scheduler dropped it
+        return (f"dask: the task running {where} was lost ({type(exc).__name__}): its worker processes were killed "
+                f"or ran out of memory, or the scheduler went away; no report was written")
     return f"dask worker failed on {where}: {first_line(exc)}"
 
 

@@ -79,6 +79,9 @@ class CompareOptions:
     #: Where the streaming pass runs its blocks (:class:`tracediff.distributed.DaskRunner`); None:
     #: threads of this process.
     runner: Any = None
+    #: Raw rows of both sides one block of the streaming pass reads (rows of a block: 64..8192): what
+    #: bounds the memory of each thread or cluster worker running blocks.
+    block_bytes: int = 16 << 20
 
 
 # ------------------------------------------------------------------------------------------ taps
