@@ -46,10 +46,10 @@ pytestmark = pytest.mark.slow  # starting two worker processes that import torch
 @pytest.fixture(scope="module")
 def cluster():
     # One retry of a task whose worker died, then KilledWorker: the kill tests stay short.
-    with dask.config.set({"distributed.scheduler.allowed-failures": 1}):
-        with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                                      dashboard_address=None, silence_logs=50) as lc:
-            yield lc
+    with dask.config.set({"distributed.scheduler.allowed-failures": 1}), \
+            distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                     dashboard_address=None, silence_logs=50) as lc:
+        yield lc
 
 
 @pytest.fixture
