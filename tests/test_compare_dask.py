@@ -24,6 +24,7 @@ pytest.importorskip("distributed")
 import cloudpickle  # noqa: E402
 import dask  # noqa: E402
 import distributed  # noqa: E402
+from store_parts import split_store  # noqa: E402
 
 import tracediff  # noqa: E402
 from tracediff.align import RowIndex, align_sequences, pair_rows  # noqa: E402
@@ -94,13 +95,17 @@ def _kinds(report) -> list[tuple[str, str]]:
     return sorted((f.kind, f.severity) for f in report.findings)
 
 
-@pytest.mark.parametrize("pair", ["samples_broken", "samples_fixed", "llama_adjacent"])
-def test_dask_compare_gives_the_in_process_report(pair, runner, llama_pair):
-    ref, cand = {
-        "samples_broken": (SAMPLES / "train.zarr", SAMPLES / "server_broken.zarr"),
-        "samples_fixed": (SAMPLES / "train.zarr", SAMPLES / "server_fixed.zarr"),
-        "llama_adjacent": llama_pair,
-    }[pair]
+@pytest.mark.parametrize("pair", ["samples_broken", "samples_fixed", "llama_adjacent", "split_over_stores"])
+def test_dask_compare_gives_the_in_process_report(pair, runner, llama_pair, tmp_path):
+    if pair == "split_over_stores":  # workers open every store of each side by its own location
+        ref = split_store(SAMPLES / "train.zarr", [tmp_path / f"train-{i}.zarr" for i in range(2)])
+        cand = split_store(SAMPLES / "server_broken.zarr", [tmp_path / f"server-{i}.zarr" for i in range(3)])
+    else:
+        ref, cand = {
+            "samples_broken": (SAMPLES / "train.zarr", SAMPLES / "server_broken.zarr"),
+            "samples_fixed": (SAMPLES / "train.zarr", SAMPLES / "server_fixed.zarr"),
+            "llama_adjacent": llama_pair,
+        }[pair]
     local = compare_stores(ref, cand, CompareOptions(block_bytes=SMALL_BLOCKS))
     done: list[int] = []
     remote = compare_stores(ref, cand, CompareOptions(block_bytes=SMALL_BLOCKS, runner=runner, progress=done.append))
