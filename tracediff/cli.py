@@ -412,7 +412,6 @@ def compare(
     from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
     from tracediff.report import render_text, write_report  # noqa: PLC0415
     from tracediff.report.text import render_verdict_line  # noqa: PLC0415
-
     from tracediff.storeset import expand_stores  # noqa: PLC0415
 
     if sample_rows <= 0:

@@ -59,9 +59,9 @@ def compare_stores(reference_path: Locations, candidate_path: Locations, opts: C
     """Compare the reference with the candidate. Either side may be several stores (a sequence of
     locations: one per node or replica), read as one trace (:class:`tracediff.storeset.StoreSet`)."""
     opts = opts or CompareOptions()
-    ref_store = open_side(reference_path)
+    ref_store = open_side(reference_path, opts.storage_options)
     try:
-        cand_store = open_side(candidate_path)
+        cand_store = open_side(candidate_path, opts.storage_options)
     except BaseException:
         ref_store.close()
         raise

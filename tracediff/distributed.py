@@ -31,7 +31,8 @@ import torch
 
 from tracediff.diagnose import BlockSpec, BlockWorker, PassPlan, StreamLocation, _BlockResult
 from tracediff.errors import CompareError, StoreError, UsageError, first_line
-from tracediff.store import TraceStore, TraceStream, open_store
+from tracediff.store import TraceStore, TraceStream
+from tracediff.storeset import open_side
 
 __all__ = ["DaskRunner", "parse_dask_target"]
 
@@ -239,7 +240,7 @@ def _open(key: str, location: str, storage_options: dict[str, Any]) -> TraceStor
             _STORES.pop(k).close()
         store = _STORES.get((key, location, options))
         if store is None:
-            store = open_store(location, storage_options=storage_options) if storage_options else open_store(location)
+            store = open_side(location, storage_options)  # type: ignore[assignment]  (one location: one store)
             _STORES[(key, location, options)] = store
         return store
 

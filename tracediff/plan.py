@@ -82,6 +82,9 @@ class CompareOptions:
     #: Raw rows of both sides one block of the streaming pass reads (rows of a block: 64..8192): what
     #: bounds the memory of each thread or cluster worker running blocks.
     block_bytes: int = 16 << 20
+    #: Passed to :func:`tracediff.store.open_store` with each store's location (URLs: fsspec's options),
+    #: here and on cluster workers; None: none.
+    storage_options: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------------------------------ taps

@@ -121,19 +121,27 @@ class StoreSet:
         return keys
 
 
-def open_side(locations: Sequence[str | os.PathLike[str]] | str | os.PathLike[str]) -> TraceStore | StoreSet:
-    """One store, or a :class:`StoreSet` of several (opened in order; all closed if one fails)."""
-    if isinstance(locations, (str, os.PathLike)):
-        return open_store(locations)
-    locs = list(locations)
-    if len(locs) == 1:
-        return open_store(locs[0])
+def open_side(locations: Sequence[str | os.PathLike[str]] | str | os.PathLike[str],
+              storage_options: dict[str, Any] | None = None) -> TraceStore | StoreSet:
+    """One store, or a :class:`StoreSet` of several (opened in order; all closed if one fails).
+    ``storage_options`` go to :func:`tracediff.store.open_store` with each location."""
+    locs = [locations] if isinstance(locations, (str, os.PathLike)) else list(locations)
     opened: list[TraceStore] = []
     try:
         for loc in locs:
-            opened.append(open_store(loc))
-        return StoreSet(opened)
+            opened.append(_open(loc, storage_options))
+        return opened[0] if len(opened) == 1 else StoreSet(opened)
     except BaseException:
         for s in opened:
             s.close()
         raise
+
+
+def _open(location: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> TraceStore:
+    if not storage_options:
+        return open_store(location)
+    try:
+        return open_store(location, storage_options=storage_options)  # type: ignore[call-arg]
+    except TypeError as exc:  # a store reader that reads paths only
+        raise UsageError(f"{os.fspath(location)}: this tracediff's store reader takes no storage options "
+                         f"(paths only); drop them") from exc
