@@ -161,7 +161,7 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
         names = stream_names(cand_index.streams)
         writers = sorted({names[int(k)] for k in np.unique(cand_index.stream[pairs.candidate])})
         notes.append(f"{pairs.replicas} aligned rows are held by more than one candidate writer group "
-                     f"({', '.join(writers)}): tensor-parallel ranks or replicated stores, each compared with the reference")
+                     f"({', '.join(writers)}): tensor-parallel replicas (ranks, or stores of replicas), each compared with the reference")
     pairing = check_token_pairing(pairs, ref_index, cand_index)
     if pairing.unknown:
         notes.append(f"draft input tokens (next_token_id) compared on {pairing.compared} aligned rows; "
