@@ -399,6 +399,7 @@ def compare(
       tracediff compare train.zarr 'server-node*.zarr'          (a quoted glob)
       tracediff compare --reference 'train-rank*.zarr' server.zarr
 
+    \b
     With --dask, the streaming pass runs on a dask.distributed cluster (the plan, findings and report
     stay here; the report is the same as without it):
       tracediff compare train.zarr server.zarr --dask local:4
