@@ -122,7 +122,9 @@ def test_a_glob_matching_no_store_and_a_missing_side_are_usage_errors(tmp_path):
     result = _cli(str(TRAIN), str(tmp_path / "nothing-*.zarr"))
     assert result.exit_code == 2 and "no store matches this pattern" in result.output
     result = _cli(str(TRAIN))
-    assert result.exit_code == 2 and "needs a reference and a candidate" in result.output
+    assert result.exit_code == 2 and "missing argument 'CANDIDATE'" in result.output
+    result = _cli("--candidate", str(FIXED))
+    assert result.exit_code == 2 and "missing argument 'REFERENCE'" in result.output
 
 
 def test_bank_and_draft_need_one_store_per_side(tmp_path):

@@ -419,9 +419,9 @@ def compare(
         raise UsageError(f"--sample-rows must be positive, got {sample_rows}")
     ref_given = list(references) if references else list(stores[:1])
     cand_given = (list(stores) if references else list(stores[1:])) + list(candidates)
-    if not ref_given or not cand_given:
-        raise UsageError("compare needs a reference and a candidate: tracediff compare REFERENCE CANDIDATE "
-                         "[CANDIDATE...] (or --reference STORE ... CANDIDATE...)")
+    if not ref_given or not cand_given:  # click's own wording, usage and help pointer
+        missing = "'REFERENCE'" if not ref_given else "'CANDIDATE'"
+        raise click.MissingParameter(ctx=click.get_current_context(), param_hint=missing, param_type="argument")
     reference = expand_stores(ref_given, "reference")
     candidate = expand_stores(cand_given, "candidate")
     if draft is not None and (len(reference) > 1 or len(candidate) > 1):
