@@ -8,6 +8,12 @@ reused 64-byte aligned buffer, blocks run on ``workers`` threads (torch single-t
 no OpenMP barrier per kernel, no collapse when other processes hold the cores), and every kernel
 writes into a buffer allocated once.
 
+A block of row pairs is the unit of work everywhere: :class:`_Pass` computes one from the small
+:class:`PassPlan` and the block's :class:`BlockSpec` (which stored rows each side reads) alone, into
+a :class:`_BlockResult` of sums, counts, first indices, per-position sums and the block's per-row
+metrics; :class:`_Merger` adds results in block order whatever order they finish in. So threads of
+this process and tasks on a cluster (:mod:`tracediff.distributed`) give the same bits.
+
 Besides the matched pairs, the pass measures each segment the plan calls wrong against its closest
 counterpart (:func:`tracediff.plan.profile_requests`), in per-position buckets only: a handful of float64 sums per
 bucket, never a per-row array.
