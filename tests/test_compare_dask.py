@@ -41,7 +41,8 @@ SMALL_BLOCKS = 1  # block_bytes: the smallest blocks (64 rows), so a compare is 
 # The kill plugin below travels to the workers by value (they cannot import this test module).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-pytestmark = pytest.mark.slow  # starting two worker processes that import torch takes ~10 s here
+# Tests on a cluster are slow: starting worker processes that import torch takes ~10 s here.
+slow = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +96,7 @@ def _kinds(report) -> list[tuple[str, str]]:
     return sorted((f.kind, f.severity) for f in report.findings)
 
 
+@slow
 @pytest.mark.parametrize("pair", ["samples_broken", "samples_fixed", "llama_adjacent", "split_over_stores"])
 def test_dask_compare_gives_the_in_process_report(pair, runner, llama_pair, tmp_path):
     if pair == "split_over_stores":  # workers open every store of each side by its own location
@@ -125,6 +127,7 @@ def test_dask_compare_gives_the_in_process_report(pair, runner, llama_pair, tmp_
         assert remote.verdict == "mismatch"
 
 
+@slow
 def test_partial_results_merge_exactly_whatever_order_they_arrive_in(runner, llama_pair):
     """The pass alone, on 64-row blocks: per-row arrays, sums and profiles are the same bits."""
     ref_store, cand_store = open_store(llama_pair[0]), open_store(llama_pair[1])
@@ -143,6 +146,7 @@ def test_partial_results_merge_exactly_whatever_order_they_arrive_in(runner, lla
     assert remote.bytes_read == local.bytes_read > 0
 
 
+@slow
 def test_a_worker_killed_mid_pass_is_retried_and_the_report_is_unchanged(cluster, tmp_path, llama_pair):
     """The first block task kills its worker process (the nanny restarts it); the scheduler runs
     the block again elsewhere and the report is the in-process one."""
@@ -159,6 +163,7 @@ def test_a_worker_killed_mid_pass_is_retried_and_the_report_is_unchanged(cluster
     cluster.wait_for_workers(2)
 
 
+@slow
 def test_workers_that_keep_dying_are_one_clean_error_and_no_report(cluster, tmp_path, llama_pair):
     with distributed.Client(cluster, set_as_default=False) as client:
         client.register_plugin(_KillOnBlock(str(tmp_path / "killed"), times=100), name="kill-always")
@@ -180,6 +185,7 @@ def test_workers_that_keep_dying_are_one_clean_error_and_no_report(cluster, tmp_
         client_wait.close()
 
 
+@slow
 def test_a_store_gone_from_the_workers_is_an_error_naming_it(runner, tmp_path):
     """The candidate disappears between the plan and the pass: the workers cannot open it."""
     cand = tmp_path / "server.zarr"
@@ -197,6 +203,7 @@ def test_a_store_gone_from_the_workers_is_an_error_naming_it(runner, tmp_path):
     assert f"candidate {cand}" in message and "no such trace store" in message
 
 
+@slow
 def test_cli_compare_dask_local_cluster_writes_the_same_report(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     reports = {}
