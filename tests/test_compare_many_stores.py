@@ -107,6 +107,16 @@ def test_replicated_rows_across_stores_that_disagree_are_flagged_naming_the_stor
     assert "server-a.zarr" not in subset.message
 
 
+def test_reference_replicas_across_stores_are_compared_once_and_said_so(tmp_path):
+    copy = tmp_path / "train-copy.zarr"
+    shutil.copytree(TRAIN, copy)
+    report = compare_stores([TRAIN, copy], FIXED)
+    assert report.verdict == "match"
+    assert report.plan.pairs == report.candidate.valid_rows
+    note = next(n for n in report.plan.notes if "held whole by more than one reference writer group" in n)
+    assert "train.zarr/rank0" in note and "train-copy.zarr/rank0" in note
+
+
 def test_stores_of_one_side_with_different_layouts_are_one_error_naming_both(tmp_path):
     other = write_small_store(tmp_path / "other.zarr")  # width 48 float32, the samples 192 bf16
     with pytest.raises(CompareError) as err:

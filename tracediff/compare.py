@@ -162,6 +162,8 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
         writers = sorted({names[int(k)] for k in np.unique(cand_index.stream[pairs.candidate])})
         notes.append(f"{pairs.replicas} aligned rows are held by more than one candidate writer group "
                      f"({', '.join(writers)}): tensor-parallel replicas (ranks, or stores of replicas), each compared with the reference")
+    if isinstance(ref_store, StoreSet):  # (single stores: reports unchanged)
+        notes += _reference_replica_notes(alignment, ref_index)
     pairing = check_token_pairing(pairs, ref_index, cand_index)
     if pairing.unknown:
         notes.append(f"draft input tokens (next_token_id) compared on {pairing.compared} aligned rows; "
@@ -266,12 +268,39 @@ def _store_set_notes(store: Side_, role: str) -> list[str]:
     """What a compare tells of a side read from several stores: which, and where their meta differ."""
     if not isinstance(store, StoreSet):
         return []
+    each = ("; rows of one sequence and position in several stores are each compared with the reference"
+            if role == "candidate" else "")
     notes = [f"{role}: {len(store.stores)} stores read as one trace ({', '.join(store.names)}): their writer "
-             f"groups together; rows of one sequence and position in several stores are each compared"]
+             f"groups together{each}"]
     differ = store.meta_differences()
     if differ:
         notes.append(f"{role} stores differ in meta {', '.join(differ)}: the config diff reads {store.names[0]}'s")
     return notes
+
+
+def _reference_replica_notes(alignment: Any, ref_index: RowIndex) -> list[str]:
+    """Reference sequences held whole by several writer groups (replicated ranks or stores): the
+    candidate is paired with one copy; say so, and how to check the others."""
+    if len(ref_index.streams) < 2:
+        return []
+    seen: dict[bytes, int] = {}
+    copies, rows, writers = 0, 0, set()
+    names = stream_names(ref_index.streams)
+    for key, g in alignment._ref_groups.items():
+        if g.tokens.size == 0 or (g.tokens < 0).all():
+            continue
+        digest = g.positions.tobytes() + b"|" + g.tokens.tobytes()
+        first = seen.setdefault(digest, key)
+        if first != key:
+            copies += 1
+            rows += int(g.rows.size)
+            for k in (first, key):
+                writers.add(names[int(ref_index.stream[alignment._ref_groups[k].rows[0]])])
+    if not copies:
+        return []
+    return [f"{copies} reference sequences ({rows} rows) are held whole by more than one reference writer group "
+            f"({', '.join(sorted(writers))}): the candidate is compared with one copy of each; compare a copy "
+            f"as the candidate to check the reference replicas against each other"]
 
 
 def _same_recording(ref_store: Side_, cand_store: Side_) -> str | None:
