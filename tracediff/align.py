@@ -11,12 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tracediff.errors import CompareError, UsageError
 from tracediff.store import TraceStore, TraceStream
+
+if TYPE_CHECKING:
+    from tracediff.storeset import StoreSet
 
 _NGRAM = 4
 _MAX_HASH_REPEAT = 64  # an n-gram seen more often than this in the reference (padding...) casts no vote
@@ -45,11 +49,25 @@ def _sequence_groups(stream: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, l
     return group.astype(np.int64).reshape(-1), [(int(a), int(b)) for a, b in uniq.tolist()]
 
 
+def stream_names(streams: Sequence[TraceStream]) -> list[str]:
+    """Each stream's name in row references: its writer, prefixed by its store's name when the
+    streams come from several stores (one trace over many stores), so a row names where it lives."""
+    stores: list[Any] = []
+    for s in streams:
+        if not any(s.store is t for t in stores):
+            stores.append(s.store)
+    if len(stores) < 2:
+        return [s.writer for s in streams]
+    short = [Path(str(t.path)).name for t in stores]
+    names = short if len(set(short)) == len(short) else [str(t.path) for t in stores]
+    return [f"{names[next(k for k, t in enumerate(stores) if s.store is t)]}/{s.writer}" for s in streams]
+
+
 @dataclass
 class RowIndex:
     """Labels of every committed row of one tap, across its writer groups (one entry per row)."""
 
-    store: TraceStore
+    store: TraceStore | StoreSet  # a StoreSet: one trace over several stores
     tap: str
     streams: list[TraceStream]
     stream: np.ndarray  # int32: which stream
@@ -65,13 +83,13 @@ class RowIndex:
     group_keys: list[str]
 
     @classmethod
-    def load(cls, store: TraceStore, tap: str) -> RowIndex:
+    def load(cls, store: TraceStore | StoreSet, tap: str) -> RowIndex:
         streams = store.tap_streams(tap)
         return cls.from_labels(store, tap, streams, [s.labels(_INDEX_FIELDS) for s in streams])
 
     @classmethod
     def from_labels(
-        cls, store: TraceStore, tap: str, streams: Sequence[TraceStream], labels: Sequence[dict[str, np.ndarray]]
+        cls, store: TraceStore | StoreSet, tap: str, streams: Sequence[TraceStream], labels: Sequence[dict[str, np.ndarray]]
     ) -> RowIndex:
         """The index of label columns already read: ``labels[i]`` holds stream i's columns
         (:data:`_INDEX_FIELDS`), one entry per row. Any int64 values are accepted."""
@@ -102,9 +120,10 @@ class RowIndex:
         # Sequence ids are per writer process: (stream, seq) is the key of a sequence.
         group, pairs = _sequence_groups(stream, cat["seq"])
         keys = []
+        writers = stream_names(streams)
         for s_idx, seq in pairs:
             name = streams[s_idx].seq_names.get(seq, str(seq))
-            keys.append(name if len(streams) == 1 else f"{streams[s_idx].writer}:{name}")
+            keys.append(name if len(streams) == 1 else f"{writers[s_idx]}:{name}")
         return cls(
             store=store,
             tap=tap,

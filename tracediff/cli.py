@@ -410,8 +410,15 @@ def _progress(command: str, flag: bool | None) -> Any:
 
 @main.command()
 @_storage_options
-@click.argument("reference", type=STORE)
-@click.argument("candidate", type=STORE)
+@click.argument("stores", nargs=-1, type=STORE, metavar="REFERENCE CANDIDATE [CANDIDATE...]")
+@click.option("--reference", "references", multiple=True, type=STORE, metavar="STORE",
+              help="A reference store (or quoted glob); repeat for several. Then every positional is a candidate.")
+@click.option("--candidate", "candidates", multiple=True, type=STORE, metavar="STORE",
+              help="Another candidate store (or quoted glob); repeat for several.")
+@click.option("--dask", "dask_target", metavar="ADDRESS|local:N",
+              help="Run the streaming pass as dask.distributed tasks: on the scheduler at ADDRESS "
+                   "(tcp://HOST:PORT), or on a LocalCluster of N worker processes (local:N). Workers open "
+                   "the stores by path or URL themselves (with the --storage-option values). Needs tracediff[dask].")
 @click.option("--tap", help="Tap to compare on both sides (default: the common tap, fc_in first).")
 @click.option("--ref-tap", help="Tap of the reference, when the names differ.")
 @click.option("--cand-tap", help="Tap of the candidate, when the names differ.")
@@ -431,8 +438,10 @@ def _progress(command: str, flag: bool | None) -> Any:
                    "(default); --no-progress prints none.")
 @_replay_options
 def compare(
-    reference: Path,
-    candidate: Path,
+    stores: tuple[str, ...],
+    references: tuple[str, ...],
+    candidates: tuple[str, ...],
+    dask_target: str | None,
     tap: str | None,
     ref_tap: str | None,
     cand_tap: str | None,
@@ -458,6 +467,19 @@ def compare(
 ) -> None:
     """Compare REFERENCE (what the draft learned, e.g. train.zarr) with CANDIDATE (e.g. server.zarr).
 
+    \b
+    Several stores per side (one per node or replica) are read as one trace: their writer groups
+    together, rows of one sequence and position held by several stores each compared:
+      tracediff compare train.zarr server-node0.zarr server-node1.zarr
+      tracediff compare train.zarr 'server-node*.zarr'          (a quoted glob)
+      tracediff compare --reference 'train-rank*.zarr' server.zarr
+
+    \b
+    With --dask, the streaming pass runs on a dask.distributed cluster (the plan, findings and report
+    stay here; the report is the same as without it):
+      tracediff compare train.zarr server.zarr --dask local:4
+      tracediff compare train.zarr server.zarr --dask tcp://10.0.0.5:8786
+
     With --draft DIR, also replay the draft on both sides' rows (see `tracediff replay`).
 
     Exit code: 0 match, 1 mismatch, 2 usage or input error.
@@ -466,18 +488,40 @@ def compare(
     from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
     from tracediff.report import render_text, write_report  # noqa: PLC0415
     from tracediff.report.text import render_verdict_line  # noqa: PLC0415
+    from tracediff.storeset import expand_stores  # noqa: PLC0415
 
     if sample_rows <= 0:
         raise UsageError(f"--sample-rows must be positive, got {sample_rows}")
+    ref_given = list(references) if references else list(stores[:1])
+    cand_given = (list(stores) if references else list(stores[1:])) + list(candidates)
+    if not ref_given or not cand_given:  # click's own wording, usage and help pointer
+        missing = "'REFERENCE'" if not ref_given else "'CANDIDATE'"
+        raise click.MissingParameter(ctx=click.get_current_context(), param_hint=missing, param_type="argument")
+    reference = expand_stores(ref_given, "reference")
+    candidate = expand_stores(cand_given, "candidate")
+    if draft is not None and (len(reference) > 1 or len(candidate) > 1):
+        raise UsageError("--draft replays one store per side; compare several stores without --draft")
+    runner = None
+    if dask_target is not None:
+        from tracediff.distributed import DaskRunner  # noqa: PLC0415
+        from tracediff.store.location import current_storage_options  # noqa: PLC0415
+
+        # Workers have no --storage-option of their own: the command's go with every task.
+        runner = DaskRunner(dask_target, storage_options=current_storage_options())
     for out in (json_path, markdown_path, html_path):
         if out is not None and not out.parent.resolve().is_dir():
             raise UsageError(f"{out}: its folder does not exist")
-    with _progress("compare", progress) as prog:
+    with _progress("compare", progress) as prog, contextlib.ExitStack() as cleanup:
         prog.stage("opening stores")
+        if runner is not None:
+            runner.stage = prog.stage
+            cleanup.enter_context(runner)  # a cluster it starts is closed however the compare ends
         opts = CompareOptions(tap=tap, reference_tap=ref_tap, candidate_tap=cand_tap, segment_size=segment_size,
                               sample_rows=sample_rows, progress=prog.advance, progress_total=prog.total,
-                              stage=prog.stage, bank=str(bank) if bank else None)
-        report = compare_stores(reference, candidate, opts)
+                              stage=prog.stage, bank=str(bank) if bank else None, runner=runner)
+        report = compare_stores(reference if len(reference) > 1 else reference[0],
+                                candidate if len(candidate) > 1 else candidate[0], opts)
+        cleanup.close()
         if draft is not None:
             prog.stage("replaying the draft")
             _replay(report, draft, target, server_draft, send_report, steps, max_sequences, score_rows,

@@ -8,6 +8,8 @@ it raises :class:`tracediff.errors.CompareError` (exit 2) when the stores cannot
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,10 +19,10 @@ import torch
 
 from tracediff import __version__
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
-from tracediff.align import RowIndex, align_sequences, pair_rows
+from tracediff.align import RowIndex, align_sequences, pair_rows, stream_names
 from tracediff.diagnose import StreamResult, stream_metrics, with_subset_profiles
 from tracediff.drafts import recorded_d2t_problems
-from tracediff.errors import CompareError
+from tracediff.errors import CompareError, UsageError
 from tracediff.findings import build_findings
 from tracediff.metadata import aux_config, config_diff, num_layers, same_recording, side_aux_layers
 from tracediff.pairing import check_token_pairing
@@ -43,16 +45,26 @@ from tracediff.plan import (
 )
 from tracediff.results import Finding, Plan, Report, SegmentMatch, Side
 from tracediff.segments import SegmentDecision
-from tracediff.store import TraceStore, open_store
+from tracediff.store import TraceStore
+from tracediff.storeset import StoreSet, open_side
 from tracediff.subsets import describe_subset, find_subset, might_hold_subset, subset_labels
 
 __all__ = ["CompareOptions", "compare_stores", "tap_summary"]
 
 
-def compare_stores(reference_path: str | Path, candidate_path: str | Path, opts: CompareOptions | None = None) -> Report:
+Locations = str | Path | Sequence[str | Path]
+
+
+def compare_stores(reference_path: Locations, candidate_path: Locations, opts: CompareOptions | None = None) -> Report:
+    """Compare the reference with the candidate. Either side may be several stores (a sequence of
+    locations: one per node or replica), read as one trace (:class:`tracediff.storeset.StoreSet`)."""
     opts = opts or CompareOptions()
-    ref_store = open_store(reference_path)
-    cand_store = open_store(candidate_path)
+    ref_store = open_side(reference_path, opts.storage_options)
+    try:
+        cand_store = open_side(candidate_path, opts.storage_options)
+    except BaseException:
+        ref_store.close()
+        raise
     try:
         return _compare(ref_store, cand_store, opts)
     finally:
@@ -65,7 +77,9 @@ def _stage(opts: CompareOptions, name: str) -> None:
         opts.stage(name)
 
 
-def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions) -> Report:
+def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Report:
+    if opts.bank and (isinstance(ref_store, StoreSet) or isinstance(cand_store, StoreSet)):
+        raise UsageError("--bank names the layers of one store per side; compare several stores without --bank")
     rtap, ctap = pick_taps(ref_store, cand_store, opts)
     _stage(opts, "reading labels")
     rl, cl = stream_layout(ref_store, rtap), stream_layout(cand_store, ctap)
@@ -75,7 +89,7 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
         cand_future = ex.submit(RowIndex.load, cand_store, ctap)
         ref_index = ref_future.result()  # the reference's error first, as when loaded one by one
         cand_index = cand_future.result()
-    notes = list(opts.extra_notes)
+    notes = list(opts.extra_notes) + _store_set_notes(ref_store, "reference") + _store_set_notes(cand_store, "candidate")
 
     # -- sequences
     _stage(opts, "aligning sequences")
@@ -135,7 +149,8 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
         if opts.progress_total is not None:
             opts.progress_total(len(pairs))
         stream = stream_metrics(pairs, ref_index, cand_index, pass_pairs, size, scales, progress=opts.progress,
-                                limits=pair_limits(segplan, pass_pairs), profiles=profile_requests(segplan))
+                                limits=pair_limits(segplan, pass_pairs), profiles=profile_requests(segplan),
+                                runner=opts.runner, block_bytes=opts.block_bytes)
         matched_set = set(matched)
         stream.metrics = [m for m in stream.metrics if (m.candidate, m.reference) in matched_set]
         _stage(opts, "localising")
@@ -143,9 +158,12 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
         stream.profiles = with_subset_profiles(stream, subsets)
 
     if pairs.replicas:
-        writers = sorted({cand_index.streams[int(k)].writer for k in np.unique(cand_index.stream[pairs.candidate])})
+        names = stream_names(cand_index.streams)
+        writers = sorted({names[int(k)] for k in np.unique(cand_index.stream[pairs.candidate])})
         notes.append(f"{pairs.replicas} aligned rows are held by more than one candidate writer group "
-                     f"({', '.join(writers)}): tensor-parallel replicas, each compared with the reference")
+                     f"({', '.join(writers)}): tensor-parallel replicas (ranks, or stores of replicas), each compared with the reference")
+    if isinstance(ref_store, StoreSet):  # (single stores: reports unchanged)
+        notes += _reference_replica_notes(alignment, ref_index)
     pairing = check_token_pairing(pairs, ref_index, cand_index)
     if pairing.unknown:
         notes.append(f"draft input tokens (next_token_id) compared on {pairing.compared} aligned rows; "
@@ -194,14 +212,14 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
                 role=str(store.source.get("role", "")),
                 rows=len(index),
                 valid_rows=int(index.valid.sum()),
-                writers=[s.writer for s in index.streams],
+                writers=stream_names(index.streams),
                 width=layout.width,
                 dtype=layout.dtype,
                 segment_size=size_,
                 segments=layout.width // size_,
                 segment_labels=list(labels),
                 sequences=len(index.group_keys),
-                meta=meta,
+                meta={**meta, "stores": store.names} if isinstance(store, StoreSet) else meta,
                 aux_layer_config=aux_config(meta),
                 aux_layers=aux.to_dict() if aux is not None else None,
             )
@@ -231,16 +249,68 @@ def _compare(ref_store: TraceStore, cand_store: TraceStore, opts: CompareOptions
                                            + ".", {k: v for k, v in p.items() if k not in ("severity", "message")}))
     if bank is not None:
         _name_layers(report, bank, opts)
-    same = same_recording(ref_store, cand_store)
+    same = _same_recording(ref_store, cand_store)
     if same is not None:
         what = ("the same store" if same == "same store"
-                else f"two copies of one recording ({ref_store.path.name} and {cand_store.path.name})")
+                else f"two copies of one recording ({Path(str(ref_store.path)).name} and {Path(str(cand_store.path)).name})")
         report.findings.insert(0, Finding(
             "same_recording", "warning",
             f"Both sides are {what}: this compare checks the store against itself and says nothing about "
             f"the server. Compare the trainer's store with one the server recorded.",
             {"how": same, "reference": str(ref_store.path), "candidate": str(cand_store.path)}))
     return report
+
+
+Side_ = TraceStore | StoreSet
+
+
+def _store_set_notes(store: Side_, role: str) -> list[str]:
+    """What a compare tells of a side read from several stores: which, and where their meta differ."""
+    if not isinstance(store, StoreSet):
+        return []
+    each = ("; rows of one sequence and position in several stores are each compared with the reference"
+            if role == "candidate" else "")
+    notes = [f"{role}: {len(store.stores)} stores read as one trace ({', '.join(store.names)}): their writer "
+             f"groups together{each}"]
+    differ = store.meta_differences()
+    if differ:
+        notes.append(f"{role} stores differ in meta {', '.join(differ)}: the config diff reads {store.names[0]}'s")
+    return notes
+
+
+def _reference_replica_notes(alignment: Any, ref_index: RowIndex) -> list[str]:
+    """Reference sequences held whole by several writer groups (replicated ranks or stores): the
+    candidate is paired with one copy; say so, and how to check the others."""
+    if len(ref_index.streams) < 2:
+        return []
+    seen: dict[bytes, int] = {}
+    copies, rows, writers = 0, 0, set()
+    names = stream_names(ref_index.streams)
+    for key, g in alignment._ref_groups.items():
+        if g.tokens.size == 0 or (g.tokens < 0).all():
+            continue
+        digest = g.positions.tobytes() + b"|" + g.tokens.tobytes()
+        first = seen.setdefault(digest, key)
+        if first != key:
+            copies += 1
+            rows += int(g.rows.size)
+            for k in (first, key):
+                writers.add(names[int(ref_index.stream[alignment._ref_groups[k].rows[0]])])
+    if not copies:
+        return []
+    return [f"{copies} reference sequences ({rows} rows) are held whole by more than one reference writer group "
+            f"({', '.join(sorted(writers))}): the candidate is compared with one copy of each; compare a copy "
+            f"as the candidate to check the reference replicas against each other"]
+
+
+def _same_recording(ref_store: Side_, cand_store: Side_) -> str | None:
+    """same_recording for single stores; for several, whether a store is on both sides."""
+    if not isinstance(ref_store, StoreSet) and not isinstance(cand_store, StoreSet):
+        return same_recording(ref_store, cand_store)
+    def paths(s: Side_) -> set[str]:
+        return {os.path.realpath(p) for p in (s.names if isinstance(s, StoreSet) else [str(s.path)])}
+
+    return "same store" if paths(ref_store) & paths(cand_store) else None
 
 
 def _labels_of(layout: Any, size: int) -> list[str]:

@@ -8,6 +8,12 @@ reused 64-byte aligned buffer, blocks run on ``workers`` threads (torch single-t
 no OpenMP barrier per kernel, no collapse when other processes hold the cores), and every kernel
 writes into a buffer allocated once.
 
+A block of row pairs is the unit of work everywhere: :class:`_Pass` computes one from the small
+:class:`PassPlan` and the block's :class:`BlockSpec` (which stored rows each side reads) alone, into
+a :class:`_BlockResult` of sums, counts, first indices, per-position sums and the block's per-row
+metrics; :class:`_Merger` adds results in block order whatever order they finish in. So threads of
+this process and tasks on a cluster (:mod:`tracediff.distributed`) give the same bits.
+
 Besides the matched pairs, the pass measures each segment the plan calls wrong against its closest
 counterpart (:func:`tracediff.plan.profile_requests`), in per-position buckets only: a handful of float64 sums per
 bucket, never a per-row array.
@@ -15,21 +21,24 @@ bucket, never a per-row array.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import queue
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from tracediff.align import RowIndex, RowPairs
+from tracediff.errors import CompareError
 from tracediff.results import RowRef, SegmentMetrics, SegmentProfile
 from tracediff.segments import to_float32
-from tracediff.store import VALUE_DTYPES, ChunkFiles
+from tracediff.store import VALUE_DTYPES, ChunkFiles, TraceStream
 
 Progress = Callable[[int], None]
 
@@ -37,12 +46,12 @@ _TINY = 1e-30  # norms are clamped to this before dividing (as the per-element f
 
 
 class _ChunkReader:
-    """Gathers arbitrary rows of a RowIndex: rows of uncompressed chunk files are read straight into
-    the output (only the rows asked for); other chunks are decoded whole, through a small LRU cache.
-    Not thread-safe: one per thread."""
+    """Gathers arbitrary rows of a list of streams: rows of uncompressed chunk files are read straight
+    into the output (only the rows asked for); other chunks are decoded whole, through a small LRU
+    cache. Not thread-safe: one per thread."""
 
-    def __init__(self, index: RowIndex, max_chunks: int = 64, max_files: int | None = None) -> None:
-        self.index = index
+    def __init__(self, streams: Sequence[TraceStream], max_chunks: int = 64, max_files: int | None = None) -> None:
+        self.streams = list(streams)
         self.cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self.max_chunks = max_chunks
         self.bytes_read = 0
@@ -58,25 +67,27 @@ class _ChunkReader:
         if data is not None:
             self.cache.move_to_end(key)
             return data
-        data = self.index.streams[stream].read_chunk(chunk)
+        data = self.streams[stream].read_chunk(chunk)
         self.bytes_read += data.nbytes
         self.cache[key] = data
         if len(self.cache) > self.max_chunks:
             self.cache.popitem(last=False)
         return data
 
-    def gather(self, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def gather(self, index: RowIndex, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Raw values of RowIndex entries ``rows`` into ``out[:len(rows)]``."""
         rows = np.asarray(rows)
-        n = rows.size
+        return self.gather_at(index.stream[rows], index.row[rows], out)
+
+    def gather_at(self, stream: np.ndarray, within: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Raw values of the rows ``within[k]`` of streams ``stream[k]`` into ``out[:len(stream)]``."""
+        n = stream.size
         if n == 0:
             return out[:0]
-        stream = self.index.stream[rows]
-        within = self.index.row[rows]
-        single = len(self.index.streams) == 1
+        single = len(self.streams) == 1
         for s in [0] if single else np.unique(stream).tolist():
             sel = np.arange(n) if single else np.flatnonzero(stream == s)
-            st = self.index.streams[s]
+            st = self.streams[s]
             cr = st.chunk_rows
             w = within if single else within[sel]
             if st.reads_rows_directly:
@@ -243,6 +254,9 @@ class _Buffers:
 
 @dataclass
 class _BlockResult:
+    """What one block of row pairs adds to the pass: sums, counts and first indices that merge
+    exactly (in block order, as one thread would add them), and the per-row metrics of its rows."""
+
     bad_c: np.ndarray  # [kc] rows with a non-finite candidate segment
     bad_r: np.ndarray
     first_c: dict[int, int]
@@ -257,32 +271,129 @@ class _BlockResult:
     # squared standardised error; and [2] the sum and count of the squared standardised reference norm.
     profile_sums: list[np.ndarray] = field(default_factory=list)
     profile_den: list[np.ndarray] = field(default_factory=list)
+    # The block's place in the pass, and per row (of the block) and pair the float32 metrics the
+    # client writes into its per-row arrays: cosine, norm ratio, rel_diff, max abs diff, squared
+    # standardised error.
+    number: int = 0
+    start: int = 0
+    stop: int = 0
+    row_metrics: np.ndarray | None = None  # [5, rows, pairs] float32
+    bytes_read: int = 0
+
+
+@dataclass(frozen=True)
+class PassPlan:
+    """Everything a block of the pass needs besides its rows: small, picklable, the same for every
+    block (a cluster receives it once). Streams are named by their store's location, tap and writer
+    (and the committed rows the client saw), so a worker opens them itself."""
+
+    matches: tuple[tuple[int, int], ...]  # (candidate segment, reference segment) per pair
+    segment_size: int
+    block: int  # rows of a block: bounds a worker's memory (about ``block_bytes`` of raw rows)
+    sub: int
+    scales: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    profiles: tuple[ProfileRequest, ...]
+    bucket_edges: np.ndarray
+    candidate_width: int
+    reference_width: int
+    candidate_dtype: str
+    reference_dtype: str
+    candidate_streams: tuple[StreamLocation, ...] = ()
+    reference_streams: tuple[StreamLocation, ...] = ()
+
+
+@dataclass(frozen=True)
+class StreamLocation:
+    """Where one writer group's rows are: the store's location (path or URL), tap, writer, and the
+    committed rows the plan was made on."""
+
+    location: str
+    tap: str
+    writer: str
+    rows: int
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One block of row pairs as a worker reads it: per pair, which stream and stored row each side
+    holds it in, and its position bucket. Pairs ``start..stop`` of the pass."""
+
+    number: int
+    start: int
+    stop: int
+    cand_stream: np.ndarray  # int32
+    cand_row: np.ndarray  # int64
+    ref_stream: np.ndarray
+    ref_row: np.ndarray
+    buckets: np.ndarray  # int16
+
+    @classmethod
+    def of(cls, pairs: RowPairs, reference: RowIndex, candidate: RowIndex, buckets: PositionBuckets,
+           number: int, start: int, stop: int) -> BlockSpec:
+        c, r = pairs.candidate[start:stop], pairs.reference[start:stop]
+        return cls(number, start, stop, candidate.stream[c], candidate.row[c], reference.stream[r],
+                   reference.row[r], buckets.index[start:stop])
+
+
+def location_of(stream: TraceStream) -> StreamLocation:
+    """A stream's :class:`StreamLocation`: its store's full URL (with any query string: ``str`` of a
+    :class:`~tracediff.store.Location` leaves secrets out, for messages) or its local path."""
+    loc = getattr(stream.store, "location", None)
+    if loc is not None and getattr(loc, "remote", False):
+        where = loc.url
+    elif loc is not None and getattr(loc, "local", None) is not None:
+        where = os.fspath(loc.local)
+    else:
+        where = os.fspath(stream.store.path)
+    return StreamLocation(str(where), stream.tap, stream.writer, int(stream.rows))
+
+
+def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches: list[tuple[int, int]],
+              segment_size: int, scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+              profiles: list[ProfileRequest] | None = None, block_bytes: int = 16 << 20) -> PassPlan:
+    """The :class:`PassPlan` of :func:`stream_metrics`'s arguments."""
+    size = segment_size
+    wc = candidate.streams[0].width
+    wr = reference.streams[0].width
+    cdt, rdt = candidate.streams[0].dtype, reference.streams[0].dtype
+    raw_row = wc * VALUE_DTYPES[cdt].itemsize + wr * VALUE_DTYPES[rdt].itemsize
+    block = max(64, min(8192, block_bytes // max(1, raw_row)))
+    # Sub-blocks of about 2 MiB of float32 rows: small enough to stay in cache between kernels,
+    # large enough that the per-kernel dispatch cost stays small.
+    sub = max(16, min(block, (2 << 20) // max(1, (wc + wr) * 4)))
+    if scales is None:
+        scales = [(torch.zeros(size), torch.ones(size)) for _ in matches]
+    buckets = PositionBuckets.of(reference.position[pairs.reference])
+    return PassPlan(tuple((int(i), int(j)) for i, j in matches), size, block, sub, tuple(scales),
+                    tuple(profiles or ()), buckets.edges, wc, wr, cdt, rdt,
+                    tuple(location_of(s) for s in candidate.streams), tuple(location_of(s) for s in reference.streams))
 
 
 class _Pass:
-    """The per-block work of :func:`stream_metrics` (run by one or several threads)."""
+    """The per-block work of :func:`stream_metrics`: a function of (plan, the block's rows) alone,
+    run by threads of this process or by tasks of a cluster (:mod:`tracediff.distributed`)."""
 
-    def __init__(self, pairs: RowPairs, reference: RowIndex, candidate: RowIndex, accs: list[_Accumulator],
-                 segment_size: int, block: int, sub: int, scales: list[tuple[torch.Tensor, torch.Tensor]],
-                 profiles: list[ProfileRequest] | None = None, buckets: PositionBuckets | None = None) -> None:
-        self.pairs, self.reference, self.candidate, self.accs = pairs, reference, candidate, accs
-        self.profiles = list(profiles or [])
-        self.buckets = buckets
+    def __init__(self, plan: PassPlan, reference: Sequence[TraceStream], candidate: Sequence[TraceStream]) -> None:
+        self.plan = plan
+        self.reference, self.candidate = list(reference), list(candidate)
+        self.matches = list(plan.matches)
+        self.profiles = list(plan.profiles)
+        self.buckets = PositionBuckets(plan.bucket_edges, np.empty(0, dtype=np.int16))
         # Per profile: (reference mean, 1 / reference scale, candidate mean, 1 / candidate scale).
         self.profile_scales = [(r.ref_mean.float().contiguous(), (1.0 / r.ref_scale.float()).contiguous(),
                                 r.cand_mean.float().contiguous(), (1.0 / r.cand_scale.float()).contiguous())
                                for r in self.profiles]
-        self.size, self.block, self.sub = segment_size, block, sub
-        self.wc, self.wr = candidate.streams[0].width, reference.streams[0].width
-        self.kc, self.kr = self.wc // segment_size, self.wr // segment_size
-        self.cdt, self.rdt = candidate.streams[0].dtype, reference.streams[0].dtype
-        self.seg_c = np.array([a.cand_seg for a in accs], dtype=np.int64)
-        self.seg_r = np.array([a.ref_seg for a in accs], dtype=np.int64)
+        self.size, self.block, self.sub = plan.segment_size, plan.block, plan.sub
+        self.wc, self.wr = plan.candidate_width, plan.reference_width
+        self.kc, self.kr = self.wc // self.size, self.wr // self.size
+        self.cdt, self.rdt = plan.candidate_dtype, plan.reference_dtype
+        self.seg_c = np.array([i for i, _ in self.matches], dtype=np.int64)
+        self.seg_r = np.array([j for _, j in self.matches], dtype=np.int64)
         # Per pair: the reference segment's robust mean and 1 / scale (the plan's, float32).
-        self.scales = [(m.float().contiguous(), (1.0 / s.float()).contiguous()) for m, s in scales]
+        self.scales = [(m.float().contiguous(), (1.0 / s.float()).contiguous()) for m, s in plan.scales]
 
     def buffers(self) -> _Buffers:
-        p, q = len(self.accs), len(self.profiles)
+        p, q = len(self.matches), len(self.profiles)
         return _Buffers(
             cand=_ChunkReader(self.candidate, max_chunks=8),
             # The reference is read in the candidate's order, across many chunk files at once.
@@ -323,9 +434,9 @@ class _Pass:
             sides.append((widen, rows.view(b, k, size)))
         (cwiden, c3), (rwiden, r3) = sides
         kernels = [
-            (c3[:, acc.cand_seg], r3[:, acc.ref_seg], w.dn[p, s0:s1], w.mx[p, s0:s1],
+            (c3[:, i], r3[:, j], w.dn[p, s0:s1], w.mx[p, s0:s1],
              w.sn[p, s0:s1], w.sd[p, s0:s1], *self.scales[p])
-            for p, acc in enumerate(self.accs)
+            for p, (i, j) in enumerate(self.matches)
         ]
         profile_kernels = [
             (c3[:, r.candidate], r3[:, r.reference], w.pdn[q, s0:s1], w.psn[q, s0:s1], w.psd[q, s0:s1],
@@ -337,17 +448,20 @@ class _Pass:
             w.views[key] = views
         return views
 
-    def run(self, pool: queue.SimpleQueue, start: int, stop: int) -> _BlockResult:
+    def run(self, pool: queue.SimpleQueue, spec: BlockSpec | Callable[[], BlockSpec]) -> _BlockResult:
+        """One block on buffers taken from ``pool`` (``spec`` may be made here, on the thread)."""
         bufs = pool.get()
         try:
-            return self.block_metrics(bufs, start, stop)
+            return self.block_metrics(bufs, spec if isinstance(spec, BlockSpec) else spec())
         finally:
             pool.put(bufs)
 
-    def block_metrics(self, w: _Buffers, start: int, stop: int) -> _BlockResult:
+    def block_metrics(self, w: _Buffers, spec: BlockSpec) -> _BlockResult:
+        start, stop = spec.start, spec.stop
         m, size, kc, kr = stop - start, self.size, self.kc, self.kr
-        craw = w.cand.gather(self.pairs.candidate[start:stop], w.craw)
-        rraw = w.ref.gather(self.pairs.reference[start:stop], w.rraw)
+        before = w.cand.bytes_read + w.ref.bytes_read
+        craw = w.cand.gather_at(spec.cand_stream, spec.cand_row, w.craw)
+        rraw = w.ref.gather_at(spec.ref_stream, spec.ref_row, w.rraw)
         # Reductions of a sub-block at a time (its float32 rows stay in cache), into reused buffers:
         # the norm of every segment, and per matched pair the norm, max and min of the difference.
         norm, sub_, absolute, amax, mul = torch.linalg.vector_norm, torch.sub, torch.abs, torch.amax, torch.mul
@@ -425,29 +539,25 @@ class _Pass:
             cos[rows, p], ratio[rows, p], rel[rows, p], max_abs[rows, p] = e_cos, e_ratio, e_rel, e_max
             sq_err[p] += e_sq
             sq_ref[p] += e_nb
-        sl = slice(start, stop)
-        for p, acc in enumerate(self.accs):
-            acc.cos[sl] = cos[:, p]
-            acc.ratio[sl] = ratio[:, p]
-            acc.rel_diff[sl] = rel[:, p]
-            acc.max_abs[sl] = max_abs[:, p]
-            acc.std_err[sl] = np.where(std_ok[:, p], sn2[:, p], np.nan)
-        profile_sums, profile_den = self._profile_sums(w, m, start, stop, xc, xr, fin_c, fin_r)
+        row_metrics = np.empty((5, m, len(self.matches)), dtype=np.float32)
+        row_metrics[0], row_metrics[1], row_metrics[2], row_metrics[3] = cos, ratio, rel, max_abs
+        row_metrics[4] = np.where(std_ok, sn2, np.nan)
+        profile_sums, profile_den = self._profile_sums(w, m, spec.buckets, xc, xr, fin_c, fin_r)
         return _BlockResult(
             bad_c, bad_r,
             {int(s): start + int(np.argmax(~fin_c[:, s])) for s in np.flatnonzero(bad_c)},
             {int(s): start + int(np.argmax(~fin_r[:, s])) for s in np.flatnonzero(bad_r)},
             (~fin_c[:, self.seg_c]).sum(axis=0), (~fin_r[:, self.seg_r]).sum(axis=0), sq_err, sq_ref,
-            std_num, std_den, profile_sums, profile_den,
+            std_num, std_den, profile_sums, profile_den, spec.number, start, stop, row_metrics,
+            w.cand.bytes_read + w.ref.bytes_read - before,
         )
 
-    def _profile_sums(self, w: _Buffers, m: int, start: int, stop: int, xc: np.ndarray, xr: np.ndarray,
+    def _profile_sums(self, w: _Buffers, m: int, index: np.ndarray, xc: np.ndarray, xr: np.ndarray,
                       fin_c: np.ndarray, fin_r: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per profile, the block's per-bucket sums (rows whose norms are not ordinary are left out
         of the cosines: a wrong segment's profile needs no last digit)."""
-        if not self.profiles or self.buckets is None:
+        if not self.profiles:
             return [], []
-        index = self.buckets.index[start:stop]
         sums, dens = [], []
         for q, r in enumerate(self.profiles):
             x = xc[:, r.candidate].astype(np.float64)
@@ -501,6 +611,119 @@ def _exact_rows(a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray, np.ndarra
     return cos, ratio, rel, max_abs.numpy(), float(sq.double().sum()), float(nb.double().sum())
 
 
+class BlockRunner(Protocol):
+    """Runs the blocks of a pass somewhere else (:class:`tracediff.distributed.DaskRunner`): each
+    spec through :func:`run_blocks` on ``plan``, each result handed to ``add`` (in any order) on the
+    calling thread. Raises :class:`tracediff.errors.CompareError` when a block cannot be run."""
+
+    def run(self, plan: PassPlan, specs: Iterable[BlockSpec], blocks: int, add: Callable[[_BlockResult], None]) -> None: ...
+
+
+class _Merger:
+    """The pass's totals. Each block's per-row metrics go straight into the per-row arrays (exact
+    in any order); its sums are added in block order whatever order blocks finish in, so the totals
+    are the same bits as one thread adding block after block."""
+
+    def __init__(self, accs: list[_Accumulator], kc: int, kr: int, profiles: int, buckets: int, blocks: int,
+                 progress: Progress | None) -> None:
+        self.accs, self.blocks, self.progress = accs, blocks, progress
+        self.nf_c = np.zeros(kc, dtype=np.int64)
+        self.nf_r = np.zeros(kr, dtype=np.int64)
+        self.first_c: dict[int, int] = {}
+        self.first_r: dict[int, int] = {}
+        self.profile_sums = [np.zeros((8, buckets)) for _ in range(profiles)]
+        self.profile_den = [np.zeros(2) for _ in range(profiles)]
+        self.bytes_read = 0
+        self.next = 0
+        self.pending: dict[int, _BlockResult] = {}
+
+    def add(self, res: _BlockResult) -> None:
+        if not self.next <= res.number < self.blocks or res.number in self.pending:
+            raise CompareError(f"streaming pass: block {res.number} arrived twice or was never asked for")
+        rm, sl = res.row_metrics, slice(res.start, res.stop)
+        if rm is not None:
+            for p, acc in enumerate(self.accs):
+                acc.cos[sl], acc.ratio[sl], acc.rel_diff[sl], acc.max_abs[sl], acc.std_err[sl] = rm[:, :, p]
+            res.row_metrics = None  # a held block keeps only its sums
+        self.bytes_read += res.bytes_read
+        self.pending[res.number] = res
+        while self.next in self.pending:
+            self._merge(self.pending.pop(self.next))
+            self.next += 1
+        if self.progress is not None:
+            self.progress(res.stop - res.start)
+
+    def _merge(self, res: _BlockResult) -> None:
+        self.nf_c += res.bad_c
+        self.nf_r += res.bad_r
+        for s, k in res.first_c.items():
+            self.first_c.setdefault(s, k)
+        for s, k in res.first_r.items():
+            self.first_r.setdefault(s, k)
+        for p, acc in enumerate(self.accs):
+            acc.nonfinite_c += int(res.pair_bad_c[p])
+            acc.nonfinite_r += int(res.pair_bad_r[p])
+            acc.sq_err += float(res.sq_err[p])
+            acc.sq_ref += float(res.sq_ref[p])
+            acc.std_num += float(res.std_num[p])
+            acc.std_den += float(res.std_den[p])
+        for q in range(len(self.profile_sums)):
+            self.profile_sums[q] += res.profile_sums[q]
+            self.profile_den[q] += res.profile_den[q]
+
+    def check_complete(self) -> None:
+        if self.next != self.blocks:
+            raise CompareError(f"streaming pass: {self.blocks - self.next} of {self.blocks} blocks never arrived")
+
+
+class BlockWorker:
+    """One thread's share of a pass run elsewhere: the per-block function and the buffers it reuses
+    from block to block (a cluster worker keeps one per thread for the whole compare)."""
+
+    def __init__(self, plan: PassPlan, reference: Sequence[TraceStream], candidate: Sequence[TraceStream]) -> None:
+        self._job = _Pass(plan, reference, candidate)
+        self._bufs = self._job.buffers()
+
+    def run(self, spec: BlockSpec) -> _BlockResult:
+        return self._job.block_metrics(self._bufs, spec)
+
+    def close(self) -> None:
+        self._bufs.cand.close()
+        self._bufs.ref.close()
+
+
+def run_blocks(plan: PassPlan, reference: Sequence[TraceStream], candidate: Sequence[TraceStream],
+               specs: Iterable[BlockSpec], workers: int = 1) -> Iterator[_BlockResult]:
+    """The results of ``specs`` (in order) on ``workers`` threads of this process, torch
+    single-threaded inside each when there are several (the blocks are the parallelism)."""
+    job = _Pass(plan, reference, candidate)
+    pool: queue.SimpleQueue = queue.SimpleQueue()
+    made = [job.buffers() for _ in range(max(1, workers))]
+    for bufs in made:
+        pool.put(bufs)
+    threads = torch.get_num_threads()
+    try:
+        if workers <= 1:
+            for spec in specs:
+                yield job.run(pool, spec)
+        else:
+            torch.set_num_threads(1)
+            with ThreadPoolExecutor(workers, thread_name_prefix="tracediff-stream") as ex:
+                futures = [ex.submit(job.run, pool, spec) for spec in specs]
+                try:
+                    for fut in futures:
+                        yield fut.result()
+                finally:
+                    for fut in futures:
+                        fut.cancel()
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        for bufs in made:
+            bufs.cand.close()
+            bufs.ref.close()
+
+
 def stream_metrics(
     pairs: RowPairs,
     reference: RowIndex,
@@ -514,6 +737,7 @@ def stream_metrics(
     block_bytes: int = 16 << 20,
     progress: Progress | None = None,
     workers: int | None = None,
+    runner: BlockRunner | None = None,
 ) -> StreamResult:
     """One pass over every aligned row pair: per matched segment pair, every metric of the report.
 
@@ -524,102 +748,51 @@ def stream_metrics(
     (:func:`tracediff.plan.profile_requests`).
 
     ``workers`` threads (default: torch's thread count) each take whole blocks; for compressed
-    stores, one (they share a cache of decoded chunks). Results do not depend on the thread count.
+    stores, one (they share a cache of decoded chunks). With ``runner``, the blocks run there (a
+    cluster) instead. Results do not depend on the thread count nor on where blocks run: every block
+    is the same function of the plan and its rows, and the totals merge in block order.
     """
     n = len(pairs)
-    size = segment_size
-    wc = candidate.streams[0].width
-    wr = reference.streams[0].width
-    kc, kr = wc // size, wr // size
-    cdt, rdt = candidate.streams[0].dtype, reference.streams[0].dtype
-    raw_row = wc * VALUE_DTYPES[cdt].itemsize + wr * VALUE_DTYPES[rdt].itemsize
-    block = max(64, min(8192, block_bytes // max(1, raw_row)))
-    # Sub-blocks of about 2 MiB of float32 rows: small enough to stay in cache between kernels,
-    # large enough that the per-kernel dispatch cost stays small.
-    sub = max(16, min(block, (2 << 20) // max(1, (wc + wr) * 4)))
+    plan = pass_plan(pairs, reference, candidate, matches, segment_size, scales, profiles, block_bytes)
+    kc, kr = plan.candidate_width // segment_size, plan.reference_width // segment_size
     accs = [
         _Accumulator(i, j, *(np.full(n, np.nan, dtype=np.float32) for _ in range(5)))
         for i, j in matches
     ]
-    if scales is None:
-        scales = [(torch.zeros(size), torch.ones(size)) for _ in matches]
     if limits is None:
         limits = [(float("nan"), float("nan")) for _ in matches]
-    profiles = list(profiles or [])
+    profiles = list(plan.profiles)
     buckets = PositionBuckets.of(reference.position[pairs.reference])
-    profile_sums = [np.zeros((8, buckets.count)) for _ in profiles]
-    profile_den = [np.zeros(2) for _ in profiles]
-    nf_c = np.zeros(kc, dtype=np.int64)
-    nf_r = np.zeros(kr, dtype=np.int64)
-    first_c: dict[int, int] = {}
-    first_r: dict[int, int] = {}
-    spans = [(start, min(n, start + block)) for start in range(0, n, block)]
-    direct = all(s.reads_rows_directly for s in (*candidate.streams, *reference.streams))
-    if workers is None:
-        workers = torch.get_num_threads() if direct else 1
-    workers = max(1, min(int(workers), len(spans)))
-    job = _Pass(pairs, reference, candidate, accs, size, block, sub, scales, profiles, buckets)
-    pool: queue.SimpleQueue = queue.SimpleQueue()
-    made = [job.buffers() for _ in range(workers)]
-    for bufs in made:
-        pool.put(bufs)
-
-    def merge(res: _BlockResult, rows: int) -> None:
-        nonlocal nf_c, nf_r
-        nf_c += res.bad_c
-        nf_r += res.bad_r
-        for s, k in res.first_c.items():
-            first_c.setdefault(s, k)
-        for s, k in res.first_r.items():
-            first_r.setdefault(s, k)
-        for p, acc in enumerate(accs):
-            acc.nonfinite_c += int(res.pair_bad_c[p])
-            acc.nonfinite_r += int(res.pair_bad_r[p])
-            acc.sq_err += float(res.sq_err[p])
-            acc.sq_ref += float(res.sq_ref[p])
-            acc.std_num += float(res.std_num[p])
-            acc.std_den += float(res.std_den[p])
-        for q in range(len(profiles)):
-            profile_sums[q] += res.profile_sums[q]
-            profile_den[q] += res.profile_den[q]
-        if progress is not None:
-            progress(rows)
-
-    threads = torch.get_num_threads()
-    try:
-        if workers == 1:
-            for start, stop in spans:
-                merge(job.run(pool, start, stop), stop - start)
-        else:
-            # Each worker runs torch single-threaded: the blocks are the parallelism.
-            torch.set_num_threads(1)
-            with ThreadPoolExecutor(workers, thread_name_prefix="tracediff-stream") as ex:
-                futures = [ex.submit(job.run, pool, start, stop) for start, stop in spans]
-                try:
-                    for (start, stop), fut in zip(spans, futures, strict=True):
-                        merge(fut.result(), stop - start)
-                except BaseException:
-                    for fut in futures:
-                        fut.cancel()
-                    raise
-    finally:
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        for bufs in made:
-            bufs.cand.close()
-            bufs.ref.close()
+    spans = [(start, min(n, start + plan.block)) for start in range(0, n, plan.block)]
+    merger = _Merger(accs, kc, kr, len(profiles), buckets.count, len(spans), progress)
+    if runner is not None:
+        specs = (BlockSpec.of(pairs, reference, candidate, buckets, b, start, stop)
+                 for b, (start, stop) in enumerate(spans))
+        runner.run(plan, specs, len(spans), merger.add)
+    else:
+        direct = all(s.reads_rows_directly for s in (*candidate.streams, *reference.streams))
+        if workers is None:
+            workers = torch.get_num_threads() if direct else 1
+        workers = max(1, min(int(workers), len(spans)))
+        # Each spec is made on the thread that runs it: slicing the index is part of the block's work.
+        lazy = [functools.partial(BlockSpec.of, pairs, reference, candidate, buckets, b, start, stop)
+                for b, (start, stop) in enumerate(spans)]
+        for res in run_blocks(plan, reference.streams, candidate.streams, lazy, workers):  # type: ignore[arg-type]
+            merger.add(res)
+    merger.check_complete()
     metrics = [_finish(acc, pairs, reference, candidate, buckets, lim) for acc, lim in zip(accs, limits, strict=True)]
+    nf_c, nf_r = merger.nf_c, merger.nf_r
     return StreamResult(
         metrics,
-        {int(s): (int(nf_c[s]), first_c.get(int(s))) for s in range(kc) if nf_c[s]},
-        {int(s): (int(nf_r[s]), first_r.get(int(s))) for s in range(kr) if nf_r[s]},
-        sum(b.cand.bytes_read + b.ref.bytes_read for b in made),
+        {int(s): (int(nf_c[s]), merger.first_c.get(int(s))) for s in range(kc) if nf_c[s]},
+        {int(s): (int(nf_r[s]), merger.first_r.get(int(s))) for s in range(kr) if nf_r[s]},
+        merger.bytes_read,
         {(acc.cand_seg, acc.ref_seg): acc.std_err for acc in accs},
         row_cosines={(acc.cand_seg, acc.ref_seg): acc.cos for acc in accs},
         row_norm_ratios={(acc.cand_seg, acc.ref_seg): acc.ratio for acc in accs},
         limits={(acc.cand_seg, acc.ref_seg): lim for acc, lim in zip(accs, limits, strict=True)},
         buckets=buckets,
-        profiles=[_profile(r, profile_sums[q], profile_den[q], buckets) for q, r in enumerate(profiles)],
+        profiles=[_profile(r, merger.profile_sums[q], merger.profile_den[q], buckets) for q, r in enumerate(profiles)],
     )
 
 

@@ -76,6 +76,15 @@ class CompareOptions:
     stage: Callable[[str], None] | None = None
     bank: str | None = None
     extra_notes: list[str] = field(default_factory=list)
+    #: Where the streaming pass runs its blocks (:class:`tracediff.distributed.DaskRunner`); None:
+    #: threads of this process.
+    runner: Any = None
+    #: Raw rows of both sides one block of the streaming pass reads (rows of a block: 64..8192): what
+    #: bounds the memory of each thread or cluster worker running blocks.
+    block_bytes: int = 16 << 20
+    #: Passed to :func:`tracediff.store.open_store` with each store's location (URLs: fsspec's options),
+    #: here and on cluster workers; None: none.
+    storage_options: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------------------------------ taps
@@ -158,9 +167,9 @@ def read_rows(index: RowIndex, rows: np.ndarray) -> torch.Tensor:
     width = index.streams[0].width
     dtype = index.streams[0].dtype
     buf = _aligned_empty((rows.size, width), VALUE_DTYPES[dtype])
-    reader = _ChunkReader(index, max_chunks=16)  # reads each chunk once whatever the order of rows
+    reader = _ChunkReader(index.streams, max_chunks=16)  # reads each chunk once whatever the order of rows
     try:
-        reader.gather(rows, buf)
+        reader.gather(index, rows, buf)
     finally:
         reader.close()
     return to_float32(buf, dtype)

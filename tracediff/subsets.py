@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracediff.align import RowIndex, RowPairs
+from tracediff.align import RowIndex, RowPairs, stream_names
 from tracediff.plan import DRIFT_FACTOR, read_rows
 from tracediff.segments import SegmentScales, relative_error, split
 from tracediff.store import PHASES
@@ -188,7 +188,8 @@ def _group_text(name: str, chosen: set[int], candidate: RowIndex) -> str:
     if name == "phase":
         return " and ".join(sorted(_phase_name(c) for c in chosen)) + " rows"
     if name == "writer":
-        return "of writer " + ", ".join(candidate.streams[c].writer for c in sorted(chosen))
+        names = stream_names(candidate.streams)  # with several stores, the store too
+        return "of writer " + ", ".join(names[c] for c in sorted(chosen))
     keys = sorted(candidate.group_keys[c] for c in chosen)
     return f"of sequence{'s' if len(keys) > 1 else ''} {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
 

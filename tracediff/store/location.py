@@ -79,6 +79,12 @@ def default_storage_options(options: Mapping[str, Any]) -> Iterator[None]:
         _default_options = previous
 
 
+def current_storage_options() -> dict[str, Any]:
+    """The storage options URLs opened here without explicit ones get (see
+    :func:`default_storage_options`): what a command passes on to processes that open its stores."""
+    return dict(_default_options)
+
+
 def _strip_secrets(url: str) -> str:
     """``url`` without a user:password part, query string or fragment (presigned URLs carry their
     signature there)."""
