@@ -121,7 +121,8 @@ class DaskRunner:
             if self.kind == "local":
                 self.cluster = distributed.LocalCluster(
                     n_workers=int(self.where), threads_per_worker=1, processes=True, host="127.0.0.1",
-                    dashboard_address=None, silence_logs=logging.CRITICAL,
+                    # Its HTTP server on a free port of 127.0.0.1 (None would try 8787, warn when taken).
+                    dashboard_address="127.0.0.1:0", silence_logs=logging.CRITICAL,
                     worker_dashboard_address=None,
                 )
                 self.client = distributed.Client(self.cluster, set_as_default=False)
