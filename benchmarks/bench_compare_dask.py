@@ -3,9 +3,10 @@
 What it does:
   1. Builds a trainer and an engine store of ``--gb`` GiB of values each with bench_compare.py's own
      generators (imported, not copied), or takes any two store locations (``--reference``,
-     ``--candidate``: paths today, URLs with ``--storage-option K=V`` once the store reader takes them,
-     passed to ``tracediff.store.open_store(location, storage_options=...)`` on the client and on every
-     worker).
+     ``--candidate``: paths or URLs, with ``--storage-option K=V`` passed to
+     ``tracediff.store.open_store(location, storage_options=...)`` on the client and on every worker).
+     ``--s3`` pushes the built stores to a bucket of moto's S3 server (a child process on 127.0.0.1)
+     and compares the URLs.
   2. Warms the page cache, then per worker count (``--workers 1,2``) starts a LocalCluster of that many
      single-threaded worker processes on 127.0.0.1 (start-up timed apart) and runs
      ``compare_stores(reference, candidate)`` with its pass on the cluster, ``--repeat`` times; the same
@@ -13,10 +14,12 @@ What it does:
      bytes of values of both sides / time, and peak RSS of every worker process (psutil, sampled every
      20 ms while the compare runs; the idle RSS before it for comparison). Every dask report must equal
      the in-process one (verdict, findings, metrics: the pass merges in block order).
-  3. Writes (replaces) only the ``## bench_compare_dask`` section of ``--out``; deletes what it made.
+  3. Writes (replaces) only the ``## bench_compare_dask`` section of ``--out`` (``--s3``:
+     ``## bench_compare_dask_s3``); deletes what it made.
 
 Run:  python benchmarks/bench_compare_dask.py               (0.5 GiB a store, writes benchmarks/RESULTS.md)
       python benchmarks/bench_compare_dask.py --quick       (0.1 GiB, one repeat, prints only)
+      python benchmarks/bench_compare_dask.py --s3 --gb 0.25   (the stores read from a loopback S3 server)
       python benchmarks/bench_compare_dask.py --reference s3://b/train.zarr --candidate s3://b/server.zarr \\
           --storage-option endpoint_url=http://127.0.0.1:9000 --storage-option anon=true
 """
@@ -39,6 +42,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SECTION = "## bench_compare_dask"
+SECTION_S3 = "## bench_compare_dask_s3"
 GIB = 1 << 30
 
 
@@ -126,7 +130,7 @@ def run(ref: str, cand: str, value_bytes: int, worker_counts: list[int], repeat:
     for n in worker_counts:
         t0 = time.perf_counter()
         cluster = distributed.LocalCluster(n_workers=n, threads_per_worker=1, processes=True, host="127.0.0.1",
-                                           dashboard_address=None, silence_logs=logging.CRITICAL)
+                                           dashboard_address="127.0.0.1:0", silence_logs=logging.CRITICAL)
         try:
             with DaskRunner(cluster.scheduler_address, storage_options=storage_options) as runner:
                 client = runner.start()
@@ -212,8 +216,8 @@ def section(cmd: str, info: dict, data: dict, results: dict, value_bytes: int, w
         f"sides (16 MiB by default), the float32 sub-block buffers and the per-row metrics of the task it runs: "
         f"workers read their rows straight from the stores and never hold the trace (measured here at one store "
         f"size). On this shared {info['cores']}-core VM the client (plan: labels, alignment, sample) and the "
-        f"workers share the cores with other jobs, so runs vary by 2x and 2 workers cannot double the pass; the "
-        f"S3 run of the same script is `--reference URL --candidate URL --storage-option K=V`.",
+        f"workers share the cores with other jobs, so runs vary by 2x and 2 workers cannot double the pass. Stores at URLs: "
+        f"`--s3` (a loopback moto server) or `--reference URL --candidate URL --storage-option K=V`.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -227,6 +231,58 @@ def _machine() -> dict:
     info["mem_gib"] = psutil.virtual_memory().total / GIB
     info["distributed"] = distributed.__version__
     return info
+
+
+@contextlib.contextmanager
+def _moto_server():
+    """moto's S3 server (``moto_server``, from moto[server]) as a child process on a free port of
+    127.0.0.1, with dummy credentials in this process's environment (inherited by the workers);
+    yields its endpoint and stops it (by its pid) at the end."""
+    import socket  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        os.environ.setdefault(key, "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    exe = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                break
+            if proc.poll() is not None:
+                raise SystemExit(f"moto_server exited with {proc.returncode}: pip install 'moto[server]'")
+            time.sleep(0.1)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _push_both(ref: str, cand: str, options: dict) -> tuple[str, str, float]:
+    import s3fs  # noqa: PLC0415
+
+    from tracediff.store.push import push_store  # noqa: PLC0415
+
+    bucket = f"bench-{os.getpid()}"
+    s3fs.S3FileSystem(**options).mkdir(bucket)
+    t0 = time.perf_counter()
+    urls = []
+    for local in (ref, cand):
+        url = f"s3://{bucket}/{Path(local).name}"
+        print(f"  pushing {local} to {url} ...", file=sys.stderr, flush=True)
+        push_store(local, url, storage_options=options)
+        urls.append(url)
+    return urls[0], urls[1], time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,7 +300,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="results file (default benchmarks/RESULTS.md; --quick prints only unless given)")
     p.add_argument("--dir", type=Path, default=HERE / "_data", help="scratch folder (git-ignored)")
     p.add_argument("--quick", action="store_true", help="small stores, one run: a smoke test")
+    p.add_argument("--s3", action="store_true",
+                   help="push the built stores to a bucket of moto's S3 server started on 127.0.0.1 (a child "
+                        "process, stopped at the end) and compare the URLs: workers read the bucket; writes the "
+                        f"'{SECTION_S3}' section")
     args = p.parse_args(argv)
+    if args.s3 and args.reference:
+        p.error("--s3 pushes the stores it builds: give no --reference/--candidate")
     if bool(args.reference) != bool(args.candidate):
         p.error("--reference and --candidate go together")
     counts = [int(x) for x in args.workers.split(",") if x.strip()]
@@ -258,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     bc = _bench_compare()
     t_start = time.perf_counter()
     work = None
+    cleanup = contextlib.ExitStack()
     try:
         if args.reference:
             ref, cand = args.reference, args.candidate
@@ -274,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
                             f"{args.width} (3 segments), {built['sequences']} sequences, uncompressed"}
             t = bc.warm(Path(ref), Path(cand))
             print(f"  built in {built['build_s']:.0f} s, warmed in {t:.1f} s", file=sys.stderr, flush=True)
+            if args.s3:
+                moto = cleanup.enter_context(_moto_server())
+                options = {**options, "endpoint_url": moto}
+                ref, cand, seconds = _push_both(ref, cand, options)
+                data["what"] += (f"; pushed to a bucket of moto's S3 server on {moto} (a child process; "
+                                 f"push took {seconds:.1f} s) and read from there by the client and every worker")
         from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
 
         probe = compare_stores(ref, cand, CompareOptions(storage_options=options or None))
@@ -282,11 +351,15 @@ def main(argv: list[str] | None = None) -> int:
         data["pairs"] = probe.plan.pairs
         results = run(ref, cand, value_bytes, counts, repeat, options)
         text = section(cmd, _machine(), data, results, value_bytes, time.perf_counter() - t_start)
+        heading = SECTION_S3 if args.s3 else SECTION
+        if args.s3:
+            text = text.replace(SECTION, SECTION_S3, 1)
         print(text)
         if out is not None:
-            bc.write_section(out, text, heading=SECTION)
-            print(f"wrote the {SECTION} section of {out}", file=sys.stderr)
+            bc.write_section(out, text, heading=heading)
+            print(f"wrote the {heading} section of {out}", file=sys.stderr)
     finally:
+        cleanup.close()
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
     return 0
