@@ -63,3 +63,32 @@ def test_compare_dask_of_bucket_stores_gives_the_report_of_the_local_folders(obj
     assert there["candidate"]["path"] == urls["server_broken"]
     assert _without_paths(there) == _without_paths(here)
     assert there["verdict"] == "mismatch" and there["findings"]
+
+
+def test_a_url_glob_names_every_node_store_in_the_bucket(object_store: ObjectStore, tmp_path: Path):
+    """One store per node, pushed to one bucket: a quoted URL glob is the whole trace, as the local
+    glob of the same stores is; a glob matching nothing is one line naming it."""
+    from conftest import invoke_tracediff  # noqa: PLC0415
+    from store_parts import split_store  # noqa: PLC0415
+
+    bucket = object_store.bucket()
+    parts = split_store(SAMPLES / "server_broken.zarr", [tmp_path / f"server-node{i}.zarr" for i in range(3)])
+    for part in parts:
+        push_store(part, f"s3://{bucket}/{part.name}")
+    push_store(SAMPLES / "train.zarr", f"s3://{bucket}/train.zarr")
+    local = invoke_tracediff("compare", SAMPLES / "train.zarr", tmp_path / "server-node*.zarr",
+                             "--json", tmp_path / "local.json", "-q")
+    remote = invoke_tracediff("compare", f"s3://{bucket}/train.zarr", f"s3://{bucket}/server-node*.zarr",
+                              "--json", tmp_path / "remote.json", "-q")
+    assert local.returncode == remote.returncode == 1, remote.stderr
+    there = json.loads((tmp_path / "remote.json").read_text())
+    here = json.loads((tmp_path / "local.json").read_text())
+    assert there["candidate"]["meta"]["stores"] == [f"s3://{bucket}/server-node{i}.zarr" for i in range(3)]
+    assert there["verdict"] == here["verdict"] == "mismatch"
+    assert [f["kind"] for f in there["findings"]] == [f["kind"] for f in here["findings"]]
+    assert [(m["candidate"], m["reference"], m["rows"]) for m in there["metrics"]] == \
+        [(m["candidate"], m["reference"], m["rows"]) for m in here["metrics"]]
+    none = invoke_tracediff("compare", f"s3://{bucket}/train.zarr", f"s3://{bucket}/nothing-*.zarr")
+    assert none.returncode == 2
+    lines = none.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nothing-*.zarr" in lines[0] and "no store matches" in lines[0], none.stderr

@@ -26,13 +26,16 @@ _GLOB_CHARS = set("*?[")
 
 
 def expand_stores(locations: Sequence[str | os.PathLike[str]], role: str) -> list[str]:
-    """The stores ``locations`` name, in order: each is a store (path or URL) or a glob of paths
-    (quoted on the command line) matching at least one. The same store named twice counts once."""
+    """The stores ``locations`` name, in order: each is a store (path or URL) or a glob of paths or
+    URLs (quoted on the command line; ``s3://traces/server-*.zarr`` lists the bucket) matching at
+    least one. The same store named twice counts once."""
     out: list[str] = []
     seen: set[str] = set()
     for loc in locations:
         text = os.fspath(loc)
-        if "://" not in text and _GLOB_CHARS & set(text) and not os.path.lexists(text):
+        if "://" in text and _GLOB_CHARS & set(text.split("://", 1)[1].split("?", 1)[0]):
+            matches = _url_matches(text, role)
+        elif "://" not in text and _GLOB_CHARS & set(text) and not os.path.lexists(text):
             matches = sorted(glob.glob(text))
             if not matches:
                 raise UsageError(f"{role} {text!r}: no store matches this pattern")
@@ -46,6 +49,22 @@ def expand_stores(locations: Sequence[str | os.PathLike[str]], role: str) -> lis
     if not out:
         raise UsageError(f"no {role} store given")
     return out
+
+
+def _url_matches(pattern: str, role: str) -> list[str]:
+    """The URLs a URL glob matches (listed with the command's storage options), sorted."""
+    from tracediff.store.location import Location, remote_error  # noqa: PLC0415
+
+    where = Location(pattern)
+    try:
+        found = where.fs.glob(where.fs._strip_protocol(pattern))
+    except Exception as exc:  # the object store's own errors: one line naming the pattern
+        raise remote_error(where.display, exc, "listed") from exc
+    protocol = pattern.split("://", 1)[0]
+    matches = sorted(f"{protocol}://{path.rstrip('/')}" for path in found)
+    if not matches:
+        raise UsageError(f"{role} {where.display!r}: no store matches this pattern")
+    return matches
 
 
 class StoreSet:
