@@ -45,7 +45,7 @@ from tracediff.store.format import (
     default_source,
 )
 from tracediff.store.location import Location, remote_error
-from tracediff.store.writer import WriterCounts, _check_name, _rows_view, _run_all
+from tracediff.store.writer import WriterCounts, _check_name, _rows_view, _run_all, batch_columns
 
 
 def store_exists(loc: Location) -> bool:
@@ -274,27 +274,9 @@ class RemoteTraceWriter:
         if self.status != "recording":
             raise StoreWriteError(f"{self._where}: writer is {self.status}")
         rows = int(values.shape[0])
-        if values.ndim != 2 or values.shape[1] != self.width:
-            raise UsageError(
-                f"tap {self.tap!r}: batch of shape {tuple(values.shape)} does not match width {self.width}"
-            )
-        if values.dtype != VALUE_DTYPES[self.dtype]:
-            raise UsageError(f"tap {self.tap!r}: batch dtype {values.dtype} is not the store dtype of {self.dtype}")
+        columns = batch_columns(values, labels, self.tap, self.width, self.dtype)
         if rows == 0:
             return
-        columns: dict[str, np.ndarray] = {}
-        for name in LABEL_FIELDS:
-            column = labels.get(name)
-            if column is None:
-                columns[name] = np.full(rows, LABEL_FILL[name], dtype=LABEL_DTYPES[name])
-                continue
-            try:
-                column = np.asarray(column).astype(LABEL_DTYPES[name], copy=False).reshape(-1)
-            except (TypeError, ValueError) as exc:
-                raise UsageError(f"tap {self.tap!r}: label {name!r} is not {LABEL_DTYPES[name]}: {exc}") from exc
-            if column.shape[0] != rows:
-                raise UsageError(f"tap {self.tap!r}: label {name!r} has {column.shape[0]} entries for {rows} rows")
-            columns[name] = column
         start = self.counts.rows
         stop = start + rows
         if self._tail is not None and self._tail_rows:

@@ -167,6 +167,32 @@ def _remove_tree(path: Path) -> None:
         path.unlink()
 
 
+def batch_columns(values: np.ndarray, labels: Mapping[str, np.ndarray], tap: str, width: int,
+                  dtype: str) -> dict[str, np.ndarray]:
+    """A batch's label columns in the store's dtypes (missing ones filled), after checking the batch:
+    [rows, width] values in the store dtype and one label per row. :class:`UsageError` names the tap
+    and what is wrong; nothing has been written yet."""
+    rows = int(values.shape[0])
+    if values.ndim != 2 or values.shape[1] != width:
+        raise UsageError(f"tap {tap!r}: batch of shape {tuple(values.shape)} does not match width {width}")
+    if values.dtype != VALUE_DTYPES[dtype]:
+        raise UsageError(f"tap {tap!r}: batch dtype {values.dtype} is not the store dtype of {dtype}")
+    columns: dict[str, np.ndarray] = {}
+    for name in LABEL_FIELDS:
+        column = labels.get(name)
+        if column is None:
+            columns[name] = np.full(rows, LABEL_FILL[name], dtype=LABEL_DTYPES[name])
+            continue
+        try:
+            column = np.asarray(column).astype(LABEL_DTYPES[name], copy=False).reshape(-1)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"tap {tap!r}: label {name!r} is not {LABEL_DTYPES[name]}: {exc}") from exc
+        if column.shape[0] != rows:
+            raise UsageError(f"tap {tap!r}: label {name!r} has {column.shape[0]} entries for {rows} rows")
+        columns[name] = column
+    return columns
+
+
 @dataclass
 class WriterCounts:
     """What one writer saw; stored in the commit record so a reader knows what is missing."""
@@ -381,29 +407,11 @@ class TraceWriter:
         if self.status != "recording":
             raise StoreWriteError(f"{self.store_path}/{self.tap}/{self.writer}: writer is {self.status}")
         rows = int(values.shape[0])
-        if values.ndim != 2 or values.shape[1] != self.width:
-            raise UsageError(
-                f"tap {self.tap!r}: batch of shape {tuple(values.shape)} does not match width {self.width}"
-            )
-        if values.dtype != VALUE_DTYPES[self.dtype]:
-            raise UsageError(f"tap {self.tap!r}: batch dtype {values.dtype} is not the store dtype of {self.dtype}")
-        if rows == 0:
-            return
         # Labels are checked before any I/O: a rejected batch must leave neither chunks nor the
         # in-memory tail behind (the tail is rewritten into the next batch's first chunk).
-        columns: dict[str, np.ndarray] = {}
-        for name in LABEL_FIELDS:
-            column = labels.get(name)
-            if column is None:
-                columns[name] = np.full(rows, LABEL_FILL[name], dtype=LABEL_DTYPES[name])
-                continue
-            try:
-                column = np.asarray(column).astype(LABEL_DTYPES[name], copy=False).reshape(-1)
-            except (TypeError, ValueError) as exc:
-                raise UsageError(f"tap {self.tap!r}: label {name!r} is not {LABEL_DTYPES[name]}: {exc}") from exc
-            if column.shape[0] != rows:
-                raise UsageError(f"tap {self.tap!r}: label {name!r} has {column.shape[0]} entries for {rows} rows")
-            columns[name] = column
+        columns = batch_columns(values, labels, self.tap, self.width, self.dtype)
+        if rows == 0:
+            return
         start = self.counts.rows
         stop = start + rows
         before = (self.counts.rows, self.counts.batches, self.counts.bytes)
