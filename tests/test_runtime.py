@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -33,7 +34,11 @@ def _peak_after_churn(setting: bool) -> tuple[bool, int, int]:
             libc.free(b)
         print(made, base, rss())
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    # glibc's own defaults: no MALLOC_* / GLIBC_TUNABLES from this process (dask's nannies put
+    # MALLOC_TRIM_THRESHOLD_ into os.environ of the process that starts a LocalCluster).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=env).stdout.split()
     return out[0] == "True", int(out[1]), int(out[2])
 
 
