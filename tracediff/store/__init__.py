@@ -26,15 +26,16 @@ Several processes write one store without locks because each owns its ``<tap>/<w
 This package never imports torch: the recorder converts tensors to numpy before calling it.
 
 Modules, along the data's path: :mod:`~tracediff.store.format` (layout, dtypes, codecs),
-:mod:`~tracediff.store.writer` (creating stores, :class:`TraceWriter`), :mod:`~tracediff.store.validate`
+:mod:`~tracediff.store.location` (a path or an fsspec URL), :mod:`~tracediff.store.batches` (what
+every writer shares), :mod:`~tracediff.store.writer` (creating stores, :class:`TraceWriter`),
+:mod:`~tracediff.store.remote_writer` (writing to object storage), :mod:`~tracediff.store.validate`
 (metadata checks), :mod:`~tracediff.store.files` (safe, direct file reads),
 :mod:`~tracediff.store.stream` (one writer group's rows), :mod:`~tracediff.store.reader`
-(:class:`TraceStore`), :mod:`~tracediff.store.pack` (``.zarr.zip``). Stores at fsspec URLs:
-:mod:`~tracediff.store.location` (path or URL, credentials, object requests),
-:mod:`~tracediff.store.remote_writer` (recording to a URL), :mod:`~tracediff.store.push` (uploading
-a local store); the commit protocol on object storage is in ``docs/remote.md``.
+(:class:`TraceStore`), :mod:`~tracediff.store.pack` (``.zarr.zip``), :mod:`~tracediff.store.push`
+(uploading a local store).
 """
 
+from tracediff.store.batches import WriterCounts
 from tracediff.store.files import ChunkFiles
 from tracediff.store.format import (
     ALLOWED_CODECS,
@@ -60,7 +61,6 @@ from tracediff.store.reader import TraceStore, open_store
 from tracediff.store.stream import TraceStream
 from tracediff.store.writer import (
     TraceWriter,
-    WriterCounts,
     check_replaceable,
     create_store,
     remove_store,

@@ -24,6 +24,7 @@ import numpy as np
 
 from tracediff import __version__
 from tracediff.errors import NotATraceStoreError, StoreError, StoreExistsError, StoreWriteError, UsageError
+from tracediff.store.batches import WriterCounts, _check_name, _rows_view, _run_all, batch_columns
 from tracediff.store.format import (
     _MAX_METADATA_BYTES,
     DEFAULT_CHUNK_ROWS,
@@ -45,7 +46,6 @@ from tracediff.store.format import (
     default_source,
 )
 from tracediff.store.location import Location, remote_error
-from tracediff.store.writer import WriterCounts, _check_name, _rows_view, _run_all, batch_columns
 
 
 def store_exists(loc: Location) -> bool:

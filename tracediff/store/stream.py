@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -20,9 +20,6 @@ from tracediff.store.files import _IOV_MAX, ChunkFiles, _open_chunk_file, _open_
 from tracediff.store.format import _MAX_CHUNK_BYTES, LABEL_DTYPES, LABEL_FIELDS, VALUE_DTYPES, decode_values
 from tracediff.store.location import remote_error
 
-if TYPE_CHECKING:
-    from tracediff.store.reader import TraceStore
-
 #: Chunks of a remote store that :meth:`TraceStream.read_chunk` fetches together: at most this
 #: many, and at most READ_AHEAD_BYTES of them.
 READ_AHEAD_CHUNKS = 16
@@ -33,7 +30,9 @@ READ_AHEAD_BYTES = 64 << 20
 class TraceStream:
     """The committed rows of one (tap, writer) group, read lazily and in bounded chunks."""
 
-    store: TraceStore
+    #: The :class:`~tracediff.store.reader.TraceStore` this group belongs to (not imported here: the
+    #: reader opens streams, so this module stays below it).
+    store: Any
     tap: str
     writer: str
     attrs: dict[str, Any]
