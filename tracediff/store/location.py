@@ -288,6 +288,15 @@ class Location:
 
         return sync(fs.loop, fetch_all)
 
+    def delete_all(self) -> None:
+        """Delete every object below the store's root (nothing there is not an error)."""
+        try:
+            self.fs.rm(self.root, recursive=True)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:  # noqa: BLE001
+            raise remote_error(self.display, exc, "deleted") from exc
+
     def list_sizes(self, key: str) -> dict[str, int]:
         """Every object below ``key`` (recursively) and its size, keyed relative to the store root:
         one paginated listing (1000 objects a request on S3), no request per object."""

@@ -160,12 +160,7 @@ def _prepare_destination(loc: Location, local: TraceStore, overwrite: bool) -> d
     if not overwrite:
         what = "another trace store" if "zarr.json" in present else f"{len(present)} objects that are no trace store"
         raise StoreExistsError(f"{loc.display}: holds {what}; choose another URL or pass --overwrite to replace it")
-    try:
-        loc.fs.rm(loc.root, recursive=True)
-    except FileNotFoundError:
-        pass
-    except Exception as exc:  # noqa: BLE001
-        raise remote_error(loc.display, exc, "deleted") from exc
+    loc.delete_all()
     return {}
 
 

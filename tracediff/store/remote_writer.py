@@ -129,12 +129,7 @@ def remove_remote_store(loc: Location) -> None:
     """Delete the trace store at URL ``loc`` (refused when what is there is no trace store)."""
     if not store_exists(loc):
         raise StoreExistsError(f"{loc.display}: is not a tracediff store; refusing to delete it")
-    try:
-        loc.fs.rm(loc.root, recursive=True)
-    except FileNotFoundError:
-        pass
-    except Exception as exc:  # noqa: BLE001
-        raise remote_error(loc.display, exc, "deleted") from exc
+    loc.delete_all()
 
 
 def default_writer_name(rank: int | None, pid: int) -> str:
