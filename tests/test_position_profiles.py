@@ -15,7 +15,6 @@ from subset_traces import record_subset_traces
 
 from tracediff.compare import compare_stores
 from tracediff.demo import default_samples_dir
-from tracediff.plan import DRIFT_FACTOR
 
 SAMPLES = default_samples_dir()
 
@@ -69,7 +68,10 @@ def test_matched_pairs_carry_the_decision_metric_by_position_and_the_verdicts_th
     assert report.metrics
     for m in report.metrics:
         assert m.numerics_budget == pytest.approx(report.plan.numerics_budgets[m.reference])
-        assert m.drift_limit == pytest.approx(DRIFT_FACTOR * m.numerics_budget)
+        # The limit is the noise model's (tracediff.noise), never below the budget.
+        assert m.drift_limit == pytest.approx(report.plan.drift_limits[m.reference])
+        assert m.drift_limit >= m.numerics_budget
+        assert m.noise_source in ("assumed", "calibrated") and m.limit_source
         assert sum(p[2] for p in m.std_error_by_position) == m.rows
         assert _rms(m.std_error_by_position) == pytest.approx(m.std_rel_error, rel=1e-4, abs=1e-12)
 

@@ -25,9 +25,9 @@ from tracediff.drafts import recorded_d2t_problems
 from tracediff.errors import CompareError, UsageError
 from tracediff.findings import build_findings
 from tracediff.metadata import aux_config, config_diff, num_layers, same_recording, side_aux_layers
+from tracediff.noise import CALIBRATION_TAP, CalibrationRows, canonical_dtype, decide_compute_dtype
 from tracediff.pairing import check_token_pairing
 from tracediff.plan import (
-    DRIFT_FACTOR,
     CompareOptions,
     SegmentPlan,
     collect_meta,
@@ -128,15 +128,18 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
         size = sizes.reference
         # -- label offset, then the pairs every later stage uses
         _stage(opts, "planning: label offset")
-        offset, offset_scores, pairs = offset_search(alignment, size, opts, base_pairs)
+        compute = decide_compute_dtype(ref_meta, cand_meta)
+        offset, offset_scores, pairs = offset_search(alignment, size, opts, base_pairs, compute.dtype)
         # -- segment decisions on a sample
         _stage(opts, "planning: segment map")
-        pick = sample_pairs(pairs, opts.sample_rows, opts.seed + 1)
+        pick = _plan_pick(pairs, cand_index, opts, notes)
         c_sample = read_rows(cand_index, pairs.candidate[pick])
         r_sample = read_rows(ref_index, pairs.reference[pick])
         require_finite_rows([(ref_store, rtap, r_sample), (cand_store, ctap, c_sample)], size)
         depths = _segment_depths(rl.width // size, ref_aux, cand_aux, ref_meta, cand_meta)
-        segplan = plan_segments(c_sample, r_sample, size, rl.dtype, cl.dtype, depths, seed=opts.seed)
+        calibration = _calibration_rows(ref_store, rtap, ref_index, rl.width, compute.dtype, notes)
+        segplan = plan_segments(c_sample, r_sample, size, rl.dtype, cl.dtype, depths, seed=opts.seed, compute=compute,
+                                assumed_depth=num_layers(ref_meta) or num_layers(cand_meta), calibration=calibration)
         # -- the streaming pass
         matched = [(d.candidate, d.reference) for d in segplan.decisions
                    if d.reference is not None and d.duplicate_of is None]
@@ -153,6 +156,10 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
                                 runner=opts.runner, block_bytes=opts.block_bytes)
         matched_set = set(matched)
         stream.metrics = [m for m in stream.metrics if (m.candidate, m.reference) in matched_set]
+        for m in stream.metrics:
+            n = segplan.noise[m.reference]
+            m.noise_source, m.expected_drift, m.limit_source = n.source, n.drift, n.limit_source
+            m.neighbour_distance = n.neighbour if n.neighbour is not None else float("nan")
         _stage(opts, "localising")
         subsets = localise_subsets(pass_pairs, pairs, ref_index, cand_index, stream, segplan, _labels_of(rl, size))
         stream.profiles = with_subset_profiles(stream, subsets)
@@ -196,6 +203,10 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
         numerics_budgets=[math.sqrt(b) for b in segplan.budgets] if segplan else [],
         budget_depths=list(segplan.depths) if segplan else [],
         compute_dtype=segplan.compute_dtype if segplan else "",
+        noise=[n.to_dict() for n in segplan.noise] if segplan else [],
+        compute=segplan.compute.to_dict() if segplan else {},
+        calibration=segplan.calibration.to_dict() if segplan and segplan.calibration else None,
+        drift_limits=[math.sqrt(x) for x in segplan.limits] if segplan else [],
         reference_segment_size=sizes.reference,
         candidate_segment_size=sizes.candidate,
         token_pairing=pairing.to_dict(),
@@ -336,7 +347,7 @@ def localise_subsets(pass_pairs: list[tuple[int, int]], pairs: Any, ref_index: R
         errors = stream.row_errors.get((i, j))
         if errors is None:
             continue
-        threshold = DRIFT_FACTOR * math.sqrt(segplan.budgets[j])
+        threshold = math.sqrt(segplan.limits[j])
         if not might_hold_subset(errors, threshold):
             continue
         if dims is None:  # labels per aligned row, only for a pair with off rows to explain
@@ -345,7 +356,7 @@ def localise_subsets(pass_pairs: list[tuple[int, int]], pairs: Any, ref_index: R
         if subset is None:
             continue
         content = describe_subset(i, j, subset.members, pairs, ref_index, cand_index, segplan.ref_scales,
-                                  segplan.budgets, segplan.size, rlabels)
+                                  segplan.limits, segplan.size, rlabels)
         out[(i, j)] = (subset, content)
     return out
 
@@ -353,16 +364,79 @@ def localise_subsets(pass_pairs: list[tuple[int, int]], pairs: Any, ref_index: R
 def _segment_depths(kr: int, ref_aux: AuxLayers | None, cand_aux: AuxLayers | None, ref_meta: dict[str, Any],
                     cand_meta: dict[str, Any]) -> list[int | None]:
     """Per reference segment, how many decoder layers deep it is: from the reference's recorded
-    layers, else the candidate's for the same slot (the numerics budget grows with depth)."""
+    layers, else the candidate's for the same slot; None where neither records it."""
     layers = num_layers(ref_meta) or num_layers(cand_meta)
     out: list[int | None] = [None] * kr
     for aux in (ref_aux, cand_aux):
         if aux is None or aux.physical is None or len(aux.physical) != kr:
             continue
         for j, p in enumerate(aux.physical):
-            if out[j] is None:
+            if out[j] is None and (p != FINAL_NORM or layers):
                 out[j] = layers if p == FINAL_NORM else int(p)
-    return [d if d is not None else layers for d in out]
+    return out
+
+
+def _plan_pick(pairs: Any, cand_index: RowIndex, opts: CompareOptions, notes: list[str]) -> np.ndarray:
+    """The plan sample: pairs drawn at random, leaving out the rows after tokens inserted into (or
+    deleted from) a candidate sequence while enough others remain: those rows see another context
+    by construction (reported as such), and must not decide what the segments are nor what numerics
+    cost."""
+    first: dict[int, int] = {}
+    for ins in pairs.insertions:
+        g = int(ins["group"])
+        first[g] = min(first.get(g, ins["position"]), int(ins["position"]))
+    if not first:
+        return sample_pairs(pairs, opts.sample_rows, opts.seed + 1)
+    groups = cand_index.group[pairs.candidate]
+    positions = cand_index.position[pairs.candidate]
+    changed = np.zeros(len(pairs), dtype=bool)
+    for g, p in first.items():
+        changed |= (groups == g) & (positions >= p)
+    keep = np.flatnonzero(~changed)
+    if keep.size < max(32, len(pairs) // 10):
+        return sample_pairs(pairs, opts.sample_rows, opts.seed + 1)
+    notes.append(f"{int(changed.sum())} aligned rows after tokens inserted into or deleted from their sequence are left "
+                 f"out of the plan sample (another context by construction); the streaming pass measures every row")
+    sub = sample_pairs(_Subset(keep.size), opts.sample_rows, opts.seed + 1)
+    return keep[sub]
+
+
+class _Subset:
+    """A stand-in of ``n`` pairs for :func:`sample_pairs`, which only counts them."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _calibration_rows(store: Side_, tap: str, index: RowIndex, width: int, compute: str,
+                      notes: list[str]) -> CalibrationRows | None:
+    """The reference store's calibration rows (tap ``calibration``, ``tracediff calibrate``) paired
+    with its own rows of the same tokens; None when it has none that fit."""
+    if CALIBRATION_TAP == tap or CALIBRATION_TAP not in store.taps or not store.rows(CALIBRATION_TAP):
+        return None
+    layout = stream_layout(store, CALIBRATION_TAP)
+    calibrates = layout.attrs.get("calibrates")
+    if calibrates not in (None, tap):
+        return None
+    if layout.width != width:
+        notes.append(f"calibration rows of {store.path} are {layout.width} wide, the reference's {width}: not used")
+        return None
+    cal_index = RowIndex.load(store, CALIBRATION_TAP)
+    pairs = pair_rows(align_sequences(index, cal_index), 0)
+    if len(pairs) < 2:
+        notes.append(f"calibration rows of {store.path} share no tokens with its tap {tap}: not used")
+        return None
+    pick = sample_pairs(pairs, 4096, 0)
+    cal_dtype = canonical_dtype(layout.attrs.get("compute_dtype"))
+    if cal_dtype is not None and cal_dtype != compute:
+        notes.append(f"calibration rows of {store.path} were computed in {cal_dtype}, this compare's compute dtype is "
+                     f"{compute}: their drift is used as measured")
+    sequences = int(np.unique(cal_index.group[pairs.candidate[pick]]).size)
+    return CalibrationRows(read_rows(cal_index, pairs.candidate[pick]), read_rows(index, pairs.reference[pick]),
+                           cal_dtype, str(store.path), CALIBRATION_TAP, sequences)
 
 
 def _identify_with_bank(ref_store: TraceStore, cand_store: TraceStore, report: Report, opts: CompareOptions) -> Any:

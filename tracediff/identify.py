@@ -20,8 +20,8 @@ from tracediff.adapters.conventions import FINAL_NORM, layer_text
 from tracediff.align import RowIndex, align_sequences
 from tracediff.errors import CompareError
 from tracediff.metadata import num_layers, side_aux_layers
+from tracediff.noise import DEFAULT_DEPTH, decide_compute_dtype
 from tracediff.plan import (
-    DEFAULT_DEPTH,
     CompareOptions,
     collect_meta,
     numerics_budget,
@@ -208,7 +208,8 @@ def _identify(store: TraceStore, bank: TraceStore, tap: str | None, bank_tap: st
     b = read_rows(ref_index, pairs.reference[pick])
     require_finite_rows([(bank, btap, b), (store, tap, c)], size, what="identify")
     raw = segment_cosine_matrix(c, b, size)
-    c_scales, b_scales = segment_scales(c, size), segment_scales(b, size)
+    compute = decide_compute_dtype(collect_meta(bank, btap), collect_meta(store, tap)).dtype
+    c_scales, b_scales = segment_scales(c, size, compute), segment_scales(b, size, compute)
     std = standardised_cosine_matrix(c, b, c_scales, b_scales)
     floor = noise_floor(b, size, bfirst.dtype, first.dtype, b_scales, seed=seed)
     names = _bank_names(bfirst.attrs, bfirst.width // size)
@@ -218,9 +219,8 @@ def _identify(store: TraceStore, bank: TraceStore, tap: str | None, bank_tap: st
         # column is, if it recorded them.
         names, named_from = _names_from_aux_layers(bank, btap, names)
     layers = max((n.hf_index for n in names if n.hf_index is not None), default=DEFAULT_DEPTH)
-    budgets = [numerics_budget(floor.errors[j] if j < len(floor.errors) else floor.error, bfirst.dtype, first.dtype,
-                               n.hf_index if n.hf_index is not None else layers)[0] for j, n in enumerate(names)]
-    compute = numerics_budget(0.0, bfirst.dtype, first.dtype, 0)[1]
+    budgets = [numerics_budget(floor.errors[j] if j < len(floor.errors) else floor.error, compute,
+                               n.hf_index if n.hf_index is not None else layers) for j, n in enumerate(names)]
     cs, bs = split(c, size), split(b, size)
     labels = first.segment_labels or [f"seg{i}" for i in range(first.width // size)]
     segments = []

@@ -22,8 +22,22 @@ import torch
 from tracediff.align import Alignment, RowIndex, RowPairs, pair_rows
 from tracediff.diagnose import ProfileRequest, _aligned_empty, _ChunkReader
 from tracediff.errors import CompareError
+from tracediff.noise import (
+    ASSUMED_LIMIT_FACTOR,
+    CALIBRATION_TAP,
+    DEFAULT_DEPTH,
+    SEPARATION_FRACTION,
+    Calibration,
+    CalibrationRows,
+    ComputeDtype,
+    SegmentNoise,
+    decide_compute_dtype,
+    neighbour_distances,
+    prior_drift,
+    segment_noise,
+    with_limits,
+)
 from tracediff.segments import (
-    MANTISSA_BITS,
     NoiseFloor,
     SegmentDecision,
     SegmentScales,
@@ -33,6 +47,7 @@ from tracediff.segments import (
     match_segments,
     mismatched_rows_matrix,
     noise_floor,
+    relative_error,
     segment_cosine_matrix,
     segment_finite,
     segment_scales,
@@ -49,16 +64,9 @@ OFFSETS = (-2, -1, 0, 1, 2)
 # stores share no tap: a server in capture-only mode records the target's packed aux states only.
 FC_INPUT_EQUIVALENTS = (("fc_in", "aux_hidden"), ("aux_hidden", "fc_in"), ("fc_in", "fc_in_raw"), ("fc_in_raw", "fc_in"))
 
-#: Compute noise between two correct implementations of a forward pass (other kernels, reduction
-#: orders, KV cache vs a full forward) grows with depth: about 1.5 units of the compute dtype's
-#: rounding per decoder layer in the standardised metric (measured on tiny Llama, Qwen3, Mistral and
-#: DeepSeek-V3 models with massive activations, a bf16 engine against an fp32 trainer: 1.4-1.8 per
-#: layer; FP8-rounded weights give 5-7). The budget allows twice that.
-COMPUTE_UNITS_PER_LAYER = 3.0
-#: A pair this many times beyond its budget is no longer drift of the same tensor but other data.
-DRIFT_FACTOR = 3.0
-#: Depth assumed for a segment whose layer no side records.
-DEFAULT_DEPTH = 16
+#: A pair this many times beyond its budget is no longer drift of the same tensor but other data,
+#: when the data gives no limit of its own (:mod:`tracediff.noise`).
+DRIFT_FACTOR = ASSUMED_LIMIT_FACTOR
 
 
 @dataclass
@@ -111,7 +119,7 @@ def pick_taps(ref: TraceStore, cand: TraceStore, opts: CompareOptions) -> tuple[
             f"no common tap with rows: {ref.path} has {tap_summary(ref)}, {cand.path} has {tap_summary(cand)}; "
             f"choose with --tap, or --ref-tap/--cand-tap"
         )
-    preferred = [t for t in common if t == "fc_in"] or [t for t in common if not t.startswith("bank")] or common
+    preferred = [t for t in common if t == "fc_in"] or [t for t in common if not t.startswith("bank") and t != CALIBRATION_TAP] or common
     return preferred[0], preferred[0]
 
 
@@ -205,7 +213,8 @@ def require_finite_rows(
 
 # ----------------------------------------------------------------------------------- label offset
 def offset_search(
-    alignment: Alignment, size: int, opts: CompareOptions, base: RowPairs | None = None
+    alignment: Alignment, size: int, opts: CompareOptions, base: RowPairs | None = None,
+    compute_dtype: str | None = None,
 ) -> tuple[int, dict[str, float], RowPairs]:
     """Try label offsets -2..2: the one under which paired rows are most alike wins.
 
@@ -226,7 +235,7 @@ def offset_search(
         pick = sample_pairs(pairs, opts.offset_sample_rows, opts.seed)
         c = read_rows(alignment.candidate, pairs.candidate[pick])
         r = read_rows(alignment.reference, pairs.reference[pick])
-        m = standardised_cosine_matrix(c, r, segment_scales(c, size), segment_scales(r, size))
+        m = standardised_cosine_matrix(c, r, segment_scales(c, size, compute_dtype), segment_scales(r, size, compute_dtype))
         best_each = [float(np.nanmax(row)) for row in m if np.isfinite(row).any()]  # an all-NaN segment casts none
         score = float(np.mean(best_each)) if best_each else float("nan")
         results[off] = (score, pairs)
@@ -326,7 +335,9 @@ class Relation:
 
     candidate: int
     reference: int
-    relation: str  # same | transformed | drift (same tensor, beyond numerics) | other
+    #: same | transformed | drift (same tensor, beyond numerics) | other | undecided (within the
+    #: budget, but as far as a neighbouring layer may be: the data cannot tell)
+    relation: str
     error: float  # squared standardised relative error of the identity
     transform: TransformFit | None  # the fitted transform for "transformed" (and the identity for "same")
     fits: list[TransformFit]
@@ -353,63 +364,87 @@ class SegmentPlan:
     relations: dict[int, Relation]  # candidate segment -> its relation, for matched segments
     ref_scales: SegmentScales
     cand_scales: SegmentScales
+    #: per reference segment: squared standardised relative error beyond which a pair is other data
+    limits: list[float]
+    noise: list[SegmentNoise]  # per reference segment: the noise model, with where each number came from
+    compute: ComputeDtype
+    calibration: Calibration | None
     # Segments with no finite value on any sampled row: reported as non-finite, never as wiring.
     dead_candidate: frozenset[int] = frozenset()
     dead_reference: frozenset[int] = frozenset()
 
 
-def numerics_budget(floor_error: float, dtype_ref: str, dtype_cand: str, depth: int) -> tuple[float, str]:
-    """The squared standardised relative error that numerics alone explain for one segment, and the
-    dtype behind it.
-
-    Storage rounding is measured on the sample (``floor_error``, allowed twice over: the simulation
-    draws uniform errors, real roundings are smaller on average). Compute noise is not in the
-    stores: it is bounded by the coarser of the two dtypes (an engine stores the dtype it computes
-    in; fp32 counts as TF32, what GPU matmuls run by default), :data:`COMPUTE_UNITS_PER_LAYER`
-    units of its rounding per decoder layer up to the segment's ``depth``.
-    """
-    bits = min(MANTISSA_BITS.get(dtype_ref, 23), MANTISSA_BITS.get(dtype_cand, 23), 10)
-    coarse = min((dtype_ref, dtype_cand), key=lambda d: MANTISSA_BITS.get(d, 23))
-    unit = 2.0 ** -(bits + 1)
-    storage = 2.0 * math.sqrt(max(floor_error, 0.0))
-    compute = COMPUTE_UNITS_PER_LAYER * unit * max(0, depth)
-    return max(storage, compute, 1e-6) ** 2, coarse
+def numerics_budget(floor_error: float, compute_dtype: str, depth: int) -> float:
+    """The squared standardised relative error numerics alone explain for one segment with no
+    calibration and no other segment to learn from (``tracediff identify``): twice the storage
+    rounding measured on the sample (``floor_error``), or the assumed drift of ``compute_dtype`` at
+    ``depth`` (:func:`tracediff.noise.prior_drift`), twice over."""
+    return max(2.0 * math.sqrt(max(floor_error, 0.0)), 2.0 * prior_drift(compute_dtype, depth), 1e-6) ** 2
 
 
 def plan_segments(cand: torch.Tensor, ref: torch.Tensor, size: int, dtype_ref: str, dtype_cand: str,
-                  depths: list[int | None] | None = None, seed: int = 0) -> SegmentPlan:
+                  depths: list[int | None] | None = None, seed: int = 0, *, compute: ComputeDtype | None = None,
+                  assumed_depth: int | None = None, calibration: CalibrationRows | None = None) -> SegmentPlan:
     """Decide, on paired sample rows ([n, Wc], [n, Wr] float32), what every candidate segment is.
 
-    ``depths``: per reference segment, how many decoder layers deep it is (its physical layer), when
-    a side records it; :data:`DEFAULT_DEPTH` otherwise.
+    ``depths``: per reference segment, how many decoder layers deep it is (its physical layer), where
+    a side records it; the prior assumes ``assumed_depth`` (the model's depth, else
+    :data:`tracediff.noise.DEFAULT_DEPTH`) for the others. ``compute``: the compute dtype of the
+    compare (:func:`tracediff.noise.decide_compute_dtype`; None: assumed bfloat16). ``calibration``:
+    the measured drift of calibration rows, per reference segment.
     """
+    compute = compute or decide_compute_dtype({}, {})
     c, r = cand, ref  # non-finite segments of a row are left out pair by pair, never whole rows
-    cs, rs = segment_scales(c, size), segment_scales(r, size)
+    cs, rs = segment_scales(c, size, compute.dtype), segment_scales(r, size, compute.dtype)
     raw = segment_cosine_matrix(cand, ref, size)
     std = standardised_cosine_matrix(c, r, cs, rs)
     baseline = mismatched_rows_matrix(c, r, cs, rs)
     floor = noise_floor(r, size, dtype_ref, dtype_cand, rs, seed=seed)
     kr = ref.shape[1] // size
-    depth = [d if d is not None else DEFAULT_DEPTH for d in (depths or [None] * kr)]
-    budgets = [numerics_budget(floor.errors[j] if j < len(floor.errors) else floor.error, dtype_ref, dtype_cand,
-                               depth[j])[0] for j in range(kr)]
-    compute = numerics_budget(0.0, dtype_ref, dtype_cand, 0)[1]
+    known = list(depths or [None] * kr)
+    fallback = assumed_depth or DEFAULT_DEPTH
+    depth = [d if d is not None else fallback for d in known]
+    floors = [floor.errors[j] if j < len(floor.errors) else floor.error for j in range(kr)]
+    measured = _measure_calibration(calibration, size, rs) if calibration is not None else None
+    noise = segment_noise(floors, depth, compute.dtype, measured)
+    for n, d in zip(noise, known, strict=True):
+        n.depth = d
+    budgets = [n.budget**2 for n in noise]
     decisions = match_segments(std, baseline, floor.distance)
     c3, r3 = split(c, size), split(r, size)
-    relations: dict[int, Relation] = {}
+    fitted: dict[int, list[TransformFit]] = {}
     for d in decisions:
         if d.reference is None or d.duplicate_of is not None:
             continue
         i, j = d.candidate, d.reference
-        fits = fit_transforms(c3[:, i], r3[:, j], cs.mean[i], cs.scale[i], rs.mean[j], rs.scale[j],
-                              identity_budget=budgets[j])
+        fitted[i] = fit_transforms(c3[:, i], r3[:, j], cs.mean[i], cs.scale[i], rs.mean[j], rs.scale[j],
+                                   identity_budget=budgets[j])
+    # The limits, from the data: the reference's own layers (how far apart they are per layer of
+    # spacing) and the drift the other matched segments show.
+    errors = {d.reference: math.sqrt(fitted[d.candidate][0].error) for d in decisions if d.candidate in fitted
+              and d.reference is not None and math.isfinite(fitted[d.candidate][0].error)
+              and fitted[d.candidate][0].error >= 0}
+    neighbours = neighbour_distances(
+        lambda k, j: math.sqrt(max(relative_error(r3[:, k], r3[:, j], rs.mean[j], rs.scale[j]), 0.0)), known)
+    noise = with_limits(noise, neighbours, errors)
+    limits = [n.limit**2 for n in noise]
+    relations: dict[int, Relation] = {}
+    for d in decisions:
+        if d.candidate not in fitted:
+            continue
+        i, j = d.candidate, d.reference
+        assert j is not None
+        fits = fitted[i]
         best = best_transform(fits, budgets[j])
         if best is None:
             # Beyond the budget: drift of the same tensor (quantised weights, other kernels) while
-            # within a few budgets, other data beyond.
-            kind = "drift" if fits[0].error <= DRIFT_FACTOR**2 * budgets[j] else "other"
+            # within the limit, other data beyond.
+            kind = "drift" if fits[0].error <= limits[j] else "other"
+        elif best.kind == "identity":
+            nb = noise[j].neighbour
+            kind = ("undecided" if nb is not None and fits[0].error > (SEPARATION_FRACTION * nb) ** 2 else "same")
         else:
-            kind = "same" if best.kind == "identity" else "transformed"
+            kind = "transformed"
         relations[i] = Relation(i, j, kind, fits[0].error, best, fits)
     for d in decisions:
         rel = relations.get(d.candidate)
@@ -420,20 +455,36 @@ def plan_segments(cand: torch.Tensor, ref: torch.Tensor, size: int, dtype_ref: s
             del relations[d.candidate]
     dead_c = frozenset(int(i) for i in torch.nonzero(~segment_finite(c, size).any(dim=0)).flatten())
     dead_r = frozenset(int(j) for j in torch.nonzero(~segment_finite(r, size).any(dim=0)).flatten())
-    return SegmentPlan(size, int(c.shape[0]), raw, std, baseline, floor, budgets, depth, compute, decisions,
-                       relations, rs, cs, dead_c, dead_r)
+    return SegmentPlan(size, int(c.shape[0]), raw, std, baseline, floor, budgets, depth, compute.dtype, decisions,
+                       relations, rs, cs, limits, noise, compute, measured, dead_c, dead_r)
+
+
+def _measure_calibration(cal: CalibrationRows, size: int, scales: SegmentScales) -> Calibration:
+    """The drift of the calibration rows from the reference rows of the same tokens, per reference
+    segment, in the plan's reference scales (the error the candidate is held to, measured the same way)."""
+    kr = cal.reference.shape[1] // size
+    drift: list[float | None] = []
+    if cal.values.shape[1] != cal.reference.shape[1] or cal.values.shape[0] < 2:
+        drift = [None] * kr
+    else:
+        cv, rv = split(cal.values, size), split(cal.reference, size)
+        for j in range(kr):
+            e = relative_error(cv[:, j], rv[:, j], scales.mean[j], scales.scale[j])
+            drift.append(math.sqrt(e) if math.isfinite(e) and e >= 0 else None)
+    return Calibration(drift, int(cal.values.shape[0]), cal.compute_dtype, cal.store, cal.tap, cal.sequences)
 
 
 # ----------------------------------------------------------- what the streaming pass measures
 def pair_limits(segplan: SegmentPlan, matches: list[tuple[int, int]]) -> list[tuple[float, float]]:
     """Per (candidate, reference) pair: the numerics budget the findings hold its standardised
     relative error to (``tracediff.segment_findings``: beyond it a ``precision`` warning), and the
-    drift limit (:data:`DRIFT_FACTOR` times it: beyond it other data, and a row beyond
-    it is "off" for :mod:`tracediff.subsets`)."""
+    drift limit (the noise model's limit, :mod:`tracediff.noise`: beyond it other data, and a row
+    beyond it is "off" for :mod:`tracediff.subsets`)."""
     out = []
     for _, j in matches:
-        budget = math.sqrt(segplan.budgets[j]) if 0 <= j < len(segplan.budgets) else float("nan")
-        out.append((budget, DRIFT_FACTOR * budget))
+        ok = 0 <= j < len(segplan.budgets)
+        out.append((math.sqrt(segplan.budgets[j]) if ok else float("nan"),
+                    math.sqrt(segplan.limits[j]) if ok else float("nan")))
     return out
 
 

@@ -23,6 +23,7 @@ FINDING_KINDS: tuple[str, ...] = (
     "segment_duplicate",
     "segment_scale",
     "segment_value",
+    "segment_undecided",
     "token_offset",
     "position_offset",
     "sequence_prefix",
@@ -145,10 +146,17 @@ class SegmentMetrics:
     # ([[bucket start, error, rows], ...]; the pair's std_rel_error is the RMS over every bucket's rows).
     std_error_by_position: list[list[float]] = field(default_factory=list)
     # The thresholds the findings hold this pair's std_rel_error to: within numerics_budget it is the
-    # same tensor; beyond, a precision warning; beyond drift_limit (DRIFT_FACTOR x the budget) other
-    # data (segment_value). Also plan.numerics_budgets[reference].
+    # same tensor; beyond, a precision warning; beyond drift_limit (the noise model's limit) other
+    # data (segment_value). Also plan.numerics_budgets[reference], plan.noise[reference].
     numerics_budget: float = float("nan")
     drift_limit: float = float("nan")
+    # The noise model behind them (tracediff.noise): where the expected drift came from (calibrated |
+    # assumed), its size, what set the limit (neighbour | consistency | assumed), the estimated
+    # distance to a neighbouring layer (NaN: not estimated).
+    noise_source: str = ""
+    expected_drift: float = float("nan")
+    limit_source: str = ""
+    neighbour_distance: float = float("nan")
 
 
 @dataclass
@@ -171,7 +179,7 @@ class SegmentProfile:
     norm_ratio_mean: float  # |candidate| / |reference|, mean over rows
     std_rel_error: float  # RMS of the per-row standardised errors (as SegmentMetrics.std_rel_error)
     numerics_budget: float  # the reference segment's numerics budget
-    drift_limit: float  # DRIFT_FACTOR x the budget: a row beyond it is "off" (subsets), a pair other data
+    drift_limit: float  # the noise model's limit: a row beyond it is "off" (subsets), a pair other data
     same_tensor_cosine: float  # standardised cosine at or above which matching calls a pair the same tensor
     cos_by_position: list[list[float]] = field(default_factory=list)
     std_cos_by_position: list[list[float]] = field(default_factory=list)  # [] for subset groups
@@ -210,6 +218,12 @@ class Plan:
     candidate_segment_size: int = 0
     token_pairing: dict[str, Any] = field(default_factory=dict)  # next-token agreement (tracediff.pairing)
     candidate_rows_replica: int = 0  # pairs whose reference row another candidate writer group pairs too
+    # The noise model (tracediff.noise): per reference segment its drift, budget, limit and their
+    # sources (SegmentNoise.to_dict()); how the compute dtype was decided; the calibration rows used.
+    noise: list[dict[str, Any]] = field(default_factory=list)
+    compute: dict[str, Any] = field(default_factory=dict)
+    calibration: dict[str, Any] | None = None
+    drift_limits: list[float] = field(default_factory=list)  # per reference segment: beyond it, other data
 
 
 @dataclass

@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tracediff.adapters.conventions import AuxLayers, engine_of
+from tracediff.adapters.conventions import AuxLayers, engine_of, format_layers
 from tracediff.diagnose import StreamResult
-from tracediff.metadata import num_layers
+from tracediff.metadata import is_aux_key, num_layers
+from tracediff.noise import ASSUMED_LIMIT_FACTOR, OUTLIER_FACTOR
 from tracediff.plan import Relation, SegmentPlan
 from tracediff.remedy import Fix, propose_fix
 from tracediff.results import Finding, Report, SegmentMetrics
@@ -57,7 +58,8 @@ def segment_findings(report: Report, segplan: SegmentPlan, stream: StreamResult,
         layers = num_layers(report.reference.meta) or num_layers(report.candidate.meta)
         fix = propose_fix(decisions, report.reference.segments, ref_aux, cand_aux, engine, bank, layers)
         _attach_fix((wiring or wrong_layer)[0], fix)
-    return wiring + subset_findings + values
+    return wiring + subset_findings + values + _layer_config_findings(report, segplan, ref_aux, cand_aux, subsets,
+                                                                      wiring + values)
 
 
 def _subset_finding(report: Report, i: int, j: int, subset: Any, content: Any) -> Finding:
@@ -196,10 +198,30 @@ def _ref(report: Report, d: SegmentDecision) -> str:
     return seg_name(report.reference.segment_labels[d.reference], d.reference)
 
 
+def _noise_text(segplan: SegmentPlan, j: int) -> str:
+    """Where segment ``j``'s budget came from, in a few words."""
+    n = segplan.noise[j]
+    if n.source == "calibrated":
+        return f"measured on {n.calibration_rows} calibration rows"
+    return f"assumed for {segplan.compute_dtype} compute at depth {segplan.depths[j]}"
+
+
+def _limit_text(segplan: SegmentPlan, j: int) -> str:
+    n = segplan.noise[j]
+    if n.limit_source == "neighbour":
+        return (f"half the distance to a neighbouring layer, {n.neighbour:.3g}, estimated from the reference's own "
+                f"layers")
+    if n.limit_source == "consistency":
+        return f"{OUTLIER_FACTOR:g}x the drift the other segments show at this depth ({n.consistent:.3g})"
+    return f"{ASSUMED_LIMIT_FACTOR:g}x the budget (assumed: no other layer to measure against)"
+
+
 def _pair_findings(report: Report, segplan: SegmentPlan, d: SegmentDecision, rel: Relation,
                    m: SegmentMetrics) -> list[Finding]:
     assert d.reference is not None
     budget = math.sqrt(segplan.budgets[d.reference])
+    limit = math.sqrt(segplan.limits[d.reference])
+    noise = segplan.noise[d.reference]
     label, rlabel = f"candidate segment {_cand(report, d)}", f"reference segment {_ref(report, d)}"
     evidence: dict[str, Any] = {
         "candidate_segment": d.candidate, "reference_segment": d.reference, "relation": rel.relation,
@@ -211,7 +233,7 @@ def _pair_findings(report: Report, segplan: SegmentPlan, d: SegmentDecision, rel
         "cos_mean": m.cos_mean, "cos_p1": m.cos_p1, "cos_min": m.cos_min, "norm_ratio_p1": m.norm_ratio_p1,
         "norm_ratio_p50": m.norm_ratio_p50, "norm_ratio_p99": m.norm_ratio_p99, "rel_l2": m.rel_l2,
         "worst_rows": m.worst_rows[:3], "standardised_distance": d.distance,
-        "runner_up_distance": d.runner_up_distance,
+        "runner_up_distance": d.runner_up_distance, "drift_limit": limit, "noise": noise.to_dict(),
     }
     if rel.relation == "transformed" and rel.transform is not None:
         t = rel.transform
@@ -233,17 +255,28 @@ def _pair_findings(report: Report, segplan: SegmentPlan, d: SegmentDecision, rel
         return [Finding(
             "segment_value", "error",
             f"{label} resembles {rlabel} but is other data (standardised relative error {m.std_rel_error:.3g}, "
-            f"{m.std_rel_error / budget:.0f}x what numerics explain; raw cosine {m.cos_mean:.4f}); no transform fits "
-            f"(held-out errors: {fits}): probably a neighbouring layer, or another context.",
+            f"{m.std_rel_error / budget:.0f}x what numerics explain ({budget:.2g}, {_noise_text(segplan, d.reference)}) "
+            f"and beyond {limit:.2g}, {_limit_text(segplan, d.reference)}; raw cosine {m.cos_mean:.4f}); no transform "
+            f"fits (held-out errors: {fits}): probably a neighbouring layer, or another context.",
             evidence,
         )]
     err = m.std_rel_error if math.isfinite(m.std_rel_error) else rel.relative_error
+    if rel.relation == "undecided" and noise.neighbour is not None:
+        return [Finding(
+            "segment_undecided", "warning",
+            f"{label} matches {rlabel} within numerics (standardised relative error {err:.3g}, budget {budget:.2g}, "
+            f"{_noise_text(segplan, d.reference)}), but a neighbouring layer may be as close as {noise.neighbour:.3g} "
+            f"here (estimated from the reference's own layers): the data cannot tell this layer from its neighbour. "
+            f"Record calibration rows on the reference (tracediff calibrate REFERENCE --model TARGET_DIR) or compare "
+            f"with --bank to decide.",
+            evidence,
+        )]
     if math.isfinite(err) and err > budget:
         return [Finding(
             "precision", "warning",
             f"{label} is {rlabel} (it matches no other segment nearly as well), but differs by a standardised relative "
-            f"error of {err:.3g}, {err / budget:.1f}x what {segplan.compute_dtype} numerics explain at depth "
-            f"{segplan.depths[d.reference]} ({budget:.2g}; "
+            f"error of {err:.3g}, {err / budget:.1f}x what numerics explain ({budget:.2g}, "
+            f"{_noise_text(segplan, d.reference)}; other data beyond {limit:.2g}; "
             f"raw cosine {m.cos_mean:.5f}): other kernels, quantised weights (FP8/INT8) or another compute dtype on "
             f"one side. Worst row: {_worst(m)}.",
             evidence,
@@ -258,3 +291,51 @@ def _worst(m: SegmentMetrics) -> str:
     c = w["candidate"]
     return (f"sequence {c['seq']} position {c['position']} token {c['token_id']} (standardised error "
             f"{w.get('std_error', float('nan')):.3g}, cosine {w['cosine']:.4f})")
+
+
+def _layer_config_findings(report: Report, segplan: SegmentPlan, ref_aux: AuxLayers | None,
+                           cand_aux: AuxLayers | None, subsets: dict, found: list[Finding]) -> list[Finding]:
+    """Both sides record their aux layers and a matched pair's slots name different physical layers,
+    yet the data called the pair the same tensor (or drift of it): never a silent match. Bit-exact
+    data says the labels are wrong; anything less says the data could not tell the layers apart."""
+    if ref_aux is None or cand_aux is None or ref_aux.physical is None or cand_aux.physical is None:
+        return []
+    rp, cp = list(ref_aux.physical), list(cand_aux.physical)
+    if len(rp) != report.reference.segments or len(cp) != report.candidate.segments:
+        return []
+    reported = {(f.evidence.get("candidate_segment"), f.evidence.get("reference_segment")) for f in found}
+    out = []
+    for d in segplan.decisions:
+        rel = segplan.relations.get(d.candidate)
+        if d.reference is None or d.duplicate_of is not None or rel is None or rel.relation == "other":
+            continue
+        i, j = d.candidate, d.reference
+        # Moved segments are wiring (segment_order says so); a slot is checked against its own config.
+        if i != j or rp[j] == cp[i] or (i, j) in subsets:
+            continue
+        noise = segplan.noise[j]
+        rtext, ctext = format_layers([rp[j]])[1:-1], format_layers([cp[i]])[1:-1]
+        evidence = {"differences": [x for x in report.config_diff if is_aux_key(x["path"])],
+                    "candidate_segment": i, "reference_segment": j, "reference_layer": rp[j], "candidate_layer": cp[i],
+                    "relation": rel.relation, "tier": d.tier, "plan_std_rel_error": rel.relative_error,
+                    "numerics_budget": noise.budget, "neighbour_distance": noise.neighbour,
+                    "noise_source": noise.source}
+        if d.tier == "exact":
+            out.append(Finding(
+                "config", "warning",
+                f"Candidate segment {_cand(report, d)} is recorded as layer {ctext} and reference segment "
+                f"{_ref(report, d)} as layer {rtext}, but their values are identical up to storage rounding: one side "
+                f"records its aux layers wrongly (check the numbering convention of {cand_aux.field} and "
+                f"{ref_aux.field}).", evidence))
+            continue
+        already = (i, j) in reported
+        out.append(Finding(
+            "config", "error",
+            f"The two sides are configured for different layers in this slot: reference segment {_ref(report, d)} is "
+            f"layer {rtext} ({ref_aux.field}), candidate segment {_cand(report, d)} layer {ctext} ({cand_aux.field}); "
+            f"the data {'does not separate them clearly' if already else 'could not tell them apart'} at this depth "
+            f"(standardised relative error {rel.relative_error:.3g}, numerics budget {noise.budget:.2g}"
+            + (f", neighbour distance ~{noise.neighbour:.2g}" if noise.neighbour is not None else "")
+            + "). Feed the trained layers, or record calibration rows (tracediff calibrate) or a bank (--bank) to "
+              "decide from the data.", evidence))
+    return out

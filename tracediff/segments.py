@@ -57,6 +57,20 @@ def _finite_rows(*tensors: torch.Tensor) -> torch.Tensor:
 RESOLUTION = 2.0**-8
 #: Rows the robust scale is estimated from.
 SCALE_ROWS = 512
+#: A dimension whose robust spread over tokens is below this many units of the compute dtype's
+#: resolution at its own magnitude is *resolution-limited*: a massive activation (hundreds of times
+#: the median, nearly constant), whose every value an engine rounds by a good part of its spread at
+#: each layer. Such a dimension carries rounding, not identity, and must not decide which tensor a
+#: segment is nor how far two are apart: it is left out of every standardised statistic.
+RESOLUTION_LIMITED_UNITS = 8.0
+#: The scale given to a resolution-limited dimension: its standardised values are 0 on both sides.
+EXCLUDED_SCALE = 1e30
+
+
+def resolution_of(dtype: str) -> float:
+    """Relative spacing of representable values (one ulp at the top of a binade) of a compute dtype;
+    float32 counts as TF32 (10 bits), what GPU matmuls run in by default."""
+    return 2.0 ** -min(MANTISSA_BITS.get(dtype, 7), 10)
 
 
 @dataclass(frozen=True)
@@ -67,11 +81,13 @@ class SegmentScales:
     deviation for Gaussian data), combined with the dimension's bf16 resolution. Dividing by it
     makes every dimension count the same: a few massive activations (100-1000x the median, nearly
     constant over tokens, the same in every layer after an early one) can then no longer dominate a
-    cosine, a noise floor or a relative error.
+    cosine, a noise floor or a relative error. Resolution-limited dimensions (see
+    :data:`RESOLUTION_LIMITED_UNITS`) get :data:`EXCLUDED_SCALE`: ``excluded`` counts them per segment.
     """
 
     mean: torch.Tensor
     scale: torch.Tensor
+    excluded: tuple[int, ...] = ()
 
     def standardise(self, rows: torch.Tensor) -> torch.Tensor:
         """[n, K*H] -> [n, K, H], centred and divided by the scale."""
@@ -113,20 +129,27 @@ def _segment_finite(x: torch.Tensor) -> torch.Tensor:
     return fin
 
 
-def segment_scales(rows: torch.Tensor, size: int) -> SegmentScales:
+def segment_scales(rows: torch.Tensor, size: int, compute_dtype: str | None = None) -> SegmentScales:
     """Robust per-dimension location and scale of each segment of ``rows``, each segment over the
-    rows where it is finite (a segment that is NaN on every row gets location 0, scale 1)."""
-    return _memo(rows, "scales", size, lambda: _segment_scales(rows, size))
+    rows where it is finite (a segment that is NaN on every row gets location 0, scale 1).
+
+    ``compute_dtype``: the dtype the rows were computed in (not the one they are stored in); its
+    resolution decides which dimensions are resolution-limited. None: bfloat16, the coarsest an
+    engine computes its hidden states in."""
+    res = resolution_of(compute_dtype or "bfloat16")
+    return _memo(rows, f"scales@{res}", size, lambda: _segment_scales(rows, size, res))
 
 
-def _segment_scales(rows: torch.Tensor, size: int) -> SegmentScales:
+def _segment_scales(rows: torch.Tensor, size: int, resolution: float) -> SegmentScales:
     x = split(rows, size)
     fin = segment_finite(rows, size)
     k = x.shape[1]
     means, scales = torch.zeros(k, size), torch.ones(k, size)
+    excluded = []
     for j in range(k):
         xj = x[:, j] if bool(fin[:, j].all()) else x[fin[:, j], j]
         if xj.shape[0] == 0:
+            excluded.append(0)
             continue
         # The median and MAD of a few hundred rows are as good a scale as of thousands, at a
         # fraction of the sort's cost (the plan's largest one).
@@ -137,9 +160,18 @@ def _segment_scales(rows: torch.Tensor, size: int) -> SegmentScales:
         scale = (mad.pow(2) + (RESOLUTION * rms).pow(2)).sqrt()
         # A dimension that never varies and is zero (padding) must not divide by zero.
         typical = scale.median().clamp_min(1e-30)
-        scales[j] = torch.maximum(scale, 1e-6 * typical).clamp_min(1e-30)
+        scale = torch.maximum(scale, 1e-6 * typical).clamp_min(1e-30)
+        # Resolution-limited dimensions (massive activations) are left out, as long as most of the
+        # segment is not (a segment of near-constant values is compared as it is).
+        limited = mad < RESOLUTION_LIMITED_UNITS * resolution * med.abs()
+        if head.shape[0] >= 8 and 0 < int(limited.sum()) <= size // 4:
+            scale = torch.where(limited, torch.full_like(scale, EXCLUDED_SCALE), scale)
+            excluded.append(int(limited.sum()))
+        else:
+            excluded.append(0)
+        scales[j] = scale
         means[j] = xj.mean(dim=0)
-    return SegmentScales(means, scales)
+    return SegmentScales(means, scales, tuple(excluded))
 
 
 def _column_medians(x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ and say what those rows hold instead.
 Real serving bugs hit a subset: decode steps small enough for the CUDA-graph path, one phase, one
 tensor-parallel rank, rows past a chunk size. From the streaming pass's per-row standardised errors
 (``StreamResult.row_errors``) a row is *off* when it is beyond what drift of the same tensor allows
-(:data:`tracediff.plan.DRIFT_FACTOR` times the pair's numerics budget). A subset is reported only
+(the noise model's limit of the pair, :mod:`tracediff.noise`). A subset is reported only
 when one value range of one label (phase, rows per step, writer, position, sequence) holds nearly
 all the off rows and few others: a handful of scattered rows is noise, a label group is a finding.
 What the off rows hold is then decided on a sample of them with the same rules as the whole:
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tracediff.align import RowIndex, RowPairs, stream_names
-from tracediff.plan import DRIFT_FACTOR, read_rows
+from tracediff.plan import read_rows
 from tracediff.segments import SegmentScales, relative_error, split
 from tracediff.store import PHASES
 
@@ -205,7 +205,7 @@ class SubsetContent:
 
 
 def describe_subset(cand_seg: int, ref_seg: int, members: np.ndarray, pairs: RowPairs, reference: RowIndex,
-                    candidate: RowIndex, ref_scales: SegmentScales, budgets: list[float], size: int,
+                    candidate: RowIndex, ref_scales: SegmentScales, limits: list[float], size: int,
                     ref_labels: list[str]) -> SubsetContent:
     """Read a sample of the subset's rows and say what candidate segment ``cand_seg`` holds there."""
     pick = members[:: max(1, members.size // DESCRIBE_ROWS)][:DESCRIBE_ROWS]
@@ -215,18 +215,21 @@ def describe_subset(cand_seg: int, ref_seg: int, members: np.ndarray, pairs: Row
     if bool((norms == 0).all()):
         return SubsetContent("zeros", "zeros on every one of these rows (a truncated or skipped transfer)",
                              {"rows_read": int(pick.size)})
-    spread = (c - c.mean(dim=0)).norm(dim=1).mean() / norms.mean().clamp_min(1e-30)
-    if float(spread) < 1e-4:
+    spread = _relative_spread(c)
+    # Rows alike on the candidate are a stale buffer only where the reference's are not: the same
+    # token with the same context (position 0 of every sequence, a shared system prompt) gives the
+    # same hidden state on both sides.
+    if float(spread) < 1e-4 and float(_relative_spread(r_all[:, ref_seg])) >= 1e-3:
         return SubsetContent("constant", "the same values on every one of these rows (a stale or default buffer)",
                              {"rows_read": int(pick.size), "relative_spread": float(spread)})
     errors = [relative_error(c, r_all[:, j], ref_scales.mean[j], ref_scales.scale[j]) for j in range(r_all.shape[1])]
     best = int(np.nanargmin(errors)) if np.isfinite(errors).any() else None
-    if best is not None and errors[best] <= budgets[best] * DRIFT_FACTOR**2:
+    if best is not None and errors[best] <= limits[best]:
         if best == ref_seg:
             return SubsetContent("unknown", f"reference segment {ref_seg} up to drift", {"errors": errors})
         return SubsetContent("reference_segment", f"reference segment {best} ({ref_labels[best]})",
                              {"reference_segment": best, "std_rel_error": float(errors[best] ** 0.5)})
-    other = _other_rows(pick, pairs, reference, candidate, c, ref_seg, ref_scales, budgets, size)
+    other = _other_rows(pick, pairs, reference, candidate, c, ref_seg, ref_scales, limits, size)
     if other is not None:
         return other
     closest = best if best is not None else ref_seg
@@ -235,11 +238,16 @@ def describe_subset(cand_seg: int, ref_seg: int, members: np.ndarray, pairs: Row
                          {"closest_reference": closest, "std_rel_errors": [float(e) ** 0.5 for e in errors]})
 
 
+def _relative_spread(rows: torch.Tensor) -> torch.Tensor:
+    """Mean distance of rows ([n, H]) from their mean row, relative to their mean norm."""
+    return (rows - rows.mean(dim=0)).norm(dim=1).mean() / rows.norm(dim=1).mean().clamp_min(1e-30)
+
+
 def _other_rows(pick: np.ndarray, pairs: RowPairs, reference: RowIndex, candidate: RowIndex, c: torch.Tensor,
-                ref_seg: int, scales: SegmentScales, budgets: list[float], size: int) -> SubsetContent | None:
+                ref_seg: int, scales: SegmentScales, limits: list[float], size: int) -> SubsetContent | None:
     """Do the rows hold the right layer of another request's row in the same step, or of a
     neighbouring position of the same sequence?"""
-    mean, scale, limit = scales.mean[ref_seg], scales.scale[ref_seg], budgets[ref_seg] * DRIFT_FACTOR**2
+    mean, scale, limit = scales.mean[ref_seg], scales.scale[ref_seg], limits[ref_seg]
     cand_rows = pairs.candidate[pick]
     # Reference rows by (reference sequence group, position), for neighbours.
     ref_key = {(int(g), int(p)): i for i, (g, p) in enumerate(zip(reference.group[pairs.reference].tolist(),
