@@ -43,6 +43,10 @@ NEIGHBOUR_FRACTION = 0.5
 SEPARATION_FRACTION = 0.25
 #: A segment this many times worse than the drift the other segments show at its depth is not drift.
 OUTLIER_FACTOR = 4.0
+#: A segment within this many times the drift its healthy neighbours in the trace show at its depth
+#: (carried as sqrt(depth), as drift grows) is drift of the same tensor, even past half a neighbour
+#: distance: quantised weights (FP8) drift on every layer, a wrong layer in one slot only.
+CONSISTENT_FACTOR = 1.5
 #: With no neighbour distance and no other segment to compare with: other data beyond this many budgets.
 ASSUMED_LIMIT_FACTOR = 3.0
 #: Depth assumed for a segment whose layer no side records.
@@ -142,10 +146,10 @@ class SegmentNoise:
     storage: float  # what storage rounding alone costs (measured on the sample)
     budget: float  # within it: the same tensor
     limit: float  # beyond it: other data
-    limit_source: str  # neighbour | consistency | assumed
+    limit_source: str  # neighbour | consistency (outlier of the others) | others (their drift) | assumed
     neighbour: float | None = None  # estimated distance to a neighbouring layer
     neighbour_from: list[int] | None = None  # the two reference segments it was estimated from
-    consistent: float | None = None  # the drift the other segments show at this depth
+    consistent: float | None = None  # the drift the other segments show at this depth (as the limit used it)
     calibration_rows: int = 0
 
     @property
@@ -232,10 +236,12 @@ def neighbour_distances(pair_error: Any, depths: list[int | None]) -> list[tuple
     return out
 
 
-def consistent_drift(errors: dict[int, float], depths: list[int | None], j: int) -> float | None:
+def consistent_drift(errors: dict[int, float], depths: list[int | None], j: int, growth: float = 1.0) -> float | None:
     """The drift the other matched segments show, carried to segment ``j``'s depth: drift does not
-    shrink with depth, and grows at most linearly (``errors``: reference segment -> identity error).
-    Segments at depth 0 (the embedding: no compute, only storage rounding) and unknown depths carry none."""
+    shrink with depth, and grows as depth**``growth`` (1: at most linearly, the conservative bound
+    for calling a segment an outlier; 0.5: as measured, for calling it consistent) (``errors``:
+    reference segment -> identity error). Segments at depth 0 (the embedding: no compute, only
+    storage rounding) and unknown depths carry none."""
     dj = depths[j] if j < len(depths) else None
     if dj is None:
         return None
@@ -244,20 +250,22 @@ def consistent_drift(errors: dict[int, float], depths: list[int | None], j: int)
         dk = depths[k] if k < len(depths) else None
         if k == j or dk is None or dk < 1 or not math.isfinite(e):
             continue
-        found.append(e * max(1.0, dj / dk))
+        found.append(e * max(1.0, dj / dk) ** growth)
     return min(found) if found else None
 
 
 def with_limits(noise: list[SegmentNoise], neighbours: list[tuple[float, list[int]] | None],
                 errors: dict[int, float]) -> list[SegmentNoise]:
-    """Each segment's limit from the data: half its neighbour distance, and :data:`OUTLIER_FACTOR`
-    times the drift the other segments show; never below the budget (a pair within its budget is
-    decided by separability, not by its limit)."""
+    """Each segment's limit from the data: the smaller of half its neighbour distance and
+    :data:`OUTLIER_FACTOR` times the drift the other segments show (carried linearly); then raised
+    to :data:`CONSISTENT_FACTOR` times the drift of the segments that are within their own limits
+    (carried as sqrt(depth)) where that is larger: drift on every layer is not a wrong layer in one.
+    Never below the budget (a pair within its budget is decided by separability, not by its limit)."""
+    depths = [m.depth for m in noise]
     for n in noise:
         nb = neighbours[n.reference] if n.reference < len(neighbours) else None
         if nb is not None:
             n.neighbour, n.neighbour_from = nb
-        depths = [m.depth for m in noise]
         n.consistent = consistent_drift(errors, depths, n.reference)
         options = []
         if n.neighbour is not None:
@@ -267,6 +275,12 @@ def with_limits(noise: list[SegmentNoise], neighbours: list[tuple[float, list[in
         if options:
             limit, how = min(options)
             n.limit, n.limit_source = max(limit, n.budget), how
+    healthy = {j: e for j, e in errors.items() if j < len(noise) and e <= noise[j].limit}
+    for n in noise:
+        along = consistent_drift(healthy, depths, n.reference, growth=0.5)
+        if along is not None and CONSISTENT_FACTOR * along > n.limit:
+            n.limit, n.limit_source = CONSISTENT_FACTOR * along, "others"
+            n.consistent = along
     return noise
 
 

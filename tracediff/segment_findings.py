@@ -14,7 +14,7 @@ from typing import Any
 from tracediff.adapters.conventions import AuxLayers, engine_of, format_layers
 from tracediff.diagnose import StreamResult
 from tracediff.metadata import is_aux_key, num_layers
-from tracediff.noise import ASSUMED_LIMIT_FACTOR, OUTLIER_FACTOR
+from tracediff.noise import ASSUMED_LIMIT_FACTOR, CONSISTENT_FACTOR, OUTLIER_FACTOR
 from tracediff.plan import Relation, SegmentPlan
 from tracediff.remedy import Fix, propose_fix
 from tracediff.results import Finding, Report, SegmentMetrics
@@ -213,6 +213,9 @@ def _limit_text(segplan: SegmentPlan, j: int) -> str:
                 f"layers")
     if n.limit_source == "consistency":
         return f"{OUTLIER_FACTOR:g}x the drift the other segments show at this depth ({n.consistent:.3g})"
+    if n.limit_source == "others":
+        return (f"{CONSISTENT_FACTOR:g}x the drift the segments within their limits show, carried to this depth "
+                f"({n.consistent:.3g}): drift on every layer, not one wrong layer")
     return f"{ASSUMED_LIMIT_FACTOR:g}x the budget (assumed: no other layer to measure against)"
 
 

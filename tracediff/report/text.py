@@ -261,11 +261,42 @@ def plan_items(report: Report) -> list[tuple[str, str]]:
         ("reference rows", f"{p.reference_rows_uncovered} not covered by the candidate"),
         ("noise floor", f"standardised 1 - cos = {fmt_num(p.noise_floor)}, relative error "
                         f"{fmt_num(p.noise_floor_error, 3)} expected from storage precision alone"),
-        ("numerics budget", "standardised relative error per reference segment "
-                            + ", ".join(f"{fmt_num(b, 3)} (depth {d})" for b, d in zip(p.numerics_budgets,
-                                                                                       p.budget_depths, strict=False))
-                            + f" ({p.compute_dtype or '-'} compute)" if p.numerics_budgets else "not computed"),
+        ("compute dtype", _compute_text(p)),
+        ("noise model", _noise_text(p)),
     ]
+
+
+def _compute_text(p: Any) -> str:
+    c = p.compute or {}
+    if not c:
+        return p.compute_dtype or "not decided"
+    fields = c.get("fields") or {}
+
+    def side(name: str) -> str:
+        value = c.get(name)
+        return f"{name} {value} ({fields.get(name, '')})" if value else f"{name} not recorded (counts as bfloat16)"
+    how = "recorded" if c.get("source") == "recorded" else "assumed"
+    return f"{c.get('dtype')} ({how}: {side('reference')}, {side('candidate')}); never the storage dtype"
+
+
+def _noise_text(p: Any) -> str:
+    """Per reference segment: expected drift and where it came from, the budget, the limit and what set it."""
+    if not p.noise:
+        return "not computed"
+    parts = []
+    for n in p.noise:
+        depth = "depth ?" if n.get("depth") is None else f"depth {n['depth']}"
+        limit = {"neighbour": "half the neighbour distance", "consistency": "the other segments' drift x4",
+                 "others": "the healthy segments' drift x1.5",
+                 "assumed": "assumed"}.get(n.get("limit_source", ""), n.get("limit_source", ""))
+        nb = f", neighbour ~{fmt_num(n['neighbour'], 3)}" if n.get("neighbour") is not None else ""
+        parts.append(f"segment {n['reference']} ({depth}): drift {fmt_num(n['drift'], 3)} ({n['source']}), budget "
+                     f"{fmt_num(n['budget'], 3)}, other data beyond {fmt_num(n['limit'], 3)} ({limit}{nb})"
+                     + ("" if n.get("separable", True) else "; cannot separate numerics from a neighbouring layer"))
+    cal = p.calibration
+    head = (f"calibrated on {cal['rows']} rows of {cal['sequences']} sequences ({cal['tap']}, "
+            f"{cal.get('compute_dtype') or 'dtype not recorded'}); " if cal else "")
+    return head + "; ".join(parts) + " (standardised relative errors)"
 
 
 def config_diff_items(report: Report) -> list[tuple[str, str, str, str]]:
@@ -453,12 +484,19 @@ def verdict_sentence(report: Report) -> str | None:
         return "Both sides are one recording: the rows match because they are the same rows."
     if report.verdict != "match":
         return None
+    undecided = [f for f in report.findings if f.kind == "segment_undecided"]
+    if undecided:
+        return (f"No error, but for {len(undecided)} segment pair{'s' if len(undecided) > 1 else ''} the data cannot tell "
+                f"numerics from a neighbouring layer: record calibration rows (tracediff calibrate) to decide.")
     beyond = [f for f in report.findings if f.kind == "precision" and f.severity != "info"]
     if beyond:
         return (f"No error: every candidate segment is the reference's, but {len(beyond)} "
                 f"{'pair differs' if len(beyond) == 1 else 'pairs differ'} beyond what numerics explain (see the warnings).")
+    sources = {n.get("source") for n in report.plan.noise}
+    how = ("measured on calibration rows" if sources == {"calibrated"} else
+           "assumed for the compute dtype" if sources == {"assumed"} else "calibrated or assumed")
     return ("The candidate feeds the draft's fc the same rows as the reference: every segment pair within its "
-            "numerics budget (standardised relative error).")
+            f"numerics budget (standardised relative error; budget {how}).")
 
 
 def render_verdict_line(report: Report) -> str:

@@ -59,15 +59,21 @@ from tracediff.testing.tiny_llama import TinyLlama, instantiate_model, layer_sta
 __all__ = [
     "ARCHITECTURES",
     "COMPUTES",
+    "DEEP_LAYERS",
     "MASSIVE_LAYER",
     "MassiveActivations",
     "TinyModel",
+    "build_deep_model",
     "build_tiny_model",
+    "sglang_default_layers",
     "server_model",
 ]
 
 #: The architectures :func:`build_tiny_model` builds.
 ARCHITECTURES = ("llama", "qwen3", "mistral", "deepseek_v3")
+#: Real EAGLE-3 target depths per architecture: Llama-3.1-8B (32 layers), Qwen3-8B (36), Mistral-Nemo
+#: (40), DeepSeek-V3 / Kimi-K2.5 (61).
+DEEP_LAYERS = {"llama": 32, "qwen3": 36, "mistral": 40, "deepseek_v3": 61}
 #: The server numerics :func:`server_model` imitates.
 COMPUTES = ("fp32", "bf16", "fp8")
 #: Attention head size of every architecture (query/key/value; DeepSeek's MLA splits it 8 + 8).
@@ -177,7 +183,7 @@ class _MassiveActivationHook:
 
 
 def _config(
-    arch: str, hidden_size: int, num_layers: int, vocab_size: int
+    arch: str, hidden_size: int, num_layers: int, vocab_size: int, every_expert: bool = False
 ) -> tuple[type[PreTrainedModel], PretrainedConfig]:
     """The model class and a tiny config of ``arch``: head size :data:`HEAD_DIM`, GQA as the architecture has it."""
     heads = hidden_size // HEAD_DIM
@@ -218,8 +224,8 @@ def _config(
             v_head_dim=HEAD_DIM,
             moe_intermediate_size=hidden_size // 2,
             n_routed_experts=8,
-            num_experts_per_tok=4,
-            n_group=2,
+            num_experts_per_tok=8 if every_expert else 4,
+            n_group=1 if every_expert else 2,
             topk_group=1,
             n_shared_experts=1,
             first_k_dense_replace=1,
@@ -238,6 +244,7 @@ def build_tiny_model(
     *,
     massive: bool = True,
     norm_weight_range: tuple[float, float] = (0.5, 2.0),
+    every_expert: bool = False,
 ) -> TinyModel:
     """Build a tiny ``arch`` model (one of :data:`ARCHITECTURES`) with seeded random weights.
 
@@ -257,6 +264,9 @@ def build_tiny_model(
       inflate the rms in the layer's input norms (~10x at this width), so that the layers still
       do token-dependent work instead of mapping every token to about the same update.
 
+    ``every_expert`` (DeepSeek-V3 only): every token takes every routed expert, weighted by its
+    router scores, so that routing is a continuous function of the state (see :func:`build_deep_model`).
+
     The global torch RNG is left untouched; the same arguments give the same weights.
     """
     if arch not in ARCHITECTURES:
@@ -265,7 +275,7 @@ def build_tiny_model(
         raise ValueError(f"hidden_size must be a positive multiple of {2 * HEAD_DIM}, got {hidden_size}")
     if massive and num_layers <= MASSIVE_LAYER:
         raise ValueError(f"massive activations need more than {MASSIVE_LAYER} layers, got {num_layers}")
-    model_class, config = _config(arch, hidden_size, num_layers, vocab_size)
+    model_class, config = _config(arch, hidden_size, num_layers, vocab_size, every_expert)
     # Pinned so that results do not depend on what happens to be installed (see tiny_llama).
     config._attn_implementation = "sdpa"
     model = instantiate_model(model_class, config, seed, dtype, norm_weight_range=norm_weight_range)
@@ -396,3 +406,24 @@ def _fake_quantise_fp8(weight: torch.Tensor) -> torch.Tensor:
     w = weight.to(torch.float32)
     scale = w.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / _FP8_MAX
     return ((w / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale).to(weight.dtype)
+
+
+def build_deep_model(arch: str, hidden_size: int = 64, seed: int = 0, *, num_layers: int | None = None) -> TinyModel:
+    """:func:`build_tiny_model` at a real target's depth (:data:`DEEP_LAYERS`), massive activations
+    included: the shape compare's noise model has to work at (drift grows slowly with depth while
+    neighbouring layers stay far apart; docs/noise-model.md). Hidden size 64 keeps 61 layers cheap.
+
+    DeepSeek-V3 takes every routed expert on every token (``every_expert``): a random router's
+    top-k choice flips under bf16 rounding for 21-27% of the tokens by layer 59 (each flip moving that
+    token's state by 20-33%), which trained routers, decisive on most tokens, do not show; keeping the
+    router in fp32 does not help (transformers' router already scores in fp32: what flips a route is
+    the bf16 rounding of its input). Taking every expert keeps MLA, the shared and routed experts and
+    the router's token-dependent weights, with no discrete choice to flip."""
+    return build_tiny_model(arch, hidden_size=hidden_size, num_layers=num_layers or DEEP_LAYERS[arch], seed=seed,
+                            every_expert=arch == "deepseek_v3")
+
+
+def sglang_default_layers(num_layers: int) -> list[str]:
+    """SGLang's default EAGLE-3 capture ids ``[2, L // 2, L - 3]`` (outputs of those decoder layers)
+    as HF hidden_states names (``hs{id + 1}``): the layers a draft reads near the top of the target."""
+    return [f"hs{i + 1}" for i in (2, num_layers // 2, num_layers - 3)]

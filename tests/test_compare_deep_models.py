@@ -1,0 +1,206 @@
+"""compare at real depth: the noise model tells numerics from a neighbouring layer on 32-61 layer models.
+
+Real EAGLE-3 targets have 32-80 layers and the draft reads layers near the top (SGLang's default
+capture [2, L//2, L-3]). There, bf16 drift grows far slower than linearly with depth while
+neighbouring layers stay far apart (docs/noise-model.md): a budget linear in depth called a wrong
+layer "same". Every trace here is recorded with the real recorder from a real transformers model of
+each architecture (random weights, massive activations) at a real target's depth; the reference is
+an fp32 trainer, candidates are engine-order bf16 runs (ragged prefill, KV-cache decode), each
+with one fault or none.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tracediff
+from tracediff.compare import compare_stores
+from tracediff.testing.models import ARCHITECTURES, DEEP_LAYERS, build_deep_model, sglang_default_layers, server_model
+from tracediff.testing.tiny_llama import DraftHead, make_sequences, run_engine, run_trainer
+
+
+def _ids(layers: list[str], num_layers: int) -> list[int]:
+    return [num_layers if n == "pre_norm" else int(n[2:]) for n in layers]
+
+
+def _server_meta(layers: list[str], num_layers: int, dtype: str = "bfloat16") -> dict:
+    """What an SGLang server records: its ids (output of layer j, -1 = embedding) and its server args."""
+    return {"aux_layers": {"ids": [i - 1 for i in _ids(layers, num_layers)], "convention": "sglang",
+                           "framework": "sglang", "field": "eagle_config.eagle_aux_hidden_state_layer_ids"},
+            "num_hidden_layers": num_layers, "server_args": {"dtype": dtype}}
+
+
+def _trainer_meta(layers: list[str], num_layers: int) -> dict:
+    return {"aux_layers": {"ids": _ids(layers, num_layers), "convention": "capture"}, "num_hidden_layers": num_layers,
+            "compute_dtype": "float32"}
+
+
+def _shift(layers: list[str], slots: set[int], by: int = -1) -> list[str]:
+    return [f"hs{int(n[2:]) + by}" if k in slots else n for k, n in enumerate(layers)]
+
+
+def _record(path: Path, runner, model, layers: list[str], meta: dict, seqs, dtype, **kw) -> Path:
+    draft = DraftHead(model.hidden_size, len(layers))
+    with tracediff.record(path, role=path.stem, meta=meta) as rec:
+        rec.tap(draft.fc, "fc_in", segment_size=model.hidden_size)
+        runner(model, draft, seqs, layers, dtype=dtype, on_batch=lambda lab: rec.labels(**lab), **kw)
+    assert rec.error is None
+    return path
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def deep(request, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    arch = request.param
+    num_layers = DEEP_LAYERS[arch]
+    root = tmp_path_factory.mktemp(f"deep-{arch}")
+    trainer = build_deep_model(arch)
+    bf16 = server_model(trainer, "bf16")
+    seqs = make_sequences(n_seqs=4, min_len=14, max_len=30, seed=3)
+    ref_layers = sglang_default_layers(num_layers)
+    out: dict = {"arch": arch, "L": num_layers, "layers": ref_layers, "trainer": trainer}
+
+    def engine(name: str, model, layers: list[str], dtype=torch.bfloat16, meta_dtype="bfloat16") -> None:
+        out[name] = _record(root / f"{name}.zarr", run_engine, model, layers, _server_meta(layers, num_layers, meta_dtype),
+                            seqs, dtype, max_running=3)
+
+    out["ref"] = _record(root / "ref.zarr", run_trainer, trainer, ref_layers, _trainer_meta(ref_layers, num_layers),
+                         seqs, torch.float32)
+    engine("clean", bf16, ref_layers)
+    engine("deep_off", bf16, _shift(ref_layers, {2}))
+    engine("mid_off", bf16, _shift(ref_layers, {1}))
+    engine("all_off", bf16, _shift(ref_layers, {0, 1, 2}))
+    engine("fp8", server_model(trainer, "fp8"), ref_layers)
+    engine("bf16_as_fp32", bf16, ref_layers, dtype=torch.float32)
+    return out
+
+
+def kinds(report, severity: str | None = None) -> set[str]:
+    return {f.kind for f in report.findings if severity is None or f.severity == severity}
+
+
+def messages(report) -> list[str]:
+    return [f"{f.severity} {f.kind}: {f.message}" for f in report.findings]
+
+
+def statuses(report) -> list[tuple[int, int | None, str, str | None]]:
+    return [(m.candidate, m.reference, m.status, m.relation) for m in report.segment_map]
+
+
+def wrong_slots(report) -> set[int]:
+    """Candidate slots some error names as not the reference's (other data, missing, extra)."""
+    out = set()
+    for f in report.findings:
+        if f.severity != "error":
+            continue
+        if f.kind == "segment_value":
+            out.add(f.evidence["candidate_segment"])
+        elif f.kind == "segment_extra":
+            out.add(f.evidence["candidate_segment"])
+        elif f.kind == "segment_missing":
+            out.add(f.evidence["reference_segment"])
+    return out
+
+
+def test_clean_bf16_engine_at_depth_is_a_match_with_no_warning(deep):
+    report = compare_stores(deep["ref"], deep["clean"])
+    assert report.verdict == "match", messages(report)
+    assert kinds(report, "warning") == set(), messages(report)
+    assert [s[2:] for s in statuses(report)] == [("same", "same")] * 3
+    # The compute dtype comes from what the sides recorded, the budget from it, and the report says so.
+    assert report.plan.compute["dtype"] == "bfloat16" and report.plan.compute["source"] == "recorded"
+    assert [n["source"] for n in report.plan.noise] == ["assumed"] * 3
+    assert all(m.std_rel_error <= m.numerics_budget < m.drift_limit for m in report.metrics)
+
+
+@pytest.mark.parametrize("slot", [2, 1], ids=["deepest", "middle"])
+def test_one_slot_off_by_one_layer_is_named_and_the_others_spared(deep, slot):
+    report = compare_stores(deep["ref"], deep["deep_off" if slot == 2 else "mid_off"])
+    assert report.verdict == "mismatch", messages(report)
+    assert wrong_slots(report) == {slot}, messages(report)
+    spared = [s for s in statuses(report) if s[0] != slot]
+    assert [s[2:] for s in spared] == [("same", "same")] * 2, statuses(report)
+    # The fix, in the server's own numbering: the trainer read SGLang's default layers.
+    fixes = [f.evidence["fix"] for f in report.findings if "fix" in f.evidence]
+    assert len(fixes) == 1 and fixes[0]["value"] == [2, deep["L"] // 2, deep["L"] - 3], fixes
+
+
+def test_every_slot_off_by_one_layer_is_named_in_every_slot(deep):
+    report = compare_stores(deep["ref"], deep["all_off"])
+    assert report.verdict == "mismatch"
+    assert wrong_slots(report) == {0, 1, 2}, messages(report)
+    assert not any(s[3] in ("same", "drift") for s in statuses(report)), statuses(report)
+
+
+def test_fp8_weights_at_depth_are_a_precision_finding_not_a_wrong_layer(deep):
+    report = compare_stores(deep["ref"], deep["fp8"])
+    assert report.verdict == "match", messages(report)
+    assert "precision" in kinds(report, "warning"), messages(report)
+    assert [s[:2] for s in statuses(report)] == [(0, 0), (1, 1), (2, 2)]
+
+
+def test_bf16_compute_stored_as_fp32_is_judged_by_its_compute_dtype(deep):
+    report = compare_stores(deep["ref"], deep["bf16_as_fp32"])
+    assert report.candidate.dtype == "float32"
+    assert report.plan.compute["dtype"] == "bfloat16"  # from server_args.dtype, not from the stored rows
+    assert report.verdict == "match", messages(report)
+    assert kinds(report, "warning") == set(), messages(report)
+
+
+def test_calibration_rows_measure_the_drift_and_keep_the_verdicts(deep, tmp_path):
+    """The double benchmark: the trainer's own target recomputed in bf16 on a few of its sequences."""
+    import shutil
+
+    ref = tmp_path / "ref.zarr"
+    shutil.copytree(deep["ref"], ref)
+    tracediff.calibrate(ref, deep["trainer"].model, dtype="bfloat16", sequences=2)
+    for name, verdict in (("clean", "match"), ("deep_off", "mismatch"), ("fp8", "match")):
+        without = compare_stores(deep["ref"], deep[name])
+        report = compare_stores(ref, deep[name])
+        assert report.verdict == verdict == without.verdict, messages(report)
+        assert wrong_slots(report) == wrong_slots(without)
+        assert [n["source"] for n in report.plan.noise] == ["calibrated"] * 3
+        assert report.plan.calibration is not None and report.plan.calibration["sequences"] == 2
+        for n, drift in zip(report.plan.noise, report.plan.calibration["drift"], strict=True):
+            assert n["drift"] == drift and 0 < drift
+    clean = compare_stores(ref, deep["clean"])
+    assert kinds(clean, "warning") == set(), messages(clean)
+    # The measured drift of a correct bf16 run is what the clean engine shows, within 2x.
+    for m in clean.metrics:
+        assert m.noise_source == "calibrated" and m.std_rel_error <= 2 * m.expected_drift
+
+
+def test_the_seed_shape_with_each_non_embedding_slot_one_layer_early(tmp_path):
+    """Kimi-K2.5's shape (61-layer DeepSeek-V3, MLA + MoE): the trainer reads hs0, hs3, hs31 (SGLang
+    ids [-1, 2, 30]); a server that takes the ids raw instead of +1 feeds hs0, hs2, hs30."""
+    num_layers = DEEP_LAYERS["deepseek_v3"]
+    trainer = build_deep_model("deepseek_v3")
+    seqs = make_sequences(n_seqs=4, min_len=14, max_len=30, seed=3)
+    trained, raw = ["hs0", "hs3", "hs31"], ["hs0", "hs2", "hs30"]
+    ref = _record(tmp_path / "ref.zarr", run_trainer, trainer, trained, _trainer_meta(trained, num_layers), seqs,
+                  torch.float32)
+    cand = _record(tmp_path / "cand.zarr", run_engine, server_model(trainer, "bf16"), raw,
+                   _server_meta(raw, num_layers), seqs, torch.bfloat16, max_running=3)
+    report = compare_stores(ref, cand)
+    assert report.verdict == "mismatch"
+    assert wrong_slots(report) == {1, 2}, messages(report)
+    assert statuses(report)[0][2:] == ("same", "same")
+
+
+def test_a_clean_shallow_bf16_engine_is_not_fooled_by_massive_dimensions(tmp_path):
+    """10-layer Qwen3, bf16 engine, fp32 trainer, same layers: a massive activation's bf16 rounding
+    is larger than its spread over tokens and must not decide the segment's identity."""
+    from tracediff.testing.models import build_tiny_model
+
+    trainer = build_tiny_model("qwen3", hidden_size=64, num_layers=10)
+    seqs = make_sequences(n_seqs=4, min_len=14, max_len=30, seed=3)
+    layers = ["hs2", "hs5", "hs8"]
+    ref = _record(tmp_path / "ref.zarr", run_trainer, trainer, layers, _trainer_meta(layers, 10), seqs, torch.float32)
+    cand = _record(tmp_path / "cand.zarr", run_engine, server_model(trainer, "bf16"), layers, _server_meta(layers, 10),
+                   seqs, torch.bfloat16, max_running=3)
+    report = compare_stores(ref, cand)
+    assert report.verdict == "match", messages(report)
+    assert kinds(report, "warning") == set(), messages(report)
+    assert all(x > 0.99 for x in (report.matrix_standardised[i][i] for i in range(3)))
