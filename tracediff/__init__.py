@@ -48,6 +48,16 @@ def record(*args: Any, **kwargs: Any) -> Any:
     return rec
 
 
+def calibrate(store: Any, model: Any, **kwargs: Any) -> Any:
+    """Append calibration rows to a trainer's store: some of its sequences recomputed by ``model``
+    (the target, the trainer's weights) in the server's compute dtype (``dtype="bfloat16"``), so that
+    compare measures the drift of a correct low-precision run instead of assuming it
+    (:func:`tracediff.calibrate.calibrate`)."""
+    from tracediff.calibrate import calibrate as _calibrate  # noqa: PLC0415
+
+    return _calibrate(store, model, **kwargs)
+
+
 def open_store(path: Any, storage_options: dict[str, Any] | None = None) -> Any:
     """Open a trace store for reading (:class:`tracediff.store.TraceStore`): a folder, a ``.zarr.zip``
     file or an fsspec URL (``s3://bucket/train.zarr``; ``storage_options`` go to fsspec)."""
@@ -88,4 +98,4 @@ def labels(**fields: Any) -> None:
         rec.labels(**fields)
 
 
-__all__ = ["__version__", "current", "labels", "open_labels", "open_store", "open_values", "record"]
+__all__ = ["__version__", "calibrate", "current", "labels", "open_labels", "open_store", "open_values", "record"]

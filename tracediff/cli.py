@@ -624,6 +624,30 @@ def identify(store: Path, bank: Path, tap: str | None, bank_tap: str | None, seg
     sys.exit(0 if all(s.verdict in ("match", "scaled") for s in ident.segments) else 1)
 
 
+@main.command()
+@click.argument("store", type=click.Path(path_type=Path))
+@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path),
+              help="The target model's local folder (save_pretrained; safetensors weights): the trainer's weights.")
+@click.option("--dtype", default="bfloat16", show_default=True, help="The server's compute dtype.")
+@click.option("--sequences", default=8, show_default=True, type=int, help="Sequences of STORE to recompute.")
+@click.option("--tap", default="fc_in", show_default=True, help="The tap whose rows are recomputed.")
+@click.option("--layers", help="HF hidden_states indices of the segments, comma-separated (pre_norm: the last layer "
+                               "before the final norm); default: the layers STORE records.")
+def calibrate(store: Path, model_dir: Path, dtype: str, sequences: int, tap: str, layers: str | None) -> None:
+    """Append calibration rows to a trainer's STORE: some of its sequences recomputed by the target in
+    the server's compute dtype, so that compare measures what a correct run drifts at every segment
+    instead of assuming it."""
+    from tracediff.calibrate import calibrate as run_calibrate  # noqa: PLC0415
+    from tracediff.calibrate import load_model  # noqa: PLC0415
+
+    if not (store / "zarr.json").is_file():
+        raise UsageError(f"{store}: not a trace store (no zarr.json)")
+    wanted = [x.strip() for x in layers.split(",") if x.strip()] if layers else None
+    done = run_calibrate(store, load_model(model_dir), dtype=dtype, sequences=sequences, tap=tap, layers=wanted)
+    click.echo(f"tracediff calibrate: wrote {done['rows']} calibration rows of {done['sequences']} sequences "
+               f"({done['compute_dtype']}, layers {done['layers']}) to {store} (tap {done['tap']})")
+
+
 # ---------------------------------------------------------------------------------- import
 @main.group(name="import", cls=_Group)
 def import_group() -> None:
