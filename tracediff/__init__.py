@@ -52,8 +52,8 @@ def calibrate(store: Any, model: Any, **kwargs: Any) -> Any:
     """Append calibration rows to a trainer's store: some of its sequences recomputed by ``model``
     (the target, the trainer's weights) in the server's compute dtype (``dtype="bfloat16"``), so that
     compare measures the drift of a correct low-precision run instead of assuming it
-    (:func:`tracediff.calibrate.calibrate`)."""
-    from tracediff.calibrate import calibrate as _calibrate  # noqa: PLC0415
+    (:func:`tracediff.calibration.calibrate`)."""
+    from tracediff.calibration import calibrate as _calibrate  # noqa: PLC0415
 
     return _calibrate(store, model, **kwargs)
 

@@ -637,13 +637,12 @@ def calibrate(store: Path, model_dir: Path, dtype: str, sequences: int, tap: str
     """Append calibration rows to a trainer's STORE: some of its sequences recomputed by the target in
     the server's compute dtype, so that compare measures what a correct run drifts at every segment
     instead of assuming it."""
-    from tracediff.calibrate import calibrate as run_calibrate  # noqa: PLC0415
-    from tracediff.calibrate import load_model  # noqa: PLC0415
+    from tracediff.calibration import calibrate as run_calibrate  # noqa: PLC0415
 
     if not (store / "zarr.json").is_file():
         raise UsageError(f"{store}: not a trace store (no zarr.json)")
     wanted = [x.strip() for x in layers.split(",") if x.strip()] if layers else None
-    done = run_calibrate(store, load_model(model_dir), dtype=dtype, sequences=sequences, tap=tap, layers=wanted)
+    done = run_calibrate(store, model_dir, dtype=dtype, sequences=sequences, tap=tap, layers=wanted)
     click.echo(f"tracediff calibrate: wrote {done['rows']} calibration rows of {done['sequences']} sequences "
                f"({done['compute_dtype']}, layers {done['layers']}) to {store} (tap {done['tap']})")
 

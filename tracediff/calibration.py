@@ -105,7 +105,8 @@ def _hidden_states(model: Any, input_ids: torch.Tensor) -> dict[Any, torch.Tenso
 def calibrate(store: str | Path, model: Any, *, dtype: str = "bfloat16", sequences: int = 8, tap: str = "fc_in",
               layers: list[Any] | None = None) -> dict[str, Any]:
     """Append calibration rows to ``store``: ``sequences`` of its tap ``tap`` recomputed by
-    ``model`` (a transformers causal LM with the trainer's target weights) cast to ``dtype``, the
+    ``model`` (a transformers causal LM with the trainer's target weights, or a local folder to load
+    it from with :func:`load_model`, loaded once the store is checked) cast to ``dtype``, the
     segments built from ``layers`` (HF hidden_states indices or "pre_norm"; default: the layers the
     store records). Returns what was written."""
     from tracediff.plan import stream_layout  # noqa: PLC0415
@@ -126,6 +127,8 @@ def calibrate(store: str | Path, model: Any, *, dtype: str = "bfloat16", sequenc
         layout = stream_layout(st, tap)
         wanted = _layers_of(st, tap, layers)
         seqs = _sequences(st, tap, sequences)
+    if isinstance(model, (str, Path)):
+        model = load_model(model)
     depth = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     bad = [p for p in wanted if p != FINAL_NORM and (p < 0 or (depth is not None and p > depth))]
     if bad:
@@ -174,8 +177,10 @@ def load_model(folder: str | Path) -> Any:
         raise UsageError(f"{path}: no *.safetensors weights (pickled weights are never loaded)")
     try:
         from transformers import AutoModelForCausalLM  # noqa: PLC0415
+        from transformers.utils import logging as hf_logging  # noqa: PLC0415
     except ImportError as exc:
         raise UsageError("tracediff calibrate --model needs transformers: pip install transformers") from exc
+    hf_logging.disable_progress_bar()
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True, local_files_only=True)
 
 
