@@ -21,6 +21,9 @@ from tracediff.compare import compare_stores
 from tracediff.testing.models import ARCHITECTURES, DEEP_LAYERS, build_deep_model, sglang_default_layers, server_model
 from tracediff.testing.tiny_llama import DraftHead, make_sequences, run_engine, run_trainer
 
+# Deep models (32-61 layers, four architectures): minutes on 2 cores; CI runs them.
+pytestmark = pytest.mark.slow
+
 
 def _ids(layers: list[str], num_layers: int) -> list[int]:
     return [num_layers if n == "pre_norm" else int(n[2:]) for n in layers]
