@@ -207,3 +207,95 @@ def test_a_clean_shallow_bf16_engine_is_not_fooled_by_massive_dimensions(tmp_pat
     assert report.verdict == "match", messages(report)
     assert kinds(report, "warning") == set(), messages(report)
     assert all(x > 0.99 for x in (report.matrix_standardised[i][i] for i in range(3)))
+
+
+# ------------------------------------------------------------------ the rest of issue 22's cases, on Qwen3 36
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A 36-layer Qwen3 at SGLang's default layers; every sequence starts with the same BOS token, so
+    position 0 holds the same hidden state on every sequence, on both sides."""
+    num_layers = DEEP_LAYERS["qwen3"]
+    root = tmp_path_factory.mktemp("deep-qwen3-cases")
+    trainer = build_deep_model("qwen3")
+    bf16, fp8 = server_model(trainer, "bf16"), server_model(trainer, "fp8")
+    seqs = [[1] + s[1:] for s in make_sequences(n_seqs=4, min_len=14, max_len=30, seed=3)]
+    layers = sglang_default_layers(num_layers)
+    h = trainer.hidden_size
+    neighbour = f"hs{int(layers[2][2:]) - 1}"
+
+    def neighbour_on_small_batches(x: torch.Tensor, states) -> torch.Tensor:
+        """The CUDA-graph path: decode batches of <= 2 rows read the neighbouring layer in the deepest slot."""
+        if x.shape[1] > 2:
+            return x
+        x = x.clone()
+        x[..., 2 * h:] = states[neighbour].to(x.dtype)
+        return x
+
+    def another_layer_at_position_0(x: torch.Tensor, states) -> torch.Tensor:
+        x = x.clone()
+        x[:, 0, :h] = states["hs2"][:, 0].to(x.dtype)
+        return x
+
+    out: dict = {"L": num_layers, "layers": layers, "trainer": trainer, "fp8_model": fp8}
+    out["ref"] = _record(root / "ref.zarr", run_trainer, trainer, layers, _trainer_meta(layers, num_layers), seqs,
+                         torch.float32)
+    meta = _server_meta(layers, num_layers)
+    out["small_batches"] = _record(root / "small.zarr", run_engine, bf16, layers, meta, seqs, torch.bfloat16,
+                                   max_running=3, prefill_len=lambda i, seq: 8, transform=neighbour_on_small_batches)
+    # Feeds the trained layers but records its deepest id one lower (an adapter reading the wrong field).
+    out["mislabelled"] = _record(root / "mislabelled.zarr", run_engine, bf16, layers,
+                                 _server_meta(_shift(layers, {2}), num_layers), seqs, torch.bfloat16, max_running=3)
+    out["fp8"] = _record(root / "fp8.zarr", run_engine, fp8, layers, meta, seqs, torch.bfloat16, max_running=3)
+    out["position_0"] = _record(root / "position_0.zarr", run_trainer, bf16, layers, meta, seqs, torch.bfloat16,
+                                transform=another_layer_at_position_0)
+    return out
+
+
+def test_small_decode_batches_reading_a_neighbouring_layer_at_depth_are_a_subset_of_rows(qwen):
+    report = compare_stores(qwen["ref"], qwen["small_batches"])
+    found = [f for f in report.findings if f.kind == "segment_subset"]
+    assert [f.evidence["candidate_segment"] for f in found] == [2], messages(report)
+    assert found[0].severity == "error" and found[0].evidence["subset"]["description"].startswith("decode rows")
+    assert wrong_slots(report) == set(), messages(report)  # the prefill rows of slot 2 are right
+
+
+def test_sides_configured_for_other_layers_are_never_a_silent_match(qwen):
+    """The data cannot tell layer 33 from 34 when the server really feeds 34 but records 33: a config
+    error says the sides are configured differently and what would decide."""
+    report = compare_stores(qwen["ref"], qwen["mislabelled"])
+    assert report.verdict == "mismatch", messages(report)
+    config = [f for f in report.findings if f.kind == "config" and f.severity == "error"]
+    assert len(config) == 1, messages(report)
+    ev = config[0].evidence
+    assert (ev["candidate_segment"], ev["reference_layer"], ev["candidate_layer"]) == (2, 34, 33)
+    assert "tracediff calibrate" in config[0].message and "--bank" in config[0].message
+    assert [s[2:] for s in statuses(report)] == [("same", "same")] * 3
+
+
+def test_drift_as_large_as_a_neighbouring_layer_is_cannot_tell_not_same(qwen, tmp_path):
+    """Calibration rows from FP8 weights measure a drift that reaches past a quarter of the distance
+    to a neighbouring layer at depth: the data cannot separate numerics from a wrong layer there."""
+    import shutil
+
+    ref = tmp_path / "ref.zarr"
+    shutil.copytree(qwen["ref"], ref)
+    tracediff.calibrate(ref, qwen["fp8_model"].model, dtype="bfloat16", sequences=2)
+    report = compare_stores(ref, qwen["fp8"])
+    undecided = [f for f in report.findings if f.kind == "segment_undecided"]
+    assert undecided and all(f.severity == "warning" for f in undecided), messages(report)
+    assert {s[3] for s in statuses(report) if s[0] in {f.evidence["candidate_segment"] for f in undecided}} == {"undecided"}
+    for f in undecided:
+        # Calibration is already there: the way to decide is a bank, not more calibration.
+        assert "--bank" in f.message and "tracediff calibrate" not in f.message
+    dtype = next(f for f in report.findings if f.kind == "dtype")
+    assert "calibration rows" in dtype.message
+
+
+def test_identical_rows_are_not_a_stale_buffer_when_the_reference_rows_are_identical_too(qwen):
+    """Position 0 holds the same token with no context on every sequence: identical rows on both
+    sides. A server that feeds another layer there is named, never "a stale or default buffer"."""
+    report = compare_stores(qwen["ref"], qwen["position_0"])
+    found = [f for f in report.findings if f.kind == "segment_subset"]
+    assert [f.evidence["candidate_segment"] for f in found] == [0], messages(report)
+    assert "positions <= 0" in found[0].evidence["subset"]["description"]
+    assert found[0].evidence["content"] != "constant" and "stale" not in found[0].message

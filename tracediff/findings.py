@@ -57,8 +57,8 @@ def build_findings(
         out.append(Finding(
             "dtype", "info",
             f"Reference rows are {ref.dtype} and candidate rows {cand.dtype}; values are compared in float32 and "
-            f"numerics up to a standardised relative error of {plan.numerics_budget:.2g} ({plan.compute_dtype} "
-            f"compute) are allowed for.",
+            f"numerics up to a standardised relative error of {plan.numerics_budget:.2g} ({_budget_basis(plan)}) are "
+            f"allowed for.",
             {"reference": ref.dtype, "candidate": cand.dtype, "noise_floor": plan.noise_floor,
              "numerics_budget": plan.numerics_budget},
         ))
@@ -266,3 +266,13 @@ def _reference_prefix(alignment: Alignment, neg: dict[int, int]) -> dict[str, An
         return None
     return {"length": lengths[0] if len(set(lengths)) == 1 else sorted(set(lengths)), "tokens": example,
             "sequences": len(lengths)}
+
+
+def _budget_basis(plan: Any) -> str:
+    """What the largest numerics budget rests on, in a few words: calibration rows or an assumption."""
+    sources = {n.get("source") for n in (plan.noise or []) if isinstance(n, dict)}
+    if sources == {"calibrated"}:
+        return f"measured on calibration rows computed in {plan.compute_dtype}"
+    if "calibrated" in sources:
+        return f"measured on calibration rows where they cover a segment, else assumed for {plan.compute_dtype} compute"
+    return f"assumed for {plan.compute_dtype} compute"
