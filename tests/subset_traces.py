@@ -38,7 +38,7 @@ def record_subset_traces(root: Path) -> dict[str, Path]:
     ):
         draft = DraftHead(HIDDEN, 3)
         path = root / f"{name}.zarr"
-        with tracediff.record(path, role=name) as rec:
+        with tracediff.record(path, role=name, on_full="block") as rec:
             rec.tap(draft.fc, "fc_in", segment_size=HIDDEN)
             runner(model, draft, seqs, LAYERS, dtype=dtype, on_batch=lambda lab, rec=rec: rec.labels(**lab), **kw)
         assert rec.error is None

@@ -47,7 +47,7 @@ def _shift(layers: list[str], slots: set[int], by: int = -1) -> list[str]:
 
 def _record(path: Path, runner, model, layers: list[str], meta: dict, seqs, dtype, **kw) -> Path:
     draft = DraftHead(model.hidden_size, len(layers))
-    with tracediff.record(path, role=path.stem, meta=meta) as rec:
+    with tracediff.record(path, role=path.stem, meta=meta, on_full="block") as rec:
         rec.tap(draft.fc, "fc_in", segment_size=model.hidden_size)
         runner(model, draft, seqs, layers, dtype=dtype, on_batch=lambda lab: rec.labels(**lab), **kw)
     assert rec.error is None

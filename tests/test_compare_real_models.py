@@ -74,7 +74,7 @@ def arch_traces(request, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     def record(name, runner, model, layers, meta, dtype=torch.bfloat16, **kw) -> None:
         draft = DraftHead(h, len(layers))
         path = root / f"{name}.zarr"
-        with tracediff.record(path, role=name, meta=meta) as rec:
+        with tracediff.record(path, role=name, meta=meta, on_full="block") as rec:
             rec.tap(draft.fc, "fc_in", segment_size=h)
             runner(model, draft, seqs, layers, dtype=dtype, on_batch=lambda lab: rec.labels(**lab), **kw)
         assert rec.error is None

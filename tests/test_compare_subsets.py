@@ -46,7 +46,7 @@ def traces(request, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     def record(name, runner, model, relabel=None, dtype=torch.bfloat16, **kw) -> None:
         draft = DraftHead(64, 3)
         path = root / f"{name}.zarr"
-        with tracediff.record(path, role=name) as rec:
+        with tracediff.record(path, role=name, on_full="block") as rec:
             rec.tap(draft.fc, "fc_in", segment_size=64)
             runner(model, draft, seqs, REF, dtype=dtype,
                    on_batch=lambda lab: rec.labels(**(relabel(lab) if relabel else lab)), **kw)
@@ -83,7 +83,7 @@ def traces(request, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
         for rank, layers in (("rank0", REF), ("rank1", layers_rank1)):
             draft = DraftHead(64, 3)
             with tracediff.record(path, role=name, writer_name=rank, append=rank != "rank0",
-                                  handle_sigterm=False) as rec:
+                                  handle_sigterm=False, on_full="block") as rec:
                 rec.tap(draft.fc, "fc_in", segment_size=64)
                 run_engine(bf16, draft, seqs, layers, dtype=torch.bfloat16,
                            on_batch=lambda lab: rec.labels(**lab), max_running=3)
@@ -93,13 +93,13 @@ def traces(request, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     # A chat-template difference inside the sequence: three tokens (an empty think block) at position 10.
     inserted = [seq[:10] + [501, 502, 503] + seq[10:] for seq in seqs]
     draft = DraftHead(64, 3)
-    with tracediff.record(root / "insertion.zarr", role="insertion") as rec:
+    with tracediff.record(root / "insertion.zarr", role="insertion", on_full="block") as rec:
         rec.tap(draft.fc, "fc_in", segment_size=64)
         run_engine(bf16, draft, inserted, REF, dtype=torch.bfloat16, on_batch=lambda lab: rec.labels(**lab),
                    max_running=3)
     out["insertion"] = root / "insertion.zarr"
     draft = DraftHead(64, 3)
-    with tracediff.record(root / "deletion.zarr", role="deletion") as rec:
+    with tracediff.record(root / "deletion.zarr", role="deletion", on_full="block") as rec:
         rec.tap(draft.fc, "fc_in", segment_size=64)
         run_engine(bf16, draft, [seq[:12] + seq[15:] for seq in seqs], REF, dtype=torch.bfloat16,
                    on_batch=lambda lab: rec.labels(**lab), max_running=3)
@@ -145,7 +145,7 @@ def traces(request, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     for name, runner, model, dtype in (("ref_shared", run_trainer, trainer, torch.float32),
                                        ("shared", run_engine, bf16, torch.bfloat16)):
         draft = DraftHead(64, 3)
-        with tracediff.record(root / f"{name}.zarr", role=name) as rec:
+        with tracediff.record(root / f"{name}.zarr", role=name, on_full="block") as rec:
             rec.tap(draft.fc, "fc_in", segment_size=64)
             kw = {"max_running": 3} if runner is run_engine else {}
             runner(model, draft, shared, REF, dtype=dtype, on_batch=lambda lab: rec.labels(**lab), **kw)

@@ -49,6 +49,46 @@ def _sequence_groups(stream: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, l
     return group.astype(np.int64).reshape(-1), [(int(a), int(b)) for a, b in uniq.tolist()]
 
 
+def _split_samples(group: np.ndarray, keys: list[str], position: np.ndarray,
+                   valid: np.ndarray) -> tuple[np.ndarray, list[str], int]:
+    """Split every sequence whose positions restart into its samples.
+
+    A trainer that packs several samples into one batch row (varlen / padding-free attention) hands
+    a recorder the packed row as its sequence key while the positions restart at every sample; an
+    engine that recomputes a preempted request restarts it too. Within one sequence, in the order
+    its rows were recorded, a valid row whose position is below the previous valid row's starts a
+    new sample (invalid rows, such as padding between samples, stay with the sample before them).
+    Returns the new dense group of every row, their keys (``key#k`` for sample k of a split
+    sequence) and how many sequences were split."""
+    if group.size == 0:
+        return group, keys, 0
+    order = np.argsort(group, kind="stable")  # each sequence's rows in recorded order
+    g, v = group[order], valid[order]
+    vrows = np.flatnonzero(v)
+    starts = np.zeros(order.size, dtype=bool)
+    if vrows.size > 1:
+        same = g[vrows[1:]] == g[vrows[:-1]]
+        back = position[order[vrows[1:]]] < position[order[vrows[:-1]]]
+        starts[vrows[1:][same & back]] = True
+    if not starts.any():
+        return group, keys, 0
+    first = np.r_[True, g[1:] != g[:-1]]
+    # Sample ordinal within the sequence: restarts counted from the sequence's first row.
+    count = np.cumsum(starts)
+    base = np.maximum.accumulate(np.where(first, count - starts, 0))
+    ordinal = count - base
+    split_groups = np.unique(g[starts])
+    n_samples = np.zeros(len(keys), dtype=np.int64)
+    np.maximum.at(n_samples, g, ordinal)
+    combined = np.empty(group.size, dtype=np.int64)
+    width = int(n_samples.max()) + 1
+    combined[order] = g * width + ordinal
+    uniq, new_group = np.unique(combined, return_inverse=True)
+    new_keys = [keys[u // width] if n_samples[u // width] == 0 else f"{keys[u // width]}#{u % width}"
+                for u in uniq.tolist()]
+    return new_group.astype(np.int64).reshape(-1), new_keys, int(split_groups.size)
+
+
 def stream_names(streams: Sequence[TraceStream]) -> list[str]:
     """Each stream's name in row references: its writer, prefixed by its store's name when the
     streams come from several stores (one trace over many stores), so a row names where it lives."""
@@ -81,6 +121,7 @@ class RowIndex:
     phase: np.ndarray
     valid: np.ndarray
     group_keys: list[str]
+    split_sequences: int = 0  # labelled sequences whose positions restart: split into their samples
 
     @classmethod
     def load(cls, store: TraceStore | StoreSet, tap: str) -> RowIndex:
@@ -124,6 +165,7 @@ class RowIndex:
         for s_idx, seq in pairs:
             name = streams[s_idx].seq_names.get(seq, str(seq))
             keys.append(name if len(streams) == 1 else f"{writers[s_idx]}:{name}")
+        group, keys, split = _split_samples(group, keys, cat["position"], cat["valid"])
         return cls(
             store=store,
             tap=tap,
@@ -139,6 +181,7 @@ class RowIndex:
             phase=cat["phase"],
             valid=cat["valid"],
             group_keys=keys,
+            split_sequences=split,
         )
 
     def __len__(self) -> int:
@@ -306,9 +349,31 @@ def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = _NGRA
         hyps = found.get(g.key, []) if g.tokens.size >= ngram else _votes_alone(g, table, ngram)
         if hyps:
             top = hyps[0][2]
-            hyps = [h for h in hyps if h[2] * 10 >= top or h[2] >= 8]
+            hyps = _same_sample_first([h for h in hyps if h[2] * 10 >= top or h[2] >= 8], g, ref_groups)
         sequences.append(SequenceAlignment(g.key, hyps))
     return Alignment(reference, candidate, sequences, True, [], duplicates, ref_groups, cand_groups)
+
+
+def _same_sample_first(hyps: list[tuple[int, int, int]], g: _Group,
+                       ref_groups: dict[int, _Group]) -> list[tuple[int, int, int]]:
+    """Rank first, among the hypotheses with at least half the top votes, a reference sequence that
+    ends within the candidate's: the candidate's own sample. Chat data holds conversations whose
+    earlier turns are whole prefixes of later samples; a request of the first turn votes as much (or
+    one n-gram more, when the reference dropped its last row) for the longer sample that continues
+    past it, which would leave its own sample uncovered and pair the longer one's rows twice."""
+    if len(hyps) < 2:
+        return hyps
+    top, last = hyps[0][2], int(g.positions[-1])
+
+    def ends_within(h: tuple[int, int, int]) -> bool:
+        return int(ref_groups[h[0]].positions[-1]) + h[1] <= last
+
+    if ends_within(hyps[0]):
+        return hyps
+    better = [h for h in hyps if 2 * h[2] >= top and ends_within(h)]
+    if not better:
+        return hyps
+    return [better[0]] + [h for h in hyps if h is not better[0]]
 
 
 def _votes_alone(g: _Group, table: Any, ngram: int) -> list[tuple[int, int, int]]:
@@ -441,6 +506,7 @@ class RowPairs:
     # reference has some): {"group", "position", "length", "tokens", "kind": "insertion"|"deletion"}.
     insertions: list[dict] = field(default_factory=list)
     distinct_reference: int = -1  # distinct reference rows paired, when pair_rows counted them
+    trailing: int = 0  # unaligned candidate rows past the end of the reference sequence they align with
 
     def __len__(self) -> int:
         return int(self.candidate.size)
@@ -474,7 +540,7 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     with the reference token at p - delta (rows without a token take the best hypothesis).
     """
     cand_out, ref_out = [], []
-    unaligned = 0
+    unaligned = trailing = 0
     insertions: list[dict] = []
     prefix_rows: dict[int, np.ndarray] = {}
     effective: dict[int, int] = {}
@@ -488,6 +554,11 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             continue
         taken = np.zeros(g.rows.size, dtype=bool)
         row_delta = np.zeros(g.rows.size, dtype=np.int64)
+        # Reference rows this candidate sequence already paired: each at most once, so a row past
+        # the end of the reference's sequence (a server that records one more position than the
+        # trainer kept) never re-pairs an earlier reference row under another delta.
+        used: dict[int, np.ndarray] = {}
+        primary = seq.hypotheses[0][0]
         for h_i, (ref_key, delta, _votes) in enumerate(seq.hypotheses):
             rg = alignment._ref_groups[ref_key]
             free = ~taken
@@ -498,7 +569,13 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             ok = free & (agree | (unknown & (h_i == 0)) if alignment.by_tokens else free)
             # The value pairing: shift by the label offset.
             vidx_c, vat = _find_positions(rg.positions, g.positions - delta + offset)
-            use = ok & vat
+            seen = used.setdefault(ref_key, np.zeros(rg.rows.size, dtype=bool))
+            use = ok & vat & ~seen[vidx_c]
+            if h_i > 0 and ref_key != primary:
+                # Another reference sequence takes only whole runs of rows (a shared prefix's last
+                # row matching a longer sample is where the sequences diverge, not a pairing).
+                use &= _runs_of_at_least(use, _NGRAM)
+            seen[vidx_c[use]] = True
             cand_out.append(g.rows[use])
             ref_out.append(rg.rows[vidx_c[use]])
             taken |= use
@@ -517,6 +594,10 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             if extra.any():
                 prefix_rows[seq.candidate_group] = g.rows[extra]
             insertions += _insertions(seq.candidate_group, g, taken, row_delta)
+            # Rows past the last position of the reference sequence they align with: the two
+            # sequences end differently (coverage), whatever else they are.
+            end = int(alignment._ref_groups[primary].positions[-1]) + int(seq.hypotheses[0][1])
+            trailing += int((~taken & (g.positions > end)).sum())
         unaligned += int((~taken).sum())
     cand = np.concatenate(cand_out) if cand_out else np.empty(0, dtype=np.int64)
     ref = np.concatenate(ref_out) if ref_out else np.empty(0, dtype=np.int64)
@@ -536,7 +617,20 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     # Candidate storage order makes the streaming pass read the candidate sequentially.
     order = np.lexsort((alignment.candidate.row[cand], alignment.candidate.stream[cand]))
     return RowPairs(cand[order], ref[order], offset, unaligned, duplicates, prefix_rows, effective, replicas,
-                    insertions, distinct)
+                    insertions, distinct, trailing)
+
+
+def _runs_of_at_least(mask: np.ndarray, n: int) -> np.ndarray:
+    """The True entries of ``mask`` that belong to a run of at least ``n`` consecutive True."""
+    if not mask.any():
+        return mask
+    edges = np.diff(np.r_[0, mask.astype(np.int8), 0])
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    keep = np.zeros(mask.size, dtype=bool)
+    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+        if b - a >= n:
+            keep[a:b] = True
+    return keep
 
 
 def _insertions(group: int, g: _Group, taken: np.ndarray, row_delta: np.ndarray) -> list[dict]:

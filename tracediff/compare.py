@@ -192,6 +192,8 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
         pairs=len(pairs),
         candidate_rows_unaligned=pairs.unaligned,
         candidate_rows_duplicate=pairs.duplicates,
+        candidate_rows_trailing=pairs.trailing,
+        sequences_split={"reference": ref_index.split_sequences, "candidate": cand_index.split_sequences},
         candidate_rows_invalid=int((~cand_index.valid).sum()),
         reference_rows_uncovered=int(ref_index.valid.sum()) - pairs.reference_rows,
         candidate_rows_replica=pairs.replicas,

@@ -163,20 +163,29 @@ def build_findings(
             ))
 
     # -- coverage
-    if plan.reference_rows_uncovered > 0 or plan.candidate_rows_unaligned > 0 or plan.candidate_rows_invalid:
+    split = plan.sequences_split
+    if (plan.reference_rows_uncovered > 0 or plan.candidate_rows_unaligned > 0 or plan.candidate_rows_invalid
+            or any(split.values())):
         covered = pairs.reference_rows / max(1, ref.valid_rows)
         severity = "warning" if covered < 0.5 else "info"
+        trailing = plan.candidate_rows_trailing
+        packed = [f"{n} {side} sequence{'s' if n != 1 else ''}" for side, n in split.items() if n]
         out.append(Finding(
             "coverage", severity,
             f"{len(pairs)} row pairs compared: {covered:.0%} of the reference's valid rows; "
             f"{plan.candidate_rows_unaligned} candidate rows had no counterpart (generated tokens, rejected drafts, "
-            f"another context), {plan.candidate_rows_duplicate} were duplicates and {plan.candidate_rows_invalid} "
-            f"were marked invalid.",
+            f"another context"
+            + (f"; {trailing} of them past the end of the reference's sequence: extra trailing rows" if trailing else "")
+            + f"), {plan.candidate_rows_duplicate} were duplicates and {plan.candidate_rows_invalid} were marked "
+              f"invalid."
+            + (f" Positions restart inside {' and '.join(packed)} (packed samples): each was split into its samples."
+               if packed else ""),
             {"pairs": len(pairs), "reference_valid_rows": ref.valid_rows,
              "reference_rows_uncovered": plan.reference_rows_uncovered,
              "candidate_rows_unaligned": plan.candidate_rows_unaligned,
              "candidate_rows_duplicate": plan.candidate_rows_duplicate,
-             "candidate_rows_invalid": plan.candidate_rows_invalid},
+             "candidate_rows_invalid": plan.candidate_rows_invalid,
+             "candidate_rows_trailing": trailing, "sequences_split": dict(split)},
         ))
 
     # -- config

@@ -26,9 +26,13 @@ PATTERN_SHARE = 0.9
 class TokenPairing:
     """Next-token agreement over the aligned rows."""
 
-    compared: int  # rows where both sides know the next token
+    compared: int  # rows where both sides know the next token and both sequences go on
     mismatched: int
     unknown: int  # rows where one side (or both) does not know it (-1): not errors
+    # Rows where both know it but a sequence ends at this row on one side (or both) while the
+    # other may go on: a shared prefix of two samples, a row an importer dropped, a packed row's
+    # next sample. The sequences diverge here; what follows is not the same data, so not compared.
+    diverging: int = 0
     examples: list[dict[str, Any]] = field(default_factory=list)
     pattern: str | None = None  # a sentence naming the rows, when one explains them
     pattern_evidence: dict[str, Any] = field(default_factory=dict)
@@ -64,7 +68,10 @@ def check_token_pairing(pairs: RowPairs, reference: RowIndex, candidate: RowInde
     """Compare ``next_token_id`` over the aligned rows, and name the pattern of the rows that differ.
 
     The row right before a token insertion or deletion (``pairs.insertions``) has another next
-    token by construction: it is explained by that finding and not compared here.
+    token by construction: it is explained by that finding and not compared here; nor is a row that
+    is the last of its sequence on either side (``diverging``): its next token belongs to whatever
+    follows that sequence (the end of a request, the next turn of a longer sample, the next sample
+    of a packed row), which the other side need not share.
     """
     ref_next = reference.next_token_id[pairs.reference]
     cand_next = candidate.next_token_id[pairs.candidate]
@@ -75,8 +82,11 @@ def check_token_pairing(pairs: RowPairs, reference: RowIndex, candidate: RowInde
                                                                       candidate.position[pairs.candidate].tolist(),
                                                                       strict=True)], dtype=bool)
         known &= ~at_edge
-    bad = known & (ref_next != cand_next)
-    result = TokenPairing(int(known.sum()), int(bad.sum()), int((~known).sum()))
+    # Only rows that both sides continue past feed a next token both sides must agree on.
+    goes_on = _continues(reference)[pairs.reference] & _continues(candidate)[pairs.candidate]
+    diverging = known & ~goes_on
+    bad = known & goes_on & (ref_next != cand_next)
+    result = TokenPairing(int((known & goes_on).sum()), int(bad.sum()), int((~known).sum()), int(diverging.sum()))
     if not bad.any():
         return result
     rows = pairs.candidate[bad]

@@ -209,6 +209,11 @@ class Plan:
     sample_rows: int
     noise_floor: float  # expected standardised 1 - cosine from storage precision alone
     notes: list[str] = field(default_factory=list)
+    # Of the unaligned candidate rows, those past the end of the reference sequence they align with
+    # (a server recording one more position than the trainer kept): coverage, never an error.
+    candidate_rows_trailing: int = 0
+    # Labelled sequences whose positions restart (packed samples), split into their samples, per side.
+    sequences_split: dict[str, int] = field(default_factory=lambda: {"reference": 0, "candidate": 0})
     noise_floor_error: float = 0.0  # expected standardised relative error from storage precision alone
     numerics_budget: float = 0.0  # the largest of numerics_budgets
     numerics_budgets: list[float] = field(default_factory=list)  # per reference segment: what numerics explain

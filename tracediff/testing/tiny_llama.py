@@ -54,6 +54,7 @@ __all__ = [
     "make_sequences",
     "new_cache",
     "run_engine",
+    "run_packed_trainer",
     "run_trainer",
     "select",
     "state_names",
@@ -400,6 +401,73 @@ def _call_draft(
         on_batch(labels)
     draft(fc_input)
     return Batch(labels=labels, fc_input=fc_input if keep_inputs else None)
+
+
+
+@torch.no_grad()
+def run_packed_trainer(
+    tl: TinyLlama,
+    draft: DraftHead,
+    seqs: Sequence[Sequence[int]],
+    layers: Sequence[str],
+    *,
+    samples_per_row: int | Sequence[int] = 3,
+    pad_between: int = 0,
+    dtype: torch.dtype = torch.float32,
+    on_batch: OnBatch | None = None,
+) -> list[Batch]:
+    """A trainer that packs several samples into one batch row (varlen / padding-free attention).
+
+    Consecutive samples (``samples_per_row`` of them, or a list of counts cycled over the rows) are
+    computed each on its own (varlen attention: no token attends across a sample boundary) and
+    concatenated into one row ``[1, sum(T_i) + pads, k * H]``. Labels are what a recorder sees from
+    such a trainer: ``seq`` = the packed row (not the sample), ``position`` restarting at 0 for each
+    sample, ``token_id = x_p``, and ``next_token_id`` read from the packed row shifted by one, as
+    SpecForge's shifted ``input_ids`` are: the last row of a sample gets the next sample's first token
+    (-1 at the row's end). ``pad_between`` rows of token 0 (zero states, ``valid = False``, position
+    0) follow every sample but the row's last. ``phase = "train"``, ``step`` = the row.
+    """
+    counts = [samples_per_row] if isinstance(samples_per_row, int) else list(samples_per_row)
+    if not counts or min(counts) < 1:
+        raise ValueError(f"samples_per_row must be >= 1, got {samples_per_row}")
+    draft.to(dtype)
+    batches: list[Batch] = []
+    i = row = 0
+    while i < len(seqs):
+        group = seqs[i : i + counts[row % len(counts)]]
+        i += len(group)
+        parts: list[torch.Tensor] = []
+        positions: list[int] = []
+        tokens: list[int] = []
+        valid: list[bool] = []
+        for k, seq in enumerate(group):
+            states, _ = layer_states(tl, torch.tensor(list(seq), dtype=torch.long))
+            parts.append(select(states, layers)[0])
+            positions += range(len(seq))
+            tokens += list(seq)
+            valid += [True] * len(seq)
+            if pad_between and k < len(group) - 1:
+                parts.append(torch.zeros(pad_between, parts[-1].shape[-1], dtype=parts[-1].dtype))
+                positions += [0] * pad_between
+                tokens += [0] * pad_between
+                valid += [False] * pad_between
+        fc_input = torch.cat(parts)[None].to(dtype)
+        n = len(tokens)
+        labels = {
+            "seq": np.full(n, row, dtype=np.int64),
+            "position": np.asarray(positions, dtype=np.int64),
+            "token_id": np.asarray(tokens, dtype=np.int64),
+            "next_token_id": np.asarray(tokens[1:] + [-1], dtype=np.int64),
+            "valid": np.asarray(valid, dtype=bool),
+            "phase": "train",
+            "step": row,
+        }
+        if on_batch is not None:
+            on_batch(labels)
+        draft(fc_input)
+        batches.append(Batch(labels=labels, fc_input=None))
+        row += 1
+    return batches
 
 
 @torch.no_grad()
