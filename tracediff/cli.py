@@ -380,28 +380,6 @@ def _record_summary(desc: dict[str, Any], returncode: int) -> str:
 
 
 # ---------------------------------------------------------------------------------- compare
-def _import_deepdiff_lean() -> None:
-    """Import deepdiff (the config diff) without the pandas and polars it would load to hash data
-    frames: a store's meta is plain JSON, and pandas alone costs 0.4-1 s of a compare's start-up.
-
-    Only in this command's own process, and only when neither is imported yet; the modules are
-    importable again afterwards (only deepdiff's optional data-frame support stays off here).
-    """
-    if "deepdiff" in sys.modules:
-        return
-    blocked = [name for name in ("pandas", "polars") if name not in sys.modules]
-    for name in blocked:
-        sys.modules[name] = None  # type: ignore[assignment]  (makes `import pandas` raise ImportError)
-    try:
-        import deepdiff  # noqa: F401, PLC0415
-    except ImportError:
-        pass  # reported where the config diff needs it
-    finally:
-        for name in blocked:
-            if sys.modules.get(name, ...) is None:
-                del sys.modules[name]
-
-
 def _progress(command: str, flag: bool | None) -> Any:
     from tracediff.progress import Progress, progress_mode  # noqa: PLC0415
 
@@ -484,7 +462,6 @@ def compare(
 
     Exit code: 0 match, 1 mismatch, 2 usage or input error.
     """
-    _import_deepdiff_lean()
     from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
     from tracediff.report import render_text, write_report  # noqa: PLC0415
     from tracediff.report.text import render_verdict_line  # noqa: PLC0415
@@ -572,7 +549,6 @@ def replay(reference: Path, candidate: Path, tap: str | None, ref_tap: str | Non
 
     Exit code: 0 nothing found, 1 compare or replay found a problem, 2 usage or input error.
     """
-    _import_deepdiff_lean()
     from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
     from tracediff.report import write_report  # noqa: PLC0415
     from tracediff.report.text import render_replay  # noqa: PLC0415
@@ -714,7 +690,6 @@ def demo(out: Path, samples: Path | None) -> None:
     Offline, CPU only. Exit code: 0 when the demo showed what it should (the broken pair is meant to
     mismatch), 1 when a result came out otherwise, 2 when the samples are missing.
     """
-    _import_deepdiff_lean()
     from tracediff.demo import run_demo  # noqa: PLC0415
 
     result = run_demo(out, samples, echo=click.echo, color=sys.stdout.isatty())

@@ -36,6 +36,7 @@ import torch
 
 from tracediff.align import RowIndex, RowPairs
 from tracediff.errors import CompareError
+from tracediff.kernels import fused_row_stats
 from tracediff.results import RowRef, SegmentMetrics, SegmentProfile
 from tracediff.segments import to_float32
 from tracediff.store import VALUE_DTYPES, ChunkFiles, TraceStream
@@ -300,6 +301,20 @@ class PassPlan:
     reference_dtype: str
     candidate_streams: tuple[StreamLocation, ...] = ()
     reference_streams: tuple[StreamLocation, ...] = ()
+    # Whether blocks use the fused kernel (tracediff.kernels) where it runs: only for a pass large
+    # enough to pay for loading numba (about half a second) and, once per machine, compiling it.
+    fused: bool = False
+
+
+#: Raw bytes (both sides) from which a pass uses the fused kernel.
+FUSED_MIN_BYTES = 64 << 20
+
+
+def use_fused_kernel(pass_bytes: int) -> bool:
+    """Whether a pass over ``pass_bytes`` of raw rows uses the fused kernel: from
+    :data:`FUSED_MIN_BYTES` on; ``TRACEDIFF_KERNEL=fused`` always, ``=torch`` never."""
+    choice = os.environ.get("TRACEDIFF_KERNEL", "").lower()
+    return choice == "fused" or (choice != "torch" and pass_bytes >= FUSED_MIN_BYTES)
 
 
 @dataclass(frozen=True)
@@ -366,7 +381,8 @@ def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches
     buckets = PositionBuckets.of(reference.position[pairs.reference])
     return PassPlan(tuple((int(i), int(j)) for i, j in matches), size, block, sub, tuple(scales),
                     tuple(profiles or ()), buckets.edges, wc, wr, cdt, rdt,
-                    tuple(location_of(s) for s in candidate.streams), tuple(location_of(s) for s in reference.streams))
+                    tuple(location_of(s) for s in candidate.streams), tuple(location_of(s) for s in reference.streams),
+                    use_fused_kernel(len(pairs) * raw_row))
 
 
 class _Pass:
@@ -391,6 +407,11 @@ class _Pass:
         self.seg_r = np.array([j for _, j in self.matches], dtype=np.int64)
         # Per pair: the reference segment's robust mean and 1 / scale (the plan's, float32).
         self.scales = [(m.float().contiguous(), (1.0 / s.float()).contiguous()) for m, s in plan.scales]
+        # The same as [pairs, size] arrays, for the fused kernel.
+        self.np_means = np.ascontiguousarray(
+            np.stack([m.numpy() for m, _ in self.scales]) if self.scales else np.zeros((0, self.size), np.float32))
+        self.np_invs = np.ascontiguousarray(
+            np.stack([s.numpy() for _, s in self.scales]) if self.scales else np.zeros((0, self.size), np.float32))
 
     def buffers(self) -> _Buffers:
         p, q = len(self.matches), len(self.profiles)
@@ -462,18 +483,23 @@ class _Pass:
         before = w.cand.bytes_read + w.ref.bytes_read
         craw = w.cand.gather_at(spec.cand_stream, spec.cand_row, w.craw)
         rraw = w.ref.gather_at(spec.ref_stream, spec.ref_row, w.rraw)
-        # Reductions of a sub-block at a time (its float32 rows stay in cache), into reused buffers:
-        # the norm of every segment, and per matched pair the norm, max and min of the difference.
+        # The norms of every segment and, per matched pair, of the difference: one fused loop that
+        # reads each stored value once (tracediff.kernels), where it runs; else (and for the
+        # profiles) torch kernels a sub-block at a time (its float32 rows stay in cache).
+        fused = self.plan.fused and fused_row_stats(craw, rraw, m, size, self.cdt, self.rdt, self.seg_c, self.seg_r, self.np_means,
+                                self.np_invs, w.xc.numpy(), w.xr.numpy(), w.dn.numpy(), w.mx.numpy(),
+                                w.sn.numpy(), w.sd.numpy())
         norm, sub_, absolute, amax, mul = torch.linalg.vector_norm, torch.sub, torch.abs, torch.amax, torch.mul
-        for s0 in range(0, m, self.sub):
+        for s0 in range(0, m, self.sub) if not fused or self.profiles else ():
             cwiden, rwiden, c3, r3, xc, xr, d, kernels, d2, profile_kernels = self._views(w, s0, min(m, s0 + self.sub))
             if cwiden is not None:
                 cwiden[0].copy_(cwiden[1])
             if rwiden is not None:
                 rwiden[0].copy_(rwiden[1])
-            norm(c3, 2, dim=2, out=xc)
-            norm(r3, 2, dim=2, out=xr)
-            for a, b, dn, mx, sn, sd, mean, inv_scale in kernels:
+            if not fused:
+                norm(c3, 2, dim=2, out=xc)
+                norm(r3, 2, dim=2, out=xr)
+            for a, b, dn, mx, sn, sd, mean, inv_scale in ([] if fused else kernels):
                 sub_(a, b, out=d)
                 norm(d, 2, dim=1, out=dn)
                 # |d| in place: the norms below square it, and the largest |d| is the max abs diff.

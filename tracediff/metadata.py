@@ -1,6 +1,7 @@
 """What the two sides say about themselves: the config diff and each side's aux layers.
 
-Step 1 of the plan (DESIGN.md §5): a deepdiff over the recorded ``meta`` with volatile keys (pids,
+Step 1 of the plan (DESIGN.md §5): a structural diff over the recorded ``meta`` (JSON: dicts, lists,
+scalars; the change names are deepdiff's, so reports read as before) with volatile keys (pids,
 hosts, times, command lines) left out, and the aux-layer settings of both sides translated into one
 physical numbering (:mod:`tracediff.adapters.conventions`), so that two sides that read the same
 layers under two numberings are not reported as different. Metadata only: no values, no I/O beyond
@@ -65,29 +66,16 @@ def side_aux_layers(meta: dict[str, Any]) -> AuxLayers | None:
 
 def config_diff(ref_meta: dict[str, Any], cand_meta: dict[str, Any], *, same_physical_layers: bool = False
                 ) -> list[dict[str, Any]]:
-    """deepdiff of the two metas, volatile keys left out; aux-layer settings shown whole
+    """Structural diff of the two metas, volatile keys left out; aux-layer settings shown whole
     (``[3, 31, 59] -> [2, 30, 58]``). With ``same_physical_layers`` (both sides read the same
-    layers, whatever numbering each recorded), aux-layer entries are marked ``"equivalent": True``."""
-    from deepdiff import DeepDiff  # noqa: PLC0415
+    layers, whatever numbering each recorded), aux-layer entries are marked ``"equivalent": True``.
 
-    diff = DeepDiff(ref_meta, cand_meta, ignore_order=False, verbose_level=2,
-                    exclude_obj_callback=lambda obj, path: bool(VOLATILE_KEYS.search(_last_key(path))))
+    A meta is plain JSON, so this walks it itself rather than through deepdiff, whose import pulls
+    in pandas (seconds of a compare's start-up, in the CLI and in a user's Python process alike); the
+    entries are what ``DeepDiff(ref, cand, ignore_order=False, threshold_to_diff_deeper=0)`` reports
+    (tested against it): field by field, never two dicts with few keys in common as one dict dump."""
     out: list[dict[str, Any]] = []
-    for change, items in diff.to_dict().items():
-        if not isinstance(items, dict):
-            continue
-        for path, value in items.items():
-            entry: dict[str, Any] = {"path": _clean_path(path), "change": change}
-            if isinstance(value, dict) and ("old_value" in value or "new_value" in value):
-                entry["reference"] = _plain(value.get("old_value"))
-                entry["candidate"] = _plain(value.get("new_value"))
-            elif "removed" in change:
-                entry["reference"] = _plain(value)
-                entry["candidate"] = None
-            else:
-                entry["reference"] = None
-                entry["candidate"] = _plain(value)
-            out.append(entry)
+    _walk_diff(ref_meta, cand_meta, [], out)
     ref_aux, cand_aux = aux_config(ref_meta), aux_config(cand_meta)
     out = [e for e in out if not any(e["path"] == k or e["path"].startswith(k + ".") for k in (*ref_aux, *cand_aux))]
     for key in sorted(set(ref_aux) | set(cand_aux)):
@@ -101,14 +89,38 @@ def config_diff(ref_meta: dict[str, Any], cand_meta: dict[str, Any], *, same_phy
     return out
 
 
-def _last_key(path: str) -> str:
-    match = re.findall(r"\['([^']*)'\]", path)
-    return match[-1] if match else path
+def _walk_diff(ref: Any, cand: Any, path: list[str | int], out: list[dict[str, Any]]) -> None:
+    """Append the differences of ``cand`` from ``ref`` under ``path`` (deepdiff's change names:
+    values_changed, type_changes, dictionary_item_added/removed, iterable_item_added/removed)."""
+    if isinstance(ref, dict) and isinstance(cand, dict):
+        for key in ref:
+            if VOLATILE_KEYS.search(str(key)):
+                continue
+            if key in cand:
+                _walk_diff(ref[key], cand[key], [*path, key], out)
+            else:
+                out.append(_entry([*path, key], "dictionary_item_removed", ref[key], None))
+        for key in cand:
+            if key not in ref and not VOLATILE_KEYS.search(str(key)):
+                out.append(_entry([*path, key], "dictionary_item_added", None, cand[key]))
+        return
+    if isinstance(ref, (list, tuple)) and isinstance(cand, (list, tuple)):
+        for i in range(min(len(ref), len(cand))):
+            _walk_diff(ref[i], cand[i], [*path, i], out)
+        for i in range(len(cand), len(ref)):
+            out.append(_entry([*path, i], "iterable_item_removed", ref[i], None))
+        for i in range(len(ref), len(cand)):
+            out.append(_entry([*path, i], "iterable_item_added", None, cand[i]))
+        return
+    if type(ref) is not type(cand):
+        out.append(_entry(path, "type_changes", ref, cand))
+    elif ref != cand:
+        out.append(_entry(path, "values_changed", ref, cand))
 
 
-def _clean_path(path: str) -> str:
-    parts = re.findall(r"\[(?:'([^']*)'|(\d+))\]", path)
-    return ".".join(a or f"[{b}]" for a, b in parts) or path
+def _entry(path: list[str | int], change: str, ref: Any, cand: Any) -> dict[str, Any]:
+    name = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in path)
+    return {"path": name, "change": change, "reference": _plain(ref), "candidate": _plain(cand)}
 
 
 def _plain(value: Any) -> Any:

@@ -1,0 +1,116 @@
+"""The fused kernel of the streaming pass gives the torch kernels' numbers (its reference
+implementation) up to float32 summation order, on every stored dtype it reads and on rows that are
+not ordinary (massive dimensions, zeros, NaN, Inf); and a compare decides the same with either."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tracediff.compare import compare_stores
+from tracediff.kernels import fused_kernel, fused_row_stats
+
+pytestmark = pytest.mark.skipif(fused_kernel() is None, reason="numba is not installed")
+
+
+def _rows(n: int, width: int, dtype: str, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """Stored rows (bf16 as uint16 bits) and their float32 values: ordinary values, two massive
+    dimensions, and a zero, a NaN and an Inf row."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, width, generator=gen)
+    x[:, 5] *= 300.0
+    x[:, width // 2 + 7] *= -800.0
+    x[1] = 0.0
+    x[2, 3] = float("nan")
+    x[3, width - 1] = float("inf")
+    if dtype == "bfloat16":
+        b = x.to(torch.bfloat16)
+        return b.view(torch.int16).numpy().view(np.uint16).copy(), b.float()
+    return x.numpy().copy(), x
+
+
+def _torch_stats(c: torch.Tensor, r: torch.Tensor, size: int, seg_c, seg_r, means, invs):
+    n = c.shape[0]
+    c3, r3 = c.view(n, -1, size), r.view(n, -1, size)
+    xc, xr = c3.norm(dim=2), r3.norm(dim=2)
+    out = []
+    for p, (i, j) in enumerate(zip(seg_c, seg_r, strict=True)):
+        d = c3[:, i] - r3[:, j]
+        out.append((d.norm(dim=1), d.abs().amax(dim=1), (d * invs[p]).norm(dim=1),
+                    ((r3[:, j] - means[p]) * invs[p]).norm(dim=1)))
+    return xc, xr, out
+
+
+@pytest.mark.parametrize("cdtype,rdtype", [("bfloat16", "float32"), ("float32", "bfloat16"),
+                                           ("bfloat16", "bfloat16"), ("float32", "float32")])
+def test_fused_row_stats_equal_the_torch_kernels(cdtype, rdtype):
+    n, size = 40, 64
+    craw, c = _rows(n, 3 * size, cdtype, 1)
+    rraw, r = _rows(n, 3 * size, rdtype, 2)
+    seg_c, seg_r = np.array([0, 1, 2, 2], dtype=np.int64), np.array([0, 1, 2, 0], dtype=np.int64)
+    gen = torch.Generator().manual_seed(3)
+    means = torch.randn(4, size, generator=gen)
+    invs = 1.0 / (0.5 + torch.rand(4, size, generator=gen))
+    xc, xr = np.zeros((n + 8, 3), np.float32), np.zeros((n + 8, 3), np.float32)
+    dn, mx, sn, sd = (np.zeros((4, n + 8), np.float32) for _ in range(4))
+    assert fused_row_stats(craw, rraw, n, size, cdtype, rdtype, seg_c, seg_r, means.numpy(), invs.numpy(),
+                           xc, xr, dn, mx, sn, sd)
+    txc, txr, pairs = _torch_stats(c, r, size, seg_c, seg_r, means, invs)
+    close = {"rtol": 2e-6, "atol": 0.0, "equal_nan": True}
+    np.testing.assert_allclose(xc[:n], txc.numpy(), **close)
+    np.testing.assert_allclose(xr[:n], txr.numpy(), **close)
+    for p, (tdn, tmx, tsn, tsd) in enumerate(pairs):
+        np.testing.assert_allclose(dn[p, :n], tdn.numpy(), **close)
+        np.testing.assert_array_equal(mx[p, :n], tmx.numpy())  # a max of float32 differences: exact
+        np.testing.assert_allclose(sn[p, :n], tsn.numpy(), **close)
+        np.testing.assert_allclose(sd[p, :n], tsd.numpy(), **close)
+    # Rows past n are left alone.
+    assert not dn[:, n:].any() and not xc[n:].any()
+
+
+def test_stored_float16_rows_keep_the_torch_kernels():
+    raw = np.zeros((4, 64), np.float16)
+    out = np.zeros((4, 1), np.float32)
+    args = (np.array([0]), np.array([0]), np.zeros((1, 64), np.float32), np.ones((1, 64), np.float32))
+    assert not fused_row_stats(raw, raw, 4, 64, "float16", "float16", *args, out, out, out.T.copy(), out.T.copy(),
+                               out.T.copy(), out.T.copy())
+
+
+def _summary(report):
+    return (report.verdict, [(f.kind, f.severity) for f in report.findings],
+            [(m.candidate, m.reference, m.status, m.relation) for m in report.segment_map])
+
+
+@pytest.mark.parametrize("candidate", ["server_broken", "server_fixed"])
+def test_compare_decides_the_same_with_either_kernel(monkeypatch, candidate):
+    monkeypatch.setenv("TRACEDIFF_KERNEL", "torch")
+    slow = compare_stores("samples/train.zarr", f"samples/{candidate}.zarr")
+    monkeypatch.setenv("TRACEDIFF_KERNEL", "fused")
+    fast = compare_stores("samples/train.zarr", f"samples/{candidate}.zarr")
+    assert _summary(fast) == _summary(slow)
+    for a, b in zip(fast.metrics, slow.metrics, strict=True):
+        for name in ("cos_mean", "cos_p1", "std_rel_error", "rel_l2", "max_abs_diff", "norm_ratio_p50"):
+            va, vb = getattr(a, name), getattr(b, name)
+            assert math.isclose(va, vb, rel_tol=1e-5, abs_tol=1e-9) or (math.isnan(va) and math.isnan(vb)), name
+
+
+def test_subset_findings_are_the_same_with_either_kernel(monkeypatch, tmp_path):
+    from subset_traces import record_subset_traces
+
+    traces = record_subset_traces(tmp_path)
+    monkeypatch.setenv("TRACEDIFF_KERNEL", "torch")
+    slow = compare_stores(traces["ref"], traces["decode_zeros"])
+    monkeypatch.setenv("TRACEDIFF_KERNEL", "fused")
+    fast = compare_stores(traces["ref"], traces["decode_zeros"])
+    assert _summary(fast) == _summary(slow)
+    for a, b in zip(fast.findings, slow.findings, strict=True):
+        sa, sb = a.evidence.get("subset") or {}, b.evidence.get("subset") or {}
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            if isinstance(sa[key], float):
+                assert math.isclose(sa[key], sb[key], rel_tol=1e-5), key
+            else:
+                assert sa[key] == sb[key], key
