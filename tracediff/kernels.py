@@ -6,8 +6,8 @@ difference in units of the reference segment's robust scale, and the norm of the
 reference. The reference implementation (:meth:`tracediff.diagnose._Pass.block_metrics`' torch
 path) runs about eight eager kernels per pair over float32 copies of the rows: some ten reads and
 six writes of every value. :func:`fused_row_stats` widens each stored value (bf16 bits or float32)
-once, in a compiled loop, and keeps every sum in float64: the same numbers up to float32 summation
-order (tests/test_kernels.py holds it to the torch path).
+once, in a compiled loop whose float32 sums LLVM vectorises: the same numbers up to float32
+summation order (tests/test_kernels.py holds it to the torch path).
 
 Compiled by numba (a registry package; ``nogil``: the pass's block threads run it concurrently,
 each on its own block, so it is serial inside). Without numba, or for other stored dtypes (float16),
@@ -17,7 +17,6 @@ the pass keeps the torch path. Pure computation: no I/O, no allocation beyond tw
 from __future__ import annotations
 
 import logging
-import math
 import os
 from typing import Any
 
@@ -50,6 +49,13 @@ def _build() -> Any:
                 f32[j] = src[j]
 
     @numba.njit(nogil=True, cache=True, fastmath=flags)
+    def _sum_sq(x: Any) -> Any:
+        acc = np.float32(0.0)
+        for j in range(x.shape[0]):
+            acc += x[j] * x[j]
+        return acc
+
+    @numba.njit(nogil=True, cache=True, fastmath=flags)
     def kernel(craw: Any, rraw: Any, n: int, size: int, c_bf16: bool, r_bf16: bool, seg_c: Any, seg_r: Any,
                means: Any, invs: Any, xc: Any, xr: Any, dn: Any, mx: Any, sn: Any, sd: Any) -> None:
         wc, wr = craw.shape[1], rraw.shape[1]
@@ -57,48 +63,61 @@ def _build() -> Any:
         ru = np.empty(wr, dtype=np.uint32)
         cf = cu.view(np.float32)
         rf = ru.view(np.float32)
+        # The difference of a pair, kept for its largest |value|: taken over its bits (sign bit
+        # cleared), an integer max LLVM vectorises (a float max with NaN semantics it does not); the
+        # bits of |NaN| exceed those of Inf, so a NaN difference comes out as NaN.
+        du = np.empty(size, dtype=np.uint32)
+        df = du.view(np.float32)
+        one_u = np.empty(1, dtype=np.uint32)
+        one_f = one_u.view(np.float32)
         kc, kr, pairs = wc // size, wr // size, seg_c.shape[0]
+        # Segments no pair reads still need their norms (a missing or extra segment's).
+        c_alone = np.ones(kc, dtype=np.bool_)
+        r_alone = np.ones(kr, dtype=np.bool_)
+        for p in range(pairs):
+            c_alone[seg_c[p]] = False
+            r_alone[seg_r[p]] = False
         for row in range(n):
             widen(craw[row], cu, cf, c_bf16)
             widen(rraw[row], ru, rf, r_bf16)
             for k in range(kc):
-                acc = 0.0
-                for j in range(k * size, (k + 1) * size):
-                    v = np.float64(cf[j])
-                    acc += v * v
-                xc[row, k] = math.sqrt(acc)
+                if c_alone[k]:
+                    xc[row, k] = np.sqrt(_sum_sq(cf[k * size : (k + 1) * size]))
             for k in range(kr):
-                acc = 0.0
-                for j in range(k * size, (k + 1) * size):
-                    v = np.float64(rf[j])
-                    acc += v * v
-                xr[row, k] = math.sqrt(acc)
+                if r_alone[k]:
+                    xr[row, k] = np.sqrt(_sum_sq(rf[k * size : (k + 1) * size]))
             for p in range(pairs):
-                c0, r0 = seg_c[p] * size, seg_r[p] * size
-                d2 = 0.0
-                s2 = 0.0
-                z2 = 0.0
-                big = np.float32(0.0)
-                nan = False
+                a = cf[seg_c[p] * size : (seg_c[p] + 1) * size]
+                b = rf[seg_r[p] * size : (seg_r[p] + 1) * size]
+                mean, inv = means[p], invs[p]
+                a2 = np.float32(0.0)
+                b2 = np.float32(0.0)
+                d2 = np.float32(0.0)
+                s2 = np.float32(0.0)
+                z2 = np.float32(0.0)
                 for j in range(size):
-                    a = cf[c0 + j]
-                    b = rf[r0 + j]
-                    d = a - b
-                    ad = abs(d)
-                    if ad > big:
-                        big = ad
-                    elif ad != ad:
-                        nan = True
-                    dd = np.float64(d)
-                    d2 += dd * dd
-                    s = dd * np.float64(invs[p, j])
+                    x = a[j]
+                    y = b[j]
+                    a2 += x * x
+                    b2 += y * y
+                    d = x - y
+                    df[j] = d
+                    d2 += d * d
+                    s = d * inv[j]
                     s2 += s * s
-                    z = (np.float64(b) - np.float64(means[p, j])) * np.float64(invs[p, j])
+                    z = (y - mean[j]) * inv[j]
                     z2 += z * z
-                dn[p, row] = math.sqrt(d2)
-                mx[p, row] = np.float32(np.nan) if nan else big
-                sn[p, row] = math.sqrt(s2)
-                sd[p, row] = math.sqrt(z2)
+                top = np.uint32(0)
+                for j in range(size):
+                    v = du[j] & np.uint32(0x7FFFFFFF)
+                    top = v if v > top else top
+                one_u[0] = top
+                xc[row, seg_c[p]] = np.sqrt(a2)
+                xr[row, seg_r[p]] = np.sqrt(b2)
+                dn[p, row] = np.sqrt(d2)
+                mx[p, row] = one_f[0]
+                sn[p, row] = np.sqrt(s2)
+                sd[p, row] = np.sqrt(z2)
 
     return kernel
 
