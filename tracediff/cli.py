@@ -488,6 +488,10 @@ def compare(
     for out in (json_path, markdown_path, html_path):
         if out is not None and not out.parent.resolve().is_dir():
             raise UsageError(f"{out}: its folder does not exist")
+    if draft is not None and send_report is not None:
+        from tracediff.replay import read_send_report  # noqa: PLC0415
+
+        read_send_report(send_report)
     with _progress("compare", progress) as prog, contextlib.ExitStack() as cleanup:
         prog.stage("opening stores")
         if runner is not None:
@@ -558,6 +562,10 @@ def replay(reference: Path, candidate: Path, tap: str | None, ref_tap: str | Non
     for out in (json_path, markdown_path, html_path):
         if out is not None and not out.parent.resolve().is_dir():
             raise UsageError(f"{out}: its folder does not exist")
+    if send_report is not None:
+        from tracediff.replay import read_send_report  # noqa: PLC0415
+
+        read_send_report(send_report)
     with _progress("replay", None) as prog:
         report = compare_stores(reference, candidate, CompareOptions(tap=tap, reference_tap=ref_tap,
                                                                      candidate_tap=cand_tap, stage=prog.stage))

@@ -126,11 +126,9 @@ def _fix_is_identity(segment_map: list[Any], k_ref: int, ref_size: int, cand_siz
     return len(placed) == k_ref and all(placed.get(j) == j for j in range(k_ref))
 
 
-def engine_accept(send_report: str | Path | None, keys: list[str]) -> dict[str, Any] | None:
-    """(d): the accept length the engine reported for ``keys`` (tracediff send --report): vLLM's
-    per-request ``speculative_decoding`` block, or SGLang's ``spec_verify_ct`` / completion tokens."""
-    if send_report is None:
-        return None
+def read_send_report(send_report: str | Path) -> dict[str, Any]:
+    """The send report (tracediff send --report), checked: commands call it before any other work,
+    so a wrong path is one line at once, not after a compare and a replay."""
     path = Path(send_report)
     try:
         doc = json.loads(path.read_text())
@@ -141,6 +139,17 @@ def engine_accept(send_report: str | Path | None, keys: list[str]) -> dict[str, 
     responses = doc.get("responses") if isinstance(doc, dict) else None
     if not isinstance(responses, dict):
         raise UsageError(f"--send-report {path}: no 'responses' (write it with tracediff send --report)")
+    return doc
+
+
+def engine_accept(send_report: str | Path | None, keys: list[str]) -> dict[str, Any] | None:
+    """(d): the accept length the engine reported for ``keys`` (tracediff send --report): vLLM's
+    per-request ``speculative_decoding`` block, or SGLang's ``spec_verify_ct`` / completion tokens."""
+    if send_report is None:
+        return None
+    path = Path(send_report)
+    doc = read_send_report(path)
+    responses = doc["responses"]
     steps = accepted = 0
     per_step: dict[str, list[int]] = {}
     used = 0
@@ -466,4 +475,5 @@ def _engine_gap(r: ReplayResult) -> tuple[str, dict[str, Any]] | None:
             {"engine": r.d["accept_engine"], "replay": r.b_engine["accept_engine"], "replay_se": se, "gap": gap})
 
 
-__all__ = ["ReplayOptions", "ReplayResult", "attach_replay", "engine_accept", "fixed_rows", "run_replay"]
+__all__ = ["ReplayOptions", "ReplayResult", "attach_replay", "engine_accept", "fixed_rows", "read_send_report",
+           "run_replay"]
