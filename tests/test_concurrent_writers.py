@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import invoke_tracediff, read_plain, run_tracediff
-from reliability_children import WRITER_TAPS, encoded_rows, record_side_by_side
+from reliability_children import WRITER_TAPS, encoded_rows, race_group_creation, record_side_by_side
 
-from tracediff.store import TraceStore, create_store
+from tracediff.store import TraceStore, create_store, open_store
 
 PROCESSES = 8
 BATCHES = 20
@@ -128,3 +128,38 @@ def test_eight_spawned_processes_record_one_store_at_once_and_lose_no_row(tmp_pa
         **dict(rows_checked),
         "seconds": round(time.monotonic() - started, 1),
     }
+
+
+@pytest.mark.slow
+def test_processes_that_join_one_folder_at_the_same_moment_all_get_their_group(tmp_path: Path) -> None:
+    """Six processes released by one barrier each join a store folder (``record --append`` on
+    several hosts of a shared filesystem) and create their writer group in its one tap, ten rounds:
+    the root and the tap group are created by whichever comes first; finding them made, or being
+    made, by another is no error. (Before issue #24 every round failed: "already exists".)"""
+    processes, rounds = 6, 10
+    outcomes = race_group_creation(str(tmp_path), processes, rounds)
+    assert [o for o in outcomes if o[3] is not None] == []
+    for r in range(rounds):
+        with open_store(tmp_path / f"r{r}.zarr") as store:
+            assert store.source["role"] == "node"
+            streams = store.streams["fc_in"]
+            assert sorted(s.writer for s in streams) == [f"p{p}" for p in range(processes)]
+            assert all(s.rows == 5 and s.commit["status"] == "closed" for s in streams)
+            for s in streams:
+                assert np.array_equal(s.read(), encoded_rows(int(s.writer[1:]), 0, 5, 8))
+
+
+def test_two_writers_asking_for_one_name_get_two_groups(tmp_path: Path) -> None:
+    """Process ids repeat across the hosts of a shared filesystem: a second writer asking for a
+    name that is taken gets ``NAME_2``, never the first one's folder."""
+    from tracediff.store import TraceWriter  # noqa: PLC0415
+
+    store = create_store(tmp_path / "s.zarr")
+    first = TraceWriter(store, "fc_in", "pid7", width=8, dtype="float32")
+    second = TraceWriter(store, "fc_in", "pid7", width=8, dtype="float32")
+    assert (first.writer, second.writer) == ("pid7", "pid7_2")
+    for n, writer in enumerate((first, second)):
+        writer.append(encoded_rows(n, 0, 3, 8), {"seq": np.full(3, n)})
+        writer.close()
+    with open_store(store) as opened:
+        assert {s.writer: int(s.label("seq")[0]) for s in opened.streams["fc_in"]} == {"pid7": 0, "pid7_2": 1}

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from conftest import REPO, cli_env, invoke_tracediff
 from object_store import KILL_WIDTH, NODE_SCRIPT, FaultProxy, ObjectStore, object_store, record_to_url_until_killed
+from reliability_children import race_group_creation
 from test_send import SEQS, FakeServer, write_trace
 
 from tracediff.errors import CorruptStoreError, UsageError
@@ -202,6 +203,25 @@ def test_push_refuses_to_replace_another_store_without_overwrite(object_store: O
 
 
 # ---------------------------------------------------------------------- recording to a bucket
+RACE_PROCESSES = 6
+RACE_ROUNDS = 5
+
+
+@pytest.mark.slow
+def test_processes_that_create_their_groups_at_the_same_moment_all_get_one(object_store: ObjectStore) -> None:
+    """Six processes released by one barrier join a store at a URL and create their writer groups
+    in its one tap, five rounds (a fresh store each): the root and the tap group are created by
+    whichever comes first, and finding them made (or being made) by another is no error."""
+    bucket = object_store.bucket()
+    outcomes = race_group_creation(f"s3://{bucket}", RACE_PROCESSES, RACE_ROUNDS)
+    assert [o for o in outcomes if o[3] is not None] == []
+    for r in range(RACE_ROUNDS):
+        with open_store(f"s3://{bucket}/r{r}.zarr") as store:
+            streams = store.streams["fc_in"]
+            assert sorted(s.writer for s in streams) == [f"p{p}" for p in range(RACE_PROCESSES)]
+            assert all(s.rows == 5 and s.commit["status"] == "closed" for s in streams)
+
+
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=False,
