@@ -148,18 +148,3 @@ def test_processes_that_join_one_folder_at_the_same_moment_all_get_their_group(t
             for s in streams:
                 assert np.array_equal(s.read(), encoded_rows(int(s.writer[1:]), 0, 5, 8))
 
-
-def test_two_writers_asking_for_one_name_get_two_groups(tmp_path: Path) -> None:
-    """Process ids repeat across the hosts of a shared filesystem: a second writer asking for a
-    name that is taken gets ``NAME_2``, never the first one's folder."""
-    from tracediff.store import TraceWriter  # noqa: PLC0415
-
-    store = create_store(tmp_path / "s.zarr")
-    first = TraceWriter(store, "fc_in", "pid7", width=8, dtype="float32")
-    second = TraceWriter(store, "fc_in", "pid7", width=8, dtype="float32")
-    assert (first.writer, second.writer) == ("pid7", "pid7_2")
-    for n, writer in enumerate((first, second)):
-        writer.append(encoded_rows(n, 0, 3, 8), {"seq": np.full(3, n)})
-        writer.close()
-    with open_store(store) as opened:
-        assert {s.writer: int(s.label("seq")[0]) for s in opened.streams["fc_in"]} == {"pid7": 0, "pid7_2": 1}

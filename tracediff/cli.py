@@ -203,7 +203,9 @@ def record(
       @ARG        which input: a position (@0, the default) or a keyword (@hidden_states)
     Examples: Eagle3DraftModel.fc:input, fc_in=LlamaForCausalLMEagle3.model.fc, MyDraft.layers.0.fc:output
 
-    A run that records no row leaves no store behind.
+    A run that records no row leaves no store behind (with --append the store stays: other nodes may
+    be recording into it). Exit code: the command's; 2 when the command exited 0 but a process lost
+    rows (a writer error, an interpreter that cannot import tracediff): never 0 having lost rows.
     """
     from tracediff.adapters import adapter_info, check_installed  # noqa: PLC0415
     from tracediff.limits import Limits  # noqa: PLC0415

@@ -143,6 +143,7 @@ def _attach_on_first_forward(ctx: _Context, spec: Any, module: Any) -> None:
                             type(mod).__qualname__, ".".join(spec.path), spec.name)
         except Exception as exc:  # noqa: BLE001
             log.error("tracediff: attaching tap %s failed: %s", spec.name, exc)
+            _note_for_record("inject", {"error": f"cannot attach tap {spec.name}: {type(exc).__name__}: {exc}"})
 
     handle = module.register_forward_pre_hook(pre_hook)
 
@@ -360,7 +361,8 @@ def recording_problems(notes: list[dict[str, Any]]) -> list[str]:
             out.append(f"pid {pid}: recording could not start: {note.get('error')}")
         elif kind == "recorder":
             for tap, info in (note.get("taps") or {}).items():
-                if info.get("error"):
+                # A tap that saw no row before its recorder stopped lost nothing.
+                if info.get("error") and (info.get("group") or info.get("dropped_rows")):
                     out.append(
                         f"{info.get('group') or tap} (pid {pid}): recording stopped after {info.get('rows', 0)} "
                         f"committed rows, {info.get('dropped_rows', 0)} rows lost: {info['error']}"
