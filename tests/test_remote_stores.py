@@ -534,8 +534,23 @@ def test_a_push_killed_midway_leaves_a_readable_store_and_the_rerun_completes_it
         proc.wait(timeout=30)
     with open_store(url) as store:  # the strict reader: the group is invisible until its commit record
         assert [s.rows for s in store.streams.get("fc_in", [])] in ([], [800])
+        assert store.incomplete is not None
+    # What is there is part of a trace: inspect says so, and every command that reads rows refuses
+    # it with one line naming the push to rerun (not "0 rows from 0 writers").
+    rerun = f"rerun `tracediff push {local} {url}`"
+    shown = invoke_tracediff("inspect", url)
+    assert shown.returncode == 0, shown.stderr
+    status = [line for line in shown.stdout.splitlines() if line.startswith("status  incomplete: a push from ")]
+    assert len(status) == 1 and rerun in status[0] and "warning: incomplete: a push" in shown.stdout
+    assert rerun in json.loads(invoke_tracediff("inspect", "--json", url).stdout)["incomplete"]
+    _one_line_error(invoke_tracediff("compare", local, url), url, "incomplete", rerun)
+    _one_line_error(invoke_tracediff("compare", url, local), url, "incomplete", rerun)
+    _one_line_error(invoke_tracediff("identify", url, "--bank", SAMPLES / "bank.zarr"), url, rerun)
     result = invoke_tracediff("push", local, url)
     assert result.returncode == 0, result.stderr
+    with open_store(url) as store:
+        assert store.incomplete is None
+        store.require_complete()
     skipped = int(result.stdout.split(" already there")[0].rsplit(" ", 1)[-1])
     assert skipped >= 30
     there, here = _stream_arrays(url), _stream_arrays(local)
