@@ -214,7 +214,9 @@ def record_to_url_until_killed(url: str, log: str, sizes: list[int]) -> None:
 
 
 NODE_SCRIPT = """
+import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -231,8 +233,13 @@ class Head(torch.nn.Module):
         return self.fc(x)
 
 
-node = int(sys.argv[1])
+node, nodes = int(sys.argv[1]), int(sys.argv[2])
 head = Head()
+# A barrier of files: every node's first batch (its writer group, the tap group) at the same moment.
+open(f"ready{node}", "w").close()
+deadline = time.monotonic() + 120
+while not all(os.path.exists(f"ready{n}") for n in range(nodes)) and time.monotonic() < deadline:
+    time.sleep(0.005)
 fed = []
 for step in range(3):
     x = torch.randn(5 + step, 24, generator=torch.Generator().manual_seed(100 * node + step))

@@ -371,3 +371,55 @@ def record_side_by_side(store: str, process: int, sizes: list[int], ready: Any, 
                 sent[tap].append(n)
     rec.close()
     _write_json(report, {"writer": rec.writer_name, "sent": sent, "stats": rec.stats(), "error": rec.error})
+
+
+# ------------------------------------------------------------------- shared objects, created at once
+def create_groups_at_once(base: str, process: int, rounds: int, barrier: Any, results: Any) -> None:
+    """One of several processes that, in each round, join store ``<base>/r<round>.zarr`` (as
+    ``record --append`` does: the root created if absent) and create their writer group in its one
+    tap, all released by ``barrier`` at the same moment: the shared root and tap group are created
+    by whichever process comes first while the others find, or are creating, the same objects.
+    Puts ``(process, round, rows committed, error or None)`` on ``results`` for every round."""
+    from tracediff.store import TraceWriter, create_store  # noqa: PLC0415
+    from tracediff.store.location import Location  # noqa: PLC0415
+    from tracediff.store.remote_writer import RemoteTraceWriter  # noqa: PLC0415
+
+    rows = encoded_rows(process, 0, 5, 8)
+    for r in range(rounds):
+        url = f"{base.rstrip('/')}/r{r}.zarr"
+        loc = Location.of(url)
+        barrier.wait(timeout=120)
+        try:
+            create_store(loc if loc.remote else url, role="node", join=True)
+            cls = RemoteTraceWriter if loc.remote else TraceWriter
+            writer = cls(loc if loc.remote else url, "fc_in", f"p{process}", width=8, dtype="float32", chunk_rows=4)
+            writer.append(rows, {"seq": np.full(5, process), "position": np.arange(5)})
+            writer.close()
+            results.put((process, r, writer.counts.rows, None))
+        except Exception as exc:  # noqa: BLE001  (reported to the parent, which fails the test with it)
+            results.put((process, r, 0, f"{type(exc).__name__}: {exc}"))
+
+
+def race_group_creation(base: str, processes: int, rounds: int) -> list[tuple[int, int, int, str | None]]:
+    """Run :func:`create_groups_at_once` in ``processes`` spawned processes (the parent side):
+    every outcome, sorted by round and process."""
+    import multiprocessing  # noqa: PLC0415
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(processes)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=create_groups_at_once, args=(base, p, rounds, barrier, results)) for p in range(processes)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        outcomes = [results.get(timeout=300) for _ in range(processes * rounds)]
+        for proc in procs:
+            proc.join(60)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+    return sorted(outcomes, key=lambda o: (o[1], o[0]))

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import invoke_tracediff, read_plain, run_tracediff
-from reliability_children import WRITER_TAPS, encoded_rows, record_side_by_side
+from reliability_children import WRITER_TAPS, encoded_rows, race_group_creation, record_side_by_side
 
-from tracediff.store import TraceStore, create_store
+from tracediff.store import TraceStore, create_store, open_store
 
 PROCESSES = 8
 BATCHES = 20
@@ -128,3 +128,23 @@ def test_eight_spawned_processes_record_one_store_at_once_and_lose_no_row(tmp_pa
         **dict(rows_checked),
         "seconds": round(time.monotonic() - started, 1),
     }
+
+
+@pytest.mark.slow
+def test_processes_that_join_one_folder_at_the_same_moment_all_get_their_group(tmp_path: Path) -> None:
+    """Six processes released by one barrier each join a store folder (``record --append`` on
+    several hosts of a shared filesystem) and create their writer group in its one tap, ten rounds:
+    the root and the tap group are created by whichever comes first; finding them made, or being
+    made, by another is no error. (Before issue #24 every round failed: "already exists".)"""
+    processes, rounds = 6, 10
+    outcomes = race_group_creation(str(tmp_path), processes, rounds)
+    assert [o for o in outcomes if o[3] is not None] == []
+    for r in range(rounds):
+        with open_store(tmp_path / f"r{r}.zarr") as store:
+            assert store.source["role"] == "node"
+            streams = store.streams["fc_in"]
+            assert sorted(s.writer for s in streams) == [f"p{p}" for p in range(processes)]
+            assert all(s.rows == 5 and s.commit["status"] == "closed" for s in streams)
+            for s in streams:
+                assert np.array_equal(s.read(), encoded_rows(int(s.writer[1:]), 0, 5, 8))
+

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import subprocess
 import sys
 import textwrap
 import zipfile
@@ -22,11 +24,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from conftest import HIDDEN, CliResult, invoke_tracediff, read_plain, run_tracediff, stored_bits
+from conftest import HIDDEN, REPO, CliResult, cli_env, invoke_tracediff, read_plain, run_tracediff, stored_bits
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tracediff.store import TraceWriter, create_store
+from tracediff.store import TraceWriter, create_store, open_store
 
 FC_LAYERS = ["hs1", "hs3", "pre_norm"]
 
@@ -162,6 +164,136 @@ def test_a_command_that_records_nothing_leaves_no_store_and_the_rerun_needs_no_o
         assert "tap 'fc_in' never fired in any process" in result.stderr
         assert f"tracediff: removed {store}: it held no rows" in result.stderr
         assert not store.exists()
+
+
+# ----------------------------------------------------------------------- rows lost: never exit 0
+HEAD_SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    import torch
+
+
+    class Head(torch.nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.fc = torch.nn.Linear(width, 4)
+
+        def forward(self, x):
+            return self.fc(x)
+
+
+    width, steps = int(sys.argv[1]), int(sys.argv[2])
+    head = Head(width)
+    with torch.no_grad():
+        for step in range(steps):
+            head(torch.full((64, width), float(step)))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def python_without_tracediff(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A trainer's own environment: a venv that imports torch (this venv's site-packages, put on
+    its path by a .pth file) but not tracediff."""
+    import torch
+
+    venv = tmp_path_factory.mktemp("trainer-venv")
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    env = cli_env()
+    env.pop("PYTHONPATH", None)
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             env=env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    (Path(purelib) / "trainer_packages.pth").write_text(f"{Path(torch.__file__).resolve().parents[1]}\n")
+    probe = subprocess.run([python, "-c", "import torch\ntry:\n import tracediff\nexcept ImportError:\n pass\n"
+                            "else:\n raise SystemExit(3)"], cwd=venv, env=env, capture_output=True, text=True)  # fmt: skip
+    if probe.returncode == 3:
+        pytest.skip("tracediff is installed (not editable) in the test venv's site-packages: no venv without it")
+    assert probe.returncode == 0, probe.stderr
+    return python
+
+
+def _record_from_checkout(*args: object, cwd: Path) -> CliResult:
+    """`python -m tracediff ...` importing this checkout's tracediff without PYTHONPATH: the
+    command's processes get the shim's folder on theirs and nothing else, as with an installed
+    tracediff (an interpreter without tracediff then really cannot import it)."""
+    env = cli_env()
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r}); "
+                           "from tracediff.cli import run; sys.argv[0] = 'tracediff'; run()", *map(str, args)],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    return CliResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+def _errors(result: CliResult) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("tracediff: error: ")]
+
+
+@pytest.mark.slow
+def test_a_command_whose_python_cannot_import_tracediff_fails_saying_so(
+    python_without_tracediff: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "train.py").write_text(HEAD_SCRIPT)
+    store = tmp_path / "train.zarr"
+    result = _record_from_checkout("record", "--tap", "Head.fc:input", "-o", store, "--",
+                                   python_without_tracediff, "train.py", 8, 2, cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    errors = _errors(result)
+    assert len(errors) == 2, result.stderr
+    exe = str(python_without_tracediff)
+    assert errors[0].startswith(f"tracediff: error: {exe} (pid ") and "cannot import tracediff" in errors[0]
+    assert f"{exe} -m pip install tracediff" in errors[0] and f"`{exe} -m tracediff record ...`" in errors[0]
+    assert errors[1].endswith("exit code 2, the command itself exited with code 0")
+    assert "never fired" not in result.stderr and "Traceback" not in result.stderr
+    assert not store.exists()
+
+
+@pytest.mark.slow
+def test_a_helper_in_an_interpreter_without_tracediff_that_never_imports_torch_is_no_failure(
+    python_without_tracediff: Path, tmp_path: Path
+) -> None:
+    """A build step in another interpreter records nothing and loses nothing: the recording of the
+    trainer after it decides the exit code."""
+    (tmp_path / "train.py").write_text(HEAD_SCRIPT)
+    store = tmp_path / "train.zarr"
+    # The trainer's interpreter gets this checkout's tracediff after the shim on its PYTHONPATH.
+    steps = '"$1" -c "print(\'prepared\')" && PYTHONPATH="$PYTHONPATH:$2" exec "$3" train.py 8 2'
+    result = _record_from_checkout("record", "--tap", "Head.fc:input", "-o", store, "--", "sh", "-c", steps, "sh",
+                                   python_without_tracediff, REPO, sys.executable, cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert _errors(result) == [] and "prepared" in result.stdout
+    assert f"{python_without_tracediff} (pid " in result.stderr  # the helper's own note, on its stderr
+    with open_store(store) as opened:
+        assert opened.rows("fc_in") == 128
+
+
+@pytest.mark.slow
+def test_a_recording_that_stops_on_a_full_disk_makes_record_exit_non_zero(tmp_path: Path) -> None:
+    """The store on a 256 KiB tmpfs (a private mount namespace: nothing outlives the test), 64 KiB
+    a batch: the writer stops on ENOSPC, the trainer goes on and exits 0, and record says which
+    group lost how many rows and exits 2, keeping the command's own code in the message."""
+    from test_disk_faults import _namespace_prefix  # noqa: PLC0415
+
+    prefix = _namespace_prefix()
+    if isinstance(prefix, str):
+        pytest.skip(prefix)
+    (tmp_path / "train.py").write_text(HEAD_SCRIPT)
+    mount = tmp_path / "small"
+    mount.mkdir()
+    proc = subprocess.run([*prefix, "sh", "-c", 'mount -t tmpfs -o size=256k tmpfs "$1" && shift && exec "$@"', "sh",
+                           mount, sys.executable, "-m", "tracediff", "record", "--tap", "Head.fc:input",
+                           "--chunk-rows", "64", "-o", mount / "train.zarr", "--", sys.executable, "train.py", "256", "40"],
+                          cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("tracediff: error: ")]
+    assert len(errors) == 2, proc.stderr
+    assert errors[0].startswith("tracediff: error: fc_in/pid") and "No space left on device" in errors[0]
+    committed, lost = map(int, re.search(r"after (\d+) committed rows, (\d+) rows lost", errors[0]).groups())
+    assert committed % 64 == 0 and lost > 0 and committed + lost == 40 * 64
+    assert errors[1].endswith("exit code 2, the command itself exited with code 0")
+    assert "Traceback" not in proc.stderr
 
 
 # ------------------------------------------------------------------------------------ bad input

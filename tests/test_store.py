@@ -353,6 +353,27 @@ def test_overwrite_never_deletes_a_directory_that_is_not_a_store(tmp_path: Path)
     assert (folder / "thesis.tex").read_text() == "precious"
 
 
+def test_joining_keeps_a_store_and_refuses_a_folder_that_is_not_one(tmp_path: Path) -> None:
+    """``join`` (record --append): a store there is kept as it is; a folder holding only what a
+    process killed while writing the root left is joined; anything else is refused, untouched."""
+    store = create_store(tmp_path / "s.zarr", role="first")
+    before = (store / "zarr.json").read_bytes()
+    assert create_store(store, role="second", join=True) == store
+    assert (store / "zarr.json").read_bytes() == before
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "thesis.tex").write_text("precious")
+    with pytest.raises(StoreExistsError, match="results: exists and is not a tracediff store; refusing to add to it"):
+        create_store(folder, join=True)
+    assert [p.name for p in folder.iterdir()] == ["thesis.tex"]
+    killed = tmp_path / "k.zarr"
+    killed.mkdir()
+    (killed / "zarr.0123abcd.partial").write_text("{")
+    create_store(killed, role="joined", join=True)
+    with TraceStore(killed) as opened:
+        assert opened.source["role"] == "joined"
+
+
 # ------------------------------------------------------------------------------- label fast path
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_labels_read_straight_from_their_chunk_files_equal_what_zarr_reads(tmp_path: Path, dtype: str) -> None:

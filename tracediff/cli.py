@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -202,7 +203,9 @@ def record(
       @ARG        which input: a position (@0, the default) or a keyword (@hidden_states)
     Examples: Eagle3DraftModel.fc:input, fc_in=LlamaForCausalLMEagle3.model.fc, MyDraft.layers.0.fc:output
 
-    A run that records no row leaves no store behind.
+    A run that records no row leaves no store behind (with --append the store stays: other nodes may
+    be recording into it). Exit code: the command's; 2 when the command exited 0 but a process lost
+    rows (a writer error, an interpreter that cannot import tracediff): never 0 having lost rows.
     """
     from tracediff.adapters import adapter_info, check_installed  # noqa: PLC0415
     from tracediff.limits import Limits  # noqa: PLC0415
@@ -263,23 +266,33 @@ def record(
     source = default_source(role)
     source["argv"] = list(command)
     source["recorded_by"] = ["tracediff", "record", *sys.argv[2:]] if len(sys.argv) > 1 else ["tracediff", "record"]
-    existed = join and _store_exists(location)
     create_store(location if location.remote else output, role=role, source=source, overwrite=overwrite, join=join,
                  meta={"record": {k: v for k, v in config.items() if k != "store"}})
     if location.remote and location.storage_options:
         # The children write with the same options (never stored in the store's meta: credentials).
         config["storage_options"] = location.storage_options
 
+    from tracediff.inject import ENV_REPORT_DIR, read_notes, recording_problems  # noqa: PLC0415
+
     env = dict(os.environ)
     hooks_dir = _hooks_dir()
     env["PYTHONPATH"] = os.pathsep.join([hooks_dir, *filter(None, [env.get("PYTHONPATH")])])
     env["TRACEDIFF_CONFIG"] = json.dumps(config)
+    # Where the command's processes tell this one how they recorded (on this machine, whatever -o
+    # is): the store alone cannot say that a process never recorded (an interpreter without
+    # tracediff), nor which of a shared store's groups are this run's.
+    notes_dir = tempfile.mkdtemp(prefix="tracediff-record-")
+    env[ENV_REPORT_DIR] = notes_dir
     try:
-        returncode = _run_forwarding_signals(list(command), env)
-    except UsageError:
-        if not existed:  # the command never started: leave no empty store
-            _discard_store(location)
-        raise
+        try:
+            returncode = _run_forwarding_signals(list(command), env)
+        except UsageError:
+            if not join:  # the command never started: leave no empty store (with --append: others' store)
+                _discard_store(location)
+            raise
+        problems = recording_problems(read_notes(notes_dir))
+    finally:
+        shutil.rmtree(notes_dir, ignore_errors=True)
 
     store = open_store(location)
     try:
@@ -289,24 +302,28 @@ def record(
     finally:
         store.close()
     click.echo(_record_summary(desc, returncode), err=True)
-    for warning in warnings_for(desc, expected_taps=names) + _adapter_warnings(adapters, command, desc):
+    warnings = warnings_for(desc, expected_taps=names) + _adapter_warnings(adapters, command, desc)
+    if problems:  # "never fired: check the class name" would send the user the wrong way
+        warnings = [w for w in warnings if "never fired" not in w]
+    for warning in warnings:
         click.echo(f"tracediff: warning: {warning}", err=True)
-    if not existed and not any(info["rows"] for info in desc["taps"].values()):
+    for problem in problems:
+        click.echo(f"tracediff: error: {problem}", err=True)
+    if not join and not any(info["rows"] for info in desc["taps"].values()):
         # A store without one row only blocks the rerun (it would need --overwrite): leave nothing.
+        # Never with --append: other nodes may be recording into that store right now.
         from tracediff.store import remove_store  # noqa: PLC0415
 
         remove_store(location if location.remote else output)
         click.echo(f"tracediff: removed {output}: it held no rows (rerun with the same -o; no --overwrite needed)",
                    err=True)
+    if problems:
+        # Never 0 having lost rows; a command that failed keeps its own code.
+        code = returncode or 2
+        click.echo(f"tracediff: error: recording lost rows (above); exit code {code}, the command itself "
+                   f"exited with code {returncode}", err=True)
+        sys.exit(code)
     sys.exit(returncode)
-
-
-def _store_exists(location: Any) -> bool:
-    if location.remote:
-        from tracediff.store.remote_writer import store_exists  # noqa: PLC0415
-
-        return store_exists(location)
-    return (Path(location.local) / "zarr.json").is_file()
 
 
 def _discard_store(location: Any) -> None:
@@ -335,6 +352,15 @@ def _adapter_warnings(adapters: tuple[str, ...], command: tuple[str, ...], desc:
 
 
 def _hooks_dir() -> str:
+    """The folder of the start-up shim that goes with the tracediff running here: the top-level
+    hooks/ of the source tree it was imported from, else the installed package tracediff.hooks.
+    (An editable install maps tracediff.hooks to its own checkout: a second checkout on PYTHONPATH
+    would otherwise hand its children the first one's shim.)"""
+    import tracediff  # noqa: PLC0415
+
+    tree = Path(tracediff.__file__).resolve().parent.parent
+    if (tree / "hooks" / "sitecustomize.py").is_file() and (tree / "pyproject.toml").is_file():
+        return str(tree / "hooks")
     import tracediff.hooks  # noqa: PLC0415  (the top-level hooks/ folder, installed as tracediff.hooks)
 
     return str(Path(tracediff.hooks.__file__).resolve().parent)

@@ -51,6 +51,7 @@ def describe_store(store: TraceStore) -> dict[str, Any]:
         "path": str(store.path),
         "format": store.format,
         "written_by": store.version,
+        "incomplete": store.incomplete,
         "source": store.source,
         "meta": store.meta,
         "taps": {
@@ -65,7 +66,7 @@ def describe_store(store: TraceStore) -> dict[str, Any]:
 
 def warnings_for(desc: dict[str, Any], expected_taps: list[str] | None = None) -> list[str]:
     """Problems a person should see: taps that never fired, writers that did not close, drops."""
-    out: list[str] = []
+    out: list[str] = [desc["incomplete"]] if desc.get("incomplete") else []
     for tap in expected_taps or []:
         if tap not in desc["taps"] or desc["taps"][tap]["rows"] == 0:
             out.append(
@@ -95,6 +96,8 @@ def warnings_for(desc: dict[str, Any], expected_taps: list[str] | None = None) -
 
 def render_text(desc: dict[str, Any]) -> str:
     lines = [f"store   {desc['path']}  (format {desc['format']}, written by tracediff {desc['written_by']})"]
+    if desc.get("incomplete"):
+        lines.append(f"status  {desc['incomplete']}")
     src = desc.get("source") or {}
     if src:
         lines.append(

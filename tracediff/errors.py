@@ -39,6 +39,11 @@ class FormatVersionError(StoreError, ValueError):
     """The store was written by a newer, incompatible tracediff format."""
 
 
+class IncompleteStoreError(StoreError, ValueError):
+    """The store was not finished being written: a ``tracediff push`` that stopped before its end
+    (killed, a lost connection). The message names the command to rerun."""
+
+
 class CorruptStoreError(StoreError, ValueError):
     """The store's metadata or arrays are inconsistent, truncated or unreadable."""
 

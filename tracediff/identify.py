@@ -163,6 +163,8 @@ def identify_segments(
 ) -> Identification:
     store, bank = open_store(store_path), open_store(bank_path)
     try:
+        store.require_complete()
+        bank.require_complete()
         return _identify(store, bank, tap, bank_tap, segment_size, sample_rows, seed)
     finally:
         store.close()

@@ -7,6 +7,13 @@ for the import of ``torch``. Once torch is imported, every ``nn.Module`` subclas
 watched class gets its ``__init__`` wrapped, so taps attach as soon as an instance is fully built.
 The recorder itself is created lazily, at the first attach: processes that match nothing write nothing.
 Nothing here may raise into the host: failures are logged and recording stays off.
+
+Each process also leaves the ``record`` command a note in the folder ``TRACEDIFF_REPORT_DIR`` names
+(on the command's machine, whatever the store's location), one small JSON file per process and kind,
+``<pid>-<kind>.json``: ``recorder`` (its :meth:`~tracediff.recorder.Recorder.outcome`, at close),
+``inject`` (why recording could not start or stopped: the store unreachable, a tap that could not
+attach), ``shim`` (written by ``hooks/sitecustomize.py`` in an interpreter that cannot import
+tracediff). :func:`recording_problems` reads them back: a run that lost rows fails, never exits 0.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 log = logging.getLogger("tracediff")
 ENV_CONFIG = "TRACEDIFF_CONFIG"
 ENV_DISABLE = "TRACEDIFF_DISABLE"
+ENV_REPORT_DIR = "TRACEDIFF_REPORT_DIR"
 
 _lock = threading.RLock()
 _context: _Context | None = None
@@ -72,6 +80,7 @@ class _Context:
                 adapter=",".join(self.adapters) or "generic",
                 meta={"injected": True},
                 storage_options=cfg.get("storage_options"),  # record -o URL --storage-option ...
+                on_close=lambda rec: _note_for_record("recorder", rec.outcome()),
             )
             for spec in self.specs:
                 self.recorder_obj.declare(spec.name, **_segment_kw(cfg, spec.name))
@@ -106,6 +115,7 @@ class _Context:
             self.failed = True
             log.error("tracediff: cannot attach taps in pid %d (recording off, the program goes on): %s: %s",
                       os.getpid(), type(exc).__name__, exc)
+            _note_for_record("inject", {"error": f"cannot attach taps: {type(exc).__name__}: {exc}"})
 
 
 def _segment_kw(cfg: dict[str, Any], tap: str) -> dict[str, Any]:
@@ -133,6 +143,7 @@ def _attach_on_first_forward(ctx: _Context, spec: Any, module: Any) -> None:
                             type(mod).__qualname__, ".".join(spec.path), spec.name)
         except Exception as exc:  # noqa: BLE001
             log.error("tracediff: attaching tap %s failed: %s", spec.name, exc)
+            _note_for_record("inject", {"error": f"cannot attach tap {spec.name}: {type(exc).__name__}: {exc}"})
 
     handle = module.register_forward_pre_hook(pre_hook)
 
@@ -198,6 +209,7 @@ def _on_torch_imported() -> None:
     except Exception as exc:  # noqa: BLE001
         ctx.failed = True
         log.error("tracediff: cannot watch torch modules (recording off, the program goes on): %s", exc)
+        _note_for_record("inject", {"error": f"cannot watch torch modules: {type(exc).__name__}: {exc}"})
 
 
 class _TorchImportWatcher:
@@ -294,3 +306,72 @@ def context_summary() -> dict[str, Any]:
     if ctx is None:
         return {}
     return {"attached": list(ctx.attached), "failed": ctx.failed}
+
+
+# ---------------------------------------------------------------------- notes for `record`
+def _note_for_record(kind: str, note: dict[str, Any]) -> None:
+    """Leave the ``record`` command that started this process a note (see the module docstring);
+    written whole (a temporary file renamed into place), never raises."""
+    folder = os.environ.get(ENV_REPORT_DIR)
+    if not folder:
+        return
+    path = os.path.join(folder, f"{os.getpid()}-{kind}.json")
+    try:
+        with open(path + ".tmp", "w") as fh:
+            json.dump({"pid": os.getpid(), "executable": sys.executable, **note}, fh, default=str)
+        os.replace(path + ".tmp", path)
+    except (OSError, TypeError, ValueError) as exc:
+        log.error("tracediff: cannot tell `tracediff record` how this process recorded (%s)", exc)
+
+
+def read_notes(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every note the processes of a recorded command left in ``folder``, each with its ``kind``."""
+    from pathlib import Path  # noqa: PLC0415
+
+    notes = []
+    for path in sorted(Path(folder).glob("*-*.json")):
+        try:
+            note = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(note, dict):
+            note["kind"] = path.stem.split("-", 1)[1]
+            notes.append(note)
+    return notes
+
+
+def recording_problems(notes: list[dict[str, Any]]) -> list[str]:
+    """One line per way the recorded command lost rows: an interpreter that could not import
+    tracediff (once per interpreter, only where the process imported torch or did not end normally:
+    one that never imported torch had nothing to record), recording that could not start, and every
+    writer group that stopped on an error. Rows dropped because the writer fell behind are no
+    problem here: ``--on-full drop`` chose that, and the summary says how many."""
+    out: list[str] = []
+    lacking: dict[str, list[int]] = {}
+    for note in notes:
+        kind, pid = note.get("kind"), note.get("pid")
+        if kind == "shim":
+            if note.get("torch") is False:
+                continue
+            if note.get("missing"):
+                lacking.setdefault(str(note.get("executable")), []).append(int(pid or 0))
+            else:
+                out.append(f"pid {pid} ({note.get('executable')}): recording could not start: {note.get('error')}")
+        elif kind == "inject":
+            out.append(f"pid {pid}: recording could not start: {note.get('error')}")
+        elif kind == "recorder":
+            for tap, info in (note.get("taps") or {}).items():
+                # A tap that saw no row before its recorder stopped lost nothing.
+                if info.get("error") and (info.get("group") or info.get("dropped_rows")):
+                    out.append(
+                        f"{info.get('group') or tap} (pid {pid}): recording stopped after {info.get('rows', 0)} "
+                        f"committed rows, {info.get('dropped_rows', 0)} rows lost: {info['error']}"
+                    )
+    for exe, pids in lacking.items():
+        who = f"pid {pids[0]}" if len(pids) == 1 else f"{len(pids)} processes (pids {', '.join(map(str, pids[:5]))})"
+        out.insert(
+            0,
+            f"{exe} ({who}) cannot import tracediff, so nothing was recorded in it: install tracediff into "
+            f"that interpreter ({exe} -m pip install tracediff) and record with `{exe} -m tracediff record ...`",
+        )
+    return out

@@ -221,6 +221,8 @@ class Recorder:
     the same commit protocol, written as objects (see ``docs/remote.md``).
     ``append=True`` adds this process's groups to an existing store (how `tracediff record -- CMD`
     children write); otherwise the store is created, refusing an existing path unless ``overwrite``.
+    ``on_close(recorder)`` is called once every group is closed, from the writer thread (how an
+    injected recorder tells `tracediff record` what :meth:`outcome` it had); what it raises is logged.
     """
 
     def __init__(
@@ -247,6 +249,7 @@ class Recorder:
         adapter: str | None = None,
         handle_sigterm: bool = True,
         storage_options: Mapping[str, Any] | None = None,
+        on_close: Callable[[Recorder], None] | None = None,
     ) -> None:
         if on_full not in ("drop", "block"):
             raise UsageError(f"on_full must be 'drop' or 'block', got {on_full!r}")
@@ -288,6 +291,8 @@ class Recorder:
         self._writer_error: str | None = None
         self._state_lock = threading.Lock()  # drop counts: host threads and the writer add to them
         self._close_lock = threading.RLock()  # re-entrant: SIGTERM may arrive while close() runs
+        self._on_close = on_close
+        self._close_errors: dict[str, str] = {}  # tap -> why its final commit failed
 
         if self.location.remote:
             if append:
@@ -514,6 +519,25 @@ class Recorder:
             }
             for name, t in self._taps.items()
         }
+
+    def outcome(self) -> dict[str, Any]:
+        """What this recorder wrote, per tap: its writer group, rows committed, rows dropped and
+        skipped, the group's status and, where recording stopped, why (plain JSON). Complete once
+        :meth:`close` has returned."""
+        taps: dict[str, Any] = {}
+        for name, state in self._taps.items():
+            writer = self._writers.get(name)
+            error = self._close_errors.get(name) or (writer.error if writer is not None else "") or state.error
+            error = error or self.error or ""
+            taps[name] = {
+                "group": f"{name}/{writer.writer}" if writer is not None else None,
+                "rows": writer.counts.rows if writer is not None else 0,
+                "dropped_rows": state.dropped_rows,
+                "skipped_rows": state.skipped_rows,
+                "status": writer.status if writer is not None else ("failed" if error else "no rows"),
+                "error": error,
+            }
+        return {"store": self.location.display, "error": self.error or "", "taps": taps}
 
     def close(self, timeout: float = 120.0) -> None:
         """Stop capturing, write what is queued, trim and commit every group. Idempotent, from any
@@ -890,7 +914,13 @@ class Recorder:
                 error = self._taps[name].error or self.error
                 writer.close(status="failed" if error else "closed", error=error or "")
             except Exception as exc:  # noqa: BLE001
+                self._close_errors[name] = _one_line(exc)
                 log.error("tracediff: closing %s/%s: %s (committed rows stay readable)", self.path, name, exc)
+        if self._on_close is not None:
+            try:
+                self._on_close(self)
+            except Exception as exc:  # noqa: BLE001  (a report must never break the host's exit)
+                log.error("tracediff: reporting the recording's outcome failed: %s", _one_line(exc))
 
     # ------------------------------------------------------------------ SIGTERM
     def _install_sigterm(self) -> None:

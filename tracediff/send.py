@@ -100,6 +100,7 @@ def sequences_from_trace(path: str | Path, tap: str | None = None, limit: int | 
     labels), one per (writer, sequence), in first-seen order. Reads labels only."""
     store = open_store(path)
     try:
+        store.require_complete()  # replaying part of the sequences would look like a full replay
         return _sequences(store, _pick_tap(store, tap), limit)
     finally:
         store.close()

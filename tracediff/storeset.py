@@ -158,9 +158,16 @@ def open_side(locations: Sequence[str | os.PathLike[str]] | str | os.PathLike[st
 
 def _open(location: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> TraceStore:
     if not storage_options:
-        return open_store(location)
+        store = open_store(location)
+    else:
+        try:
+            store = open_store(location, storage_options=storage_options)  # type: ignore[call-arg]
+        except TypeError as exc:  # a store reader that reads paths only
+            raise UsageError(f"{os.fspath(location)}: this tracediff's store reader takes no storage options "
+                             f"(paths only); drop them") from exc
     try:
-        return open_store(location, storage_options=storage_options)  # type: ignore[call-arg]
-    except TypeError as exc:  # a store reader that reads paths only
-        raise UsageError(f"{os.fspath(location)}: this tracediff's store reader takes no storage options "
-                         f"(paths only); drop them") from exc
+        store.require_complete()  # part of a trace would compare as a trace of fewer rows
+    except BaseException:
+        store.close()
+        raise
+    return store

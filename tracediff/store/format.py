@@ -117,6 +117,17 @@ def _zarr():
     return zarr
 
 
+def group_document(attributes: Mapping[str, Any]) -> bytes:
+    """A group's ``zarr.json``, byte for byte as zarr writes it: what a writer creates with one
+    create-if-absent write (a file linked into place, a conditional PUT) instead of zarr's
+    check-then-write, so that processes creating the same group at once all succeed."""
+    from zarr.core.buffer import default_buffer_prototype  # noqa: PLC0415
+    from zarr.core.group import GroupMetadata  # noqa: PLC0415
+
+    docs = GroupMetadata(attributes=dict(attributes)).to_buffer_dict(default_buffer_prototype())
+    return docs["zarr.json"].to_bytes()
+
+
 def _compressors(name: str, itemsize: int):
     if name == "none":
         return None

@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import re
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from tracediff.errors import CorruptStoreError, RemoteStoreError, StoreError, Us
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 #: Object requests one operation keeps in flight (each a chunk of a few MiB at most).
 FETCH_CONCURRENCY = 32
+#: Tries of a conditional PUT that S3 answers with 409 (another conditional write of the key in flight).
+_CREATE_ATTEMPTS = 5
 
 # Storage options the CLI's --storage-option sets for every URL a command opens (its stores, its
 # bank, the stores replay reopens); an explicit ``storage_options`` argument replaces them.
@@ -287,6 +290,36 @@ class Location:
             return await asyncio.gather(*(one(p, r) for p, r in zip(paths, ranges, strict=True)))
 
         return sync(fs.loop, fetch_all)
+
+    def create_object(self, key: str, data: bytes) -> bool:
+        """Write object ``key`` unless it exists: True when this call created it, False when it was
+        there (another process wrote it, maybe at this very moment). Shared objects of a store that
+        several processes write (its root, its tap groups) are created this way, never by zarr's
+        check-then-write, which fails when another process creates the object in between.
+
+        One conditional PUT (``If-None-Match: *``) where the filesystem has them (s3fs); S3 answers
+        a conditional PUT racing another one with 409 ConditionalRequestConflict, "retry", which
+        this does. A filesystem without conditional writes gets a check, then a PUT: two processes
+        may then both write the object, so callers only create this way objects whose contents any
+        of them may win with, or read back what is there."""
+        path = self.object_path(key)
+        for attempt in range(_CREATE_ATTEMPTS):
+            try:
+                try:
+                    self.fs.pipe_file(path, data, mode="create")
+                except TypeError:  # an fsspec filesystem without conditional writes
+                    if self.fs.exists(path):
+                        return False
+                    self.fs.pipe_file(path, data)
+                return True
+            except FileExistsError:  # s3fs's translation of 412 PreconditionFailed
+                return False
+            except Exception as exc:  # noqa: BLE001  (s3fs, aiohttp and botocore raise many types)
+                if "ConditionalRequestConflict" in str(exc) and attempt + 1 < _CREATE_ATTEMPTS:
+                    time.sleep(0.05 * (attempt + 1))
+                    continue
+                raise remote_error(self.where(key), exc, "written") from exc
+        return False  # not reached: the last attempt returns or raises
 
     def delete_all(self) -> None:
         """Delete every object below the store's root (nothing there is not an error)."""

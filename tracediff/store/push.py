@@ -7,7 +7,10 @@ a crash knows the objects already there are this store's, skips every chunk obje
 present with the right size, and writes the metadata and commit records again. Until a writer
 group's commit record is written, readers skip the group (a folder without its ``zarr.json``), so
 a push killed at any point leaves a store that opens with the strict reader and shows only groups
-that are complete.
+that are complete. The first root also carries a ``push`` attribute (``status: uploading``, where
+from): the store's own root, without it, is written last. A push that stopped in between leaves a
+store that says so: ``inspect`` shows it incomplete and ``compare`` refuses it, naming the push to
+rerun (an incomplete store is no trace of fewer rows).
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ import asyncio
 import json
 import math
 import os
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tracediff.errors import NotATraceStoreError, StoreExistsError, StoreWriteError, UsageError
-from tracediff.store.format import _MAX_METADATA_BYTES, LABEL_FIELDS
+from tracediff.store.format import _MAX_METADATA_BYTES, LABEL_FIELDS, _now_iso
 from tracediff.store.location import FETCH_CONCURRENCY, Location, remote_error
 from tracediff.store.reader import TraceStore
 
@@ -86,10 +90,12 @@ def push_store(
             result.uploaded += len(docs)
             result.bytes += sum(len(b) for _, b in docs)
 
-        put_docs([("zarr.json", plan["root"])] + [(f"{tap}/zarr.json", doc) for tap, doc in plan["taps"]])
+        marked = _marked_root(plan["root"], os.path.abspath(base))
+        put_docs([("zarr.json", marked)] + [(f"{tap}/zarr.json", doc) for tap, doc in plan["taps"]])
         upload([key for g in plan["groups"] for key in g["chunks"]])
         put_docs([doc for g in plan["groups"] for doc in g["arrays"]])
         put_docs([g["commit"] for g in plan["groups"]])
+        put_docs([("zarr.json", plan["root"])])  # the store's own root: complete
     with TraceStore(loc) as remote:  # the strict reader: every check a local store gets
         got = {f"{s.tap}/{s.writer}": s.rows for streams in remote.streams.values() for s in streams}
     for group, rows in result.groups.items():
@@ -140,6 +146,19 @@ def _plan(local: TraceStore) -> dict[str, Any]:
                 }
             )
     return {"root": root, "taps": taps, "groups": groups}
+
+
+def _marked_root(root: bytes, src: str) -> bytes:
+    """The local root ``zarr.json`` with a ``push`` attribute saying a push from ``src`` is under
+    way: what the URL holds until the push's last write replaces it by ``root`` itself."""
+    doc = json.loads(root)
+    doc.setdefault("attributes", {})["push"] = {
+        "status": "uploading",
+        "from": src,
+        "host": socket.gethostname(),
+        "started": _now_iso(),
+    }
+    return json.dumps(doc, indent=2).encode()
 
 
 def _prepare_destination(loc: Location, local: TraceStore, overwrite: bool) -> dict[str, int]:

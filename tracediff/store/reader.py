@@ -17,6 +17,7 @@ import numpy as np
 from tracediff.errors import (
     CorruptStoreError,
     FormatVersionError,
+    IncompleteStoreError,
     NotATraceStoreError,
     StoreError,
     StoreNotFoundError,
@@ -146,7 +147,15 @@ class TraceStore:
         self.version = str(header.get("version", ""))
         self.source = attrs.get("source") if isinstance(attrs.get("source"), dict) else {}
         self.meta = attrs.get("meta") if isinstance(attrs.get("meta"), dict) else {}
+        self.incomplete = _unfinished_push(attrs.get("push"), self.path)
         self.streams: dict[str, list[TraceStream]] = self._scan()
+
+    def require_complete(self) -> None:
+        """Raise :class:`IncompleteStoreError` for a store that was not finished being written (a
+        push that stopped midway): what it holds is part of a trace, and a compare of it would
+        report whatever part that is. ``inspect`` shows it; commands that read its rows refuse it."""
+        if self.incomplete:
+            raise IncompleteStoreError(f"{self.path}: {self.incomplete}")
 
     def close(self) -> None:
         if self._zip is not None:
@@ -534,3 +543,18 @@ def open_store(
     without them, the standard environment and config files apply (``AWS_*``, ``~/.aws/``).
     """
     return TraceStore(location, storage_options)
+
+
+def _unfinished_push(push: Any, path: Any) -> str | None:
+    """Why a store is incomplete, from the root's ``push`` attribute (``tracediff push`` writes it
+    first and removes it last), or None."""
+    if not isinstance(push, dict) or push.get("status") != "uploading":
+        return None
+    src = str(push.get("from") or "LOCAL_STORE")
+    host = push.get("host")
+    started = push.get("started")
+    origin = f"from {host}:{src}" if host else f"from {src}"
+    return (
+        f"incomplete: a push {origin}{f' started {started}' if started else ''} did not finish, so the store "
+        f"holds part of the trace at most; rerun `tracediff push {src} {path}` (it resumes)"
+    )

@@ -44,6 +44,7 @@ from tracediff.store.format import (
     _zarr,
     _zstd,
     default_source,
+    group_document,
 )
 from tracediff.store.location import Location, remote_error
 
@@ -105,23 +106,17 @@ def create_remote_store(
         "source": dict(source) if source is not None else default_source(role),
         "meta": _jsonable(dict(meta or {})),
     }
-    doc = {"attributes": attrs, "zarr_format": 3, "consolidated_metadata": None, "node_type": "group"}
-    # One PUT of the root zarr.json, never zarr's mode="w" (it first deletes everything under the
-    # prefix: another node's groups included). "create" (If-None-Match) where the store supports
-    # it: of nodes creating the store at once, one wins and the others join it.
-    data = json.dumps(doc, indent=2).encode()
-    path = loc.object_path("zarr.json")
-    try:
-        try:
-            loc.fs.pipe_file(path, data, mode="create")
-        except TypeError:  # an fsspec filesystem without conditional writes
-            loc.fs.pipe_file(path, data)
-    except FileExistsError as exc:
-        if join:
+    # One create-if-absent write of the root zarr.json, never zarr's mode="w" (it first deletes
+    # everything under the prefix: another node's groups included). Of nodes creating the store at
+    # once, one wins and the others join it (or, without join, are told it was taken).
+    if not loc.create_object("zarr.json", group_document(attrs)):
+        if join and store_exists(loc):
             return loc
-        raise StoreExistsError(f"{loc.display}: was created by another process meanwhile; choose another URL") from exc
-    except Exception as exc:  # noqa: BLE001
-        raise remote_error(loc.where("zarr.json"), exc, "written") from exc
+        if join:
+            raise StoreExistsError(
+                f"{loc.where('zarr.json')}: appeared meanwhile and is no tracediff store's root; choose another URL"
+            )
+        raise StoreExistsError(f"{loc.display}: was created by another process meanwhile; choose another URL")
     return loc
 
 
@@ -192,11 +187,14 @@ class RemoteTraceWriter:
         prefix = f"{tap}/{name}"
         try:
             # Arrays first, the writer group's zarr.json (with the commit record) last: until then
-            # readers skip the folder, as for a local store. The tap group is created by whichever
-            # writer comes first (its zarr.json holds nothing, so a race between two is harmless).
+            # readers skip the folder, as for a local store. The tap group is shared: whichever
+            # writer comes first creates it, with a create-if-absent PUT, and one that finds it
+            # there (or being written) opens it. zarr's own open-or-create checks, then creates,
+            # and fails when another process creates the group in between (issue #24).
             # Each node is created through a store rooted at it: zarr would otherwise write the
             # missing parents' zarr.json, the writer group's among them, before the arrays exist.
-            tap_group = zarr.open_group(store=(store / tap).zarr_store(read_only=False), mode="a")
+            store.create_object(f"{tap}/zarr.json", group_document({}))
+            tap_group = zarr.open_group(store=(store / tap).zarr_store(read_only=False), mode="r+")
             store_dtype = VALUE_DTYPES[dtype]
             self._values = zarr.create_array(
                 store=(store / f"{prefix}/values").zarr_store(read_only=False),

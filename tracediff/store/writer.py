@@ -40,6 +40,7 @@ from tracediff.store.format import (
     _zarr,
     _zstd,
     default_source,
+    group_document,
 )
 
 if TYPE_CHECKING:
@@ -74,24 +75,58 @@ def create_store(
         return path
     if str(path).endswith(".zip"):
         raise UsageError(f"{path}: a .zarr.zip store is read-only; record into a folder and pack it")
-    if path.exists():
+    if join:
+        # Another process joining the same store may be creating it right now (its folder made,
+        # its root not yet linked into place): join it unless what is there is something else.
+        if path.exists() and (not path.is_dir() or not _as_good_as_empty(path)):
+            if _looks_like_trace_store(path):  # created since we looked
+                return path
+            raise StoreExistsError(
+                f"{path}: exists and is not a tracediff store; refusing to add to it, choose another path"
+            )
+    elif path.exists():
         check_replaceable(path, overwrite)
         _remove_tree(path)
     blocker = next((p for p in path.parents if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
         raise StoreWriteError(f"{path}: cannot create the store: {blocker} is a file, not a folder")
+    attrs = {
+        "tracediff": {"format": FORMAT, "version": __version__},
+        "source": dict(source) if source is not None else default_source(role),
+        "meta": _jsonable(dict(meta or {})),
+    }
+    ours = group_document(attrs)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        zarr = _zarr()
-        attrs = {
-            "tracediff": {"format": FORMAT, "version": __version__},
-            "source": dict(source) if source is not None else default_source(role),
-            "meta": _jsonable(dict(meta or {})),
-        }
-        zarr.open_group(str(path), mode="w-", attributes=attrs)
+        # Created if absent (a complete file linked into place): of processes creating the store
+        # at once, one wins and, with join, the others add to its store. The source (host, pid,
+        # time) makes this process's root document its own: reading it back says who won.
+        there = _create_if_absent(path, ours)
     except OSError as exc:
         raise StoreWriteError(f"{path}: cannot create the store: {exc.strerror or exc}") from exc
+    if there != ours:
+        if join and _looks_like_trace_store(path):
+            return path
+        raise StoreExistsError(f"{path}: was created by another process meanwhile; choose another path")
     return path
+
+
+def _as_good_as_empty(path: Path) -> bool:
+    """A folder holding nothing, or only zarr's temporary files (``*.partial``): a store whose root
+    is being written (or was killed while being written)."""
+    return all(p.name.endswith(".partial") and p.is_file() for p in path.iterdir())
+
+
+def _create_if_absent(folder: Path, document: bytes) -> bytes:
+    """Create ``folder/zarr.json`` holding ``document`` unless it exists, and return what it holds
+    then. zarr's LocalStore writes it as a temporary file linked into place (``os.link`` fails on
+    an existing file): atomic on local and network filesystems, so a process that loses the race
+    reads the winner's whole document, never a part of it."""
+    from zarr.core.buffer import default_buffer_prototype  # noqa: PLC0415
+    from zarr.storage import LocalStore  # noqa: PLC0415
+
+    store = LocalStore(folder)
+    _run_all([store.set_if_not_exists("zarr.json", default_buffer_prototype().buffer.from_bytes(document))])
+    return (folder / "zarr.json").read_bytes()
 
 
 def check_replaceable(path: Path, overwrite: bool) -> None:
@@ -102,10 +137,7 @@ def check_replaceable(path: Path, overwrite: bool) -> None:
     # A plain file is never a store folder (packed .zip stores are refused above): keep it too.
     # A folder holding only zarr's temporary files is a store killed while its root zarr.json
     # was being written: as good as empty.
-    if not path.is_dir() or (
-        any(not (p.name.endswith(".partial") and p.is_file()) for p in path.iterdir())
-        and not _looks_like_trace_store(path)
-    ):
+    if not path.is_dir() or (not _as_good_as_empty(path) and not _looks_like_trace_store(path)):
         raise StoreExistsError(
             f"{path}: exists and is not a tracediff store; refusing to delete it, choose another path"
         )
@@ -221,9 +253,12 @@ class TraceWriter:
         if "tracediff" not in root.attrs:
             raise NotATraceStoreError(f"{self.store_path}: not a tracediff store (no 'tracediff' root attribute)")
         try:
-            tap_group = _require_group(root, tap)
-            self.writer = _unique_child(tap_group, writer, self.store_path / tap)
-            _check_name(self.writer, "writer")
+            # The tap group is shared by every writer of the store: created if absent (whoever comes
+            # first), then opened. zarr's own open-or-create checks, then creates, and fails when
+            # another process creates the group in between (issue #24).
+            _create_if_absent(self.store_path / tap, group_document({}))
+            tap_group = zarr.open_group(str(self.store_path / tap), mode="r+")
+            self.writer = _reserve_writer_folder(self.store_path / tap, writer)
             # The arrays are created first, each at its folder, and the group's zarr.json (which
             # carries the commit record) last: until then the folder is not a zarr group and
             # readers skip it, so a process killed halfway through never leaves a writer group
@@ -570,24 +605,17 @@ def _fsync_paths(paths: Sequence[Path], *, drop: bool = False) -> None:
             os.close(fd)
 
 
-def _require_group(parent, name: str):
-    """Open or create a child group; two processes creating it at once both succeed."""
-    try:
-        return parent[name] if name in parent else parent.create_group(name)
-    except Exception:  # lost a creation race: the other process made it
-        return parent[name]
-
-
-def _unique_child(group, name: str, folder: Path) -> str:
-    """``name``, or ``name_2``, ``name_3``...: the first that is neither a group nor a folder left
-    by a writer killed while creating its group (arrays there, no group zarr.json yet)."""
-
-    def taken(candidate: str) -> bool:
-        return candidate in group or os.path.lexists(folder / candidate)
-
-    if not taken(name):
-        return name
-    n = 2
-    while taken(f"{name}_{n}"):
-        n += 1
-    return f"{name}_{n}"
+def _reserve_writer_folder(tap_folder: Path, name: str) -> str:
+    """Make the folder of a new writer group and return its name: ``name``, or ``name_2``,
+    ``name_3``... when taken by another writer (a group, or the folder a writer killed while
+    creating its group left). ``os.mkdir`` fails on an existing folder, so two processes that
+    want one name (process ids repeat across the hosts of a shared filesystem) get two."""
+    _check_name(name, "writer")
+    candidate, n = name, 2
+    while True:
+        try:
+            os.mkdir(tap_folder / candidate)
+            return candidate
+        except FileExistsError:
+            candidate = f"{name}_{n}"
+            n += 1
