@@ -47,8 +47,9 @@ class Fix:
     def sentence(self) -> str:
         if self.value is not None and self.config_can_fix:
             where = f"{self.engine} " if self.engine else ""
+            # Where the layers were read and what the numbering means: evidence.fix and the Fix box.
             text = (f"Set {where}{self.field} = {self.value} ({self.convention} numbering; physical layers "
-                    f"{format_layers(self.target_layers)} in HF hidden_states numbering, from the {self.target_from}).")
+                    f"{format_layers(self.target_layers)}).")
             mix = self.numbering_mixup
             if mix:
                 text += (f" The candidate's ids {mix['ids']} are the {mix['convention']} numbering of those layers "
@@ -184,8 +185,8 @@ def _rerecord_commands(report: Any, engine: str | None) -> list[str]:
         launch, url = _SERVER_RECORDING[engine]
         return [f"tracediff record --adapter {engine} -o {out_store} --overwrite -- {launch}",
                 f"tracediff send {ref} {url}", _compare_command(report)]
-    return [f"tracediff record -o {out_store} --overwrite -- COMMAND ...  (as the candidate was recorded)",
-            _compare_command(report)]
+    # The engine is not known: "..." is the command (and adapter) the candidate was recorded with.
+    return [f"tracediff record -o {out_store} --overwrite -- ...", _compare_command(report)]
 
 
 def _root_fix(report: Any) -> tuple[Any, dict[str, Any]] | None:
@@ -219,12 +220,21 @@ def fix_box(report: Any) -> dict[str, Any] | None:
     box["field"], box["field_location"] = (name or None), where.rstrip(")") or None
     box["finding"] = finding.kind
     steps: list[dict[str, Any]] = []
-    if fix.get("config_can_fix") and fix.get("value") is not None:
+    # config: set field = value; engine: a value per engine (the candidate's is not recorded); code: no value can.
+    box["how"] = ("config" if fix.get("config_can_fix") and fix.get("value") is not None
+                  else "engine" if fix.get("convention") is None else "code")
+    if box["how"] == "engine":
+        steps.append({"text": " ".join(str(r) for r in fix.get("reasons") or []), "commands": []})
+        steps.append({"text": "Set it in the candidate's engine, then record the candidate again as before, with its "
+                              "engine's adapter (--adapter sglang or vllm: it records the ids and their numbering), "
+                              "and compare:",
+                      "commands": _rerecord_commands(report, None)})
+    elif box["how"] == "config":
         conv = CONVENTIONS.get(str(fix.get("convention")))
-        steps.append({"text": f"In {fix.get('convention')} numbering"
+        steps.append({"text": f"{fix.get('convention')} numbering"
                               + (f" ({conv.meaning})" if conv else "")
-                              + f" these ids read physical layers {format_layers(fix.get('target_layers'))} (HF "
-                                f"hidden_states numbering): what the reference fed, from the {fix.get('target_from')}.",
+                              + f": physical layers {format_layers(fix.get('target_layers'))}, what the reference "
+                                f"fed (from the {fix.get('target_from')}).",
                       "commands": []})
         mix = fix.get("numbering_mixup")
         if isinstance(mix, dict):

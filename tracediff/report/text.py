@@ -542,6 +542,8 @@ def render_verdict_line(report: Report) -> str:
 
 def fix_heading(fix: dict[str, Any]) -> str:
     """The Fix box's title: where the change goes."""
+    if fix.get("how") == "engine":
+        return "Fix: the aux-layer ids in the candidate engine's numbering"
     if not (fix.get("config_can_fix") and fix.get("value") is not None):
         return "Fix: not a config value"
     where = f"on the candidate ({fix['engine']})" if fix.get("engine") else "on the candidate"
@@ -694,7 +696,8 @@ def _brief_finding(f: Finding, paint: _Painter, indent: str, hang: str | None = 
     table = group_table(f)
     if table is not None:
         lines += _table(*table, indent=hang + "  ")
-    changes = change_lines(f)
+    # The diff of a warning or error; an info finding's message names its fields (--verbose has them all).
+    changes = change_lines(f) if f.severity != "info" else []
     for change in changes[:CHANGES_SHOWN]:
         lines += _wrap(clean(change), hang + "  ", hang=hang + "      ")
     if len(changes) > CHANGES_SHOWN:
