@@ -81,8 +81,14 @@ def _subset_finding(report: Report, i: int, j: int, subset: Any, content: Any) -
         f"{subset.off_total} rows beyond numerics are in this group). Look at the code path those rows take.",
         {"candidate_segment": i, "reference_segment": j, "subset": subset.to_dict(), "content": content.kind,
          "content_evidence": content.evidence, "groups": table},
-        f"candidate segment {cand} holds {content.text} on the {subset.description}",
+        f"candidate segment {cand} holds {_CONTENT_WORDS.get(content.kind, 'other data')} on the {subset.description}",
     )
+
+
+#: What a subset's rows hold, in a few words (the summary; the message has the whole sentence).
+_CONTENT_WORDS = {"zeros": "zeros", "constant": "one constant row", "other_request": "another request's rows",
+                  "neighbour_position": "a neighbouring position's rows", "reference_segment": "another segment",
+                  "unknown": "other data"}
 
 
 def _mark_shift_consequences(wiring: list[Finding], ref_segments: int, cand_segments: int) -> None:
