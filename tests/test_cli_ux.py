@@ -118,21 +118,32 @@ def test_a_store_compared_with_itself_or_its_own_zip_says_so(tmp_path):
     assert "same_recording" not in run_tracediff("compare", TRAIN, FIXED).stdout
 
 
+def _wrote(stderr: str) -> list[str]:
+    """The lines naming written files, which end stderr (a slow run may print progress lines before them)."""
+    lines = stderr.splitlines()
+    wrote = [line for line in lines if ": wrote the " in line]
+    assert lines[len(lines) - len(wrote):] == wrote, stderr
+    return wrote
+
+
 def test_each_report_option_says_which_file_it_wrote(tmp_path):
     paths = {"--json": tmp_path / "r.json", "--markdown": tmp_path / "r.md", "--html": tmp_path / "r.html"}
     args = [x for option, path in paths.items() for x in (option, path)]
     result = run_tracediff("compare", TRAIN, BROKEN, "-q", *args)
     assert result.returncode == 1
     assert result.stdout.startswith("mismatch: ") and len(result.stdout.splitlines()) == 1  # -q: still one line
-    assert result.stderr.splitlines() == [
+    assert _wrote(result.stderr) == [
         f"tracediff compare: wrote the JSON report {paths['--json']}",
         f"tracediff compare: wrote the Markdown report {paths['--markdown']}",
         f"tracediff compare: wrote the HTML report {paths['--html']}",
     ]
     assert all(path.is_file() for path in paths.values())
-    only_html = run_tracediff("compare", TRAIN, FIXED, "--html", tmp_path / "fixed.html")
+    only_html = run_tracediff("compare", TRAIN, FIXED, "--no-progress", "--html", tmp_path / "fixed.html")
     assert only_html.returncode == 0
     assert only_html.stderr == f"tracediff compare: wrote the HTML report {tmp_path / 'fixed.html'}\n"
+    named = run_tracediff("identify", BROKEN, "--bank", SAMPLES / "bank.zarr", "--json", tmp_path / "id.json")
+    assert named.returncode == 0 and (tmp_path / "id.json").is_file()
+    assert _wrote(named.stderr) == [f"tracediff identify: wrote the JSON result {tmp_path / 'id.json'}"]
 
 
 def test_pack_takes_its_destination_with_o_as_record_and_import_do(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -46,10 +47,14 @@ def _one_line_error(result: Any, *names: str) -> str:
 
 
 def _without_paths(report: dict[str, Any]) -> dict[str, Any]:
-    """A JSON report with the two stores' paths taken out: what must not depend on where they live."""
+    """A JSON report with the two stores' paths taken out: what must not depend on where they live
+    (the commands of its Fix and what-to-record-next boxes name the stores: there they become words)."""
     out = json.loads(json.dumps(report))
-    for side in ("reference", "candidate"):
-        out[side].pop("path")
+    words = {shlex.quote(out[side].pop("path")): side.upper() for side in ("reference", "candidate")}
+    for box in (out.get("fix"), out.get("record_next")):
+        for step in (box or {}).get("steps", []):
+            for path, word in sorted(words.items(), key=lambda kv: -len(kv[0])):
+                step["commands"] = [c.replace(path, word) for c in step["commands"]]
     return out
 
 
