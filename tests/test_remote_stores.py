@@ -293,6 +293,8 @@ def test_a_writer_killed_mid_upload_leaves_every_committed_batch_readable(
 
 
 # --------------------------------------------------------------------------- faults and errors
+# Slow: retries through dropped connections wait out their backoff (~10 s on two cores).
+@pytest.mark.slow
 def test_connections_dropped_mid_response_are_retried_into_the_same_report(
     bucket_samples: dict[str, str], tmp_path: Path, object_store: ObjectStore
 ) -> None:
@@ -484,6 +486,8 @@ def test_rows_of_a_remote_store_read_as_from_the_folder_whatever_the_access(
             r.read(96, 100)
 
 
+# Slow: retries through dropped connections wait out their backoff (~9 s on two cores).
+@pytest.mark.slow
 def test_a_push_through_dropped_connections_is_complete_or_a_one_line_error(
     object_store: ObjectStore, tmp_path: Path
 ) -> None:
