@@ -34,6 +34,18 @@ VOCAB = 128
 REPO = Path(__file__).resolve().parents[1]
 
 
+# ------------------------------------------------------------------------------- optional frameworks
+def skip_unless_installed(*modules: str, reason: str = "") -> None:
+    """Skip the calling test module unless every one of ``modules`` is installed, without importing
+    them: pytest.importorskip at module level imports the framework while pytest collects, which costs
+    seconds a framework (speculators 5 s) in every run, selected or not. The tests import it when they run."""
+    import importlib.util  # noqa: PLC0415
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(reason or f"{', '.join(missing)} not installed", allow_module_level=True)
+
+
 # ---------------------------------------------------------------------------------------- models
 @pytest.fixture(scope="session")
 def tiny():

@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("speculators", reason="speculators is not installed (requirements/frameworks-trainers.sh)")
-pytest.importorskip("specforge", reason="specforge is not installed (requirements/frameworks-trainers.sh)")
+from conftest import cli_env, invoke_tracediff, read_plain, skip_unless_installed
+
+skip_unless_installed("speculators", reason="speculators is not installed (requirements/frameworks-trainers.sh)")
+skip_unless_installed("specforge", reason="specforge is not installed (requirements/frameworks-trainers.sh)")
 
 import torch  # noqa: E402
 import trainer_runs as tr  # noqa: E402
-from conftest import cli_env, invoke_tracediff, read_plain  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import tracediff  # noqa: E402

@@ -63,6 +63,8 @@ def test_calibration_rows_are_the_target_recomputed_in_bf16(tiny, tmp_path):
     assert tracediff.open_store(store).rows(CALIBRATION_TAP) == done["rows"]
 
 
+# Slow: a calibrate process that loads a model (~10 s on two cores).
+@pytest.mark.slow
 def test_cli_calibrates_from_a_safetensors_folder(tmp_path):
     tm = build_tiny_model("llama", hidden_size=64, num_layers=L, massive=False)
     folder = tmp_path / "target"
@@ -74,6 +76,8 @@ def test_cli_calibrates_from_a_safetensors_folder(tmp_path):
     assert tracediff.open_store(store).rows(CALIBRATION_TAP) > 0
 
 
+# Slow: several calibrate processes (~15 s on two cores).
+@pytest.mark.slow
 def test_cli_errors_are_one_line_naming_the_file(tiny, tmp_path):
     tm = build_tiny_model("llama", hidden_size=64, num_layers=L, massive=False)
     folder = tmp_path / "target"

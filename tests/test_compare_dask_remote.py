@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("distributed")
-pytest.importorskip("s3fs")
+from conftest import skip_unless_installed
+
+skip_unless_installed("distributed", "s3fs")
 
 from object_store import ObjectStore, object_store  # noqa: E402
 

@@ -270,6 +270,10 @@ def test_sides_configured_for_other_layers_are_never_a_silent_match(qwen):
     assert (ev["candidate_segment"], ev["reference_layer"], ev["candidate_layer"]) == (2, 34, 33)
     assert "tracediff calibrate" in config[0].message and "--bank" in config[0].message
     assert [s[2:] for s in statuses(report)] == [("same", "same")] * 3
+    # The report cannot decide: its "what to record next" box gives both commands (issue #25).
+    commands = [c for step in report.record_next["steps"] for c in step["commands"]]
+    assert any(c.startswith("tracediff calibrate ") for c in commands)
+    assert any(c.endswith(" --bank bank.zarr") for c in commands)
 
 
 def test_drift_as_large_as_a_neighbouring_layer_is_cannot_tell_not_same(qwen, tmp_path):
@@ -287,6 +291,9 @@ def test_drift_as_large_as_a_neighbouring_layer_is_cannot_tell_not_same(qwen, tm
     for f in undecided:
         # Calibration is already there: the way to decide is a bank, not more calibration.
         assert "--bank" in f.message and "tracediff calibrate" not in f.message
+    commands = [c for step in report.record_next["steps"] for c in step["commands"]]
+    assert any(c.endswith(" --bank bank.zarr") for c in commands)
+    assert not any(c.startswith("tracediff calibrate") for c in commands)
     dtype = next(f for f in report.findings if f.kind == "dtype")
     assert "calibration rows" in dtype.message
 

@@ -20,6 +20,9 @@ from tracediff.compare import compare_stores
 from tracediff.testing.models import ARCHITECTURES, build_tiny_model, server_model
 from tracediff.testing.tiny_llama import DraftHead, make_sequences, run_engine, run_trainer
 
+# Slow (-m "not slow" leaves it out; CI runs it): four architectures' recordings: 3-5 min of fixtures on two cores.
+pytestmark = pytest.mark.slow
+
 L = 8
 REF = ["hs2", "hs4", "hs6"]  # HF hidden_states indices 2, 4, 6: outputs of layers 1, 3, 5
 

@@ -37,6 +37,9 @@ from tracediff.testing.tiny_llama import (
     select,
 )
 
+# Slow (-m "not slow" leaves it out; CI runs it): packed, multi-turn and imported layouts recorded: 1+ min of fixture on two cores.
+pytestmark = pytest.mark.slow
+
 LAYERS = ["hs2", "hs4", "hs6"]
 H = 64
 CHUNK = 7

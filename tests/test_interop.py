@@ -17,13 +17,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import dask.array as da
 import numpy as np
 import pytest
 import torch
-import xarray as xr
 import zarr
 from conftest import HIDDEN, invoke_tracediff, stored_bits
 from reliability_children import record_with_kill_point, stored_crash_rows
@@ -32,6 +30,9 @@ import tracediff
 from tracediff.errors import CorruptStoreError, StoreNotFoundError, UsageError
 from tracediff.store import LABEL_FIELDS, TraceStore, decode_values, pack_store
 from tracediff.testing.tiny_llama import DraftHead, run_engine, run_trainer
+
+if TYPE_CHECKING:
+    import xarray as xr
 
 FC_LAYERS = ["hs1", "hs3", "pre_norm"]
 CHUNK_ROWS = 16
@@ -81,6 +82,8 @@ def array_docs(store: Path) -> dict[str, dict[str, Any]]:
 
 
 def open_group(store: Path | str | zarr.storage.ZipStore, writer: str) -> xr.Dataset:
+    import xarray as xr  # noqa: PLC0415  (xarray and dask are imported by the tests that run, not at collection)
+
     return xr.open_zarr(store, group=f"fc_in/{writer}", consolidated=False)
 
 
@@ -137,6 +140,8 @@ def test_xarray_opens_a_writer_group_with_the_labels_as_coordinates(recorded: Re
 
 
 def test_xarray_opens_the_whole_store_as_a_datatree(recorded: Recorded) -> None:
+    import xarray as xr  # noqa: PLC0415
+
     tree = xr.open_datatree(recorded.store, engine="zarr", consolidated=False)
     assert tree.attrs["tracediff"] == {"format": 1, "version": tracediff.__version__}
     assert sorted(tree["fc_in"].children) == list(WRITERS)
@@ -151,6 +156,8 @@ def test_xarray_opens_the_whole_store_as_a_datatree(recorded: Recorded) -> None:
 
 # --------------------------------------------------------------------------------------- dask
 def test_open_values_is_a_lazy_float32_dask_array_of_every_writer_group(recorded: Recorded) -> None:
+    import dask.array as da  # noqa: PLC0415
+
     with TraceStore(recorded.store) as opened:
         streams = opened.streams["fc_in"]
         expected = np.concatenate([s.read_float32() for s in streams])
@@ -182,6 +189,8 @@ def test_open_values_of_one_writer_group_in_blocks_of_store_chunks(recorded: Rec
 
 
 def test_a_packed_zip_store_opens_in_xarray_and_in_open_values(recorded: Recorded, tmp_path: Path) -> None:
+    import xarray as xr  # noqa: PLC0415
+
     packed = pack_store(recorded.store, tmp_path / "trace.zarr.zip")
     with TraceStore(recorded.store) as opened:
         streams = {s.writer: s for s in opened.streams["fc_in"]}

@@ -25,6 +25,9 @@ from tracediff.testing.eagle3 import greedy_sequences, train_eagle3_draft, with_
 from tracediff.testing.models import build_tiny_model, server_model
 from tracediff.testing.tiny_llama import DraftHead, run_trainer
 
+# Slow (-m "not slow" leaves it out; CI runs it): an EAGLE-3 draft trained on a tiny target: 1-2 min of fixture on two cores.
+pytestmark = pytest.mark.slow
+
 H, LAYERS, VOCAB, DRAFT_VOCAB = 64, 6, 128, 96
 RIGHT = ["hs0", "hs3", "hs5"]
 SEED = ["hs3", "hs5", "hs6"]

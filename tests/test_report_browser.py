@@ -2,9 +2,9 @@
 
 Reports of the seed bug (wrong segments), its fix (a match) and a subset bug recorded here (zeros on
 decode rows) are loaded from file://; the page must run without a script error or a console error,
-and show what a person looks for: the verdict, the findings, the heatmap of the cosine the
-decisions used, a per-position chart for each wrong segment and subset, and each matched pair's
-threshold line. A full-page screenshot of each is kept (tmp_path, and /tmp/tracediff-html-*.png to
+and show what a person looks for: the Fix box in the first screen, the verdict with its root cause,
+the findings grouped by cause, the heatmap of the cosine the decisions used, a per-position chart for
+each wrong segment and subset, and each matched pair's threshold line. A full-page screenshot of each is kept (tmp_path, and /tmp/tracediff-html-*.png to
 look at).
 
 Chromium comes from the system packages (requirements/browser.sh); playwright never downloads one.
@@ -98,11 +98,31 @@ def test_report_renders_in_chromium_without_errors_and_shows_what_matters(browse
     report, path = reports[name]
     page, errors = _open(browser, path)
     try:
+        # The fix is the first thing a person sees: its box lies whole in the first screen, unscrolled.
+        fix = page.locator("section.box.fix")
+        assert (report.fix is not None) == (name == "broken")
+        assert fix.count() == (1 if report.fix else 0)
+        if report.fix:
+            box = fix.bounding_box()
+            assert box and box["y"] >= 0 and box["y"] + box["height"] <= 900, box
+            shown = fix.inner_text()
+            assert f"{report.fix['field']} = {report.fix['value']}" in shown
+            assert all(c in shown for step in report.fix["steps"] for c in step["commands"])
+        if name == "broken":
+            cause = page.locator("header.verdict p.cause").inner_text()
+            assert cause == "1 root cause: the candidate's segments are shifted by one slot; 2 consequences."
         verdict = _visible(page, "header.verdict", 1)[0]
         assert f"tracediff compare: {report.verdict.upper()}" in verdict.inner_text()
         _visible(page, "#findings")
         if any(f.severity == "error" for f in report.findings):
             _visible(page, "#findings li.error")
+        # Each root cause's card holds what follows from it; no error card is shown twice.
+        cards = page.locator("#findings li.cause")
+        assert cards.count() == len(report.causes())
+        for k, cause in enumerate(report.causes()):
+            nested = cards.nth(k).locator("ul.consequences > li").count()
+            assert nested == len(cause.consequences) + len(cause.config)
+        assert page.locator("li.error").count() == sum(f.severity == "error" for f in report.findings)
         label = _visible(page, ".heatmap-label", 1)[0]
         assert label.inner_text().startswith("Standardised cosine (what segment matching decides on")
         _visible(page, ".chart.heatmap svg", 1)

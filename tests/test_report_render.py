@@ -298,7 +298,9 @@ def test_verbose_text_report_of_seed_bug_says_how_the_segments_moved():
     assert "label offset 0 (similarity by offset: -2: 0.41 -1: 0.52 0: 0.9991 +1: 0.55 +2: 0.43)" in flat
     assert "+12: 1 seq" in text and "8 invalid" in text and "3.1e-06" in text
     assert "chat-template preamble" in flat
-    assert "values_changed" in text and "server_args.cuda_graph_max_bs: added" in text
+    # The config diff reads as a diff: one field a line, reference -> candidate, then how it changed.
+    assert "eagle_aux_hidden_state_layer_ids: [1, 15, 28] -> [2, 16, 29]  (values_changed)" in text
+    assert "server_args.cuda_graph_max_bs: (none) -> 8  (added)" in text
 
 
 def test_verbose_text_report_puts_the_summary_first_then_sections_in_order():
@@ -348,15 +350,21 @@ def test_default_text_report_is_the_news_only_findings_fix_map_and_one_line_per_
 
 
 def test_default_text_report_gives_the_fix_value_on_its_own():
+    from tracediff.remedy import attach_next_steps
+
     report = seed_bug_report()
     order = next(f for f in report.findings if f.kind == "segment_order")
     order.evidence["fix"] = {"value": [-1, 14, 27], "field": "eagle_config.eagle_aux_hidden_state_layer_ids",
-                             "engine": "sglang", "convention": "sglang", "config_can_fix": True, "reasons": []}
+                             "engine": "sglang", "convention": "sglang", "config_can_fix": True, "reasons": [],
+                             "target_layers": [0, 15, 28], "target_from": "reference's recorded aux layers"}
+    attach_next_steps(report)
     text = render_text(report)
-    fix = text[text.index("\nFix\n"):text.index("\nSegment map")]
-    assert "set eagle_config.eagle_aux_hidden_state_layer_ids = [-1, 14, 27] (sglang numbering)" in _one_line(fix)
-    order.evidence["fix"] = {"value": None, "config_can_fix": False, "reasons": ["The order is set in code."]}
-    assert "No config value fixes this: The order is set in code." in _one_line(render_text(report))
+    box = text[text.index(".- Fix"):text.index("\nFindings")]
+    assert "eagle_config.eagle_aux_hidden_state_layer_ids = [-1, 14, 27]" in box
+    assert "tracediff compare train.zarr server.zarr" in box
+    order.evidence["fix"].update(value=None, config_can_fix=False, reasons=["The order is set in code."])
+    attach_next_steps(report)
+    assert "No config value fixes this. The order is set in code." in _one_line(render_text(report))
 
 
 def test_default_text_report_says_segments_of_a_size_not_a_shape():
@@ -372,7 +380,8 @@ def test_quiet_verdict_line_uses_correct_plurals():
     assert render_verdict_line(report) == "match: 0 errors, 0 warnings, 1 info"
     report.findings = [Finding("config", "warning", "one"), Finding("shape", "error", "two"),
                        Finding("shape", "error", "three")]
-    assert render_verdict_line(report) == f"{report.verdict}: 2 errors, 1 warning, 0 info"
+    # A mismatch counts its root causes first (issue #25), then every finding by severity.
+    assert render_verdict_line(report) == f"{report.verdict}: 2 root causes; 2 errors, 1 warning, 0 info"
 
 
 def test_text_report_neutralises_terminal_escapes_in_labels():
@@ -762,7 +771,9 @@ def test_config_diff_paths_never_wrap_inside_a_path():
     page = render_html(report)
     config = page[page.index('<section id="config">') :]
     assert '<div class="scroll"><table class="config">' in config
-    assert '<td class="path"><code>store.aux_layers</code></td>' in config
+    # One field a row (issue #25): the aux-layer block reads as its changed ids, never as two dicts.
+    assert '<td class="path"><code>store.aux_layers.ids</code></td>' in config
+    assert '<td class="mono">[0, 3, 6]</td><td class="mono">[2, 5, 7]</td>' in config
     rule = re.search(r"table\.config td\.path, table\.config td\.path code \{([^}]*)\}", page)
     assert rule and "white-space: nowrap" in rule.group(1) and "overflow-wrap: normal" in rule.group(1)
 

@@ -35,7 +35,8 @@ CLOSED = {
                 "worst_row", "row_ref", "finding", "fix", "replay", "replay_score", "draft_checkpoint", "d2t",
                 "provenance", "evidence_segment_order", "evidence_segment_missing", "evidence_segment_extra",
                 "evidence_config", "evidence_coverage", "evidence_replay", "evidence_draft_vocabulary",
-                "evidence_value", "evidence_token_pairing"),
+                "evidence_value", "evidence_token_pairing", "cause", "fix_box", "record_next", "box_step",
+                "config_change"),
     "identify": ("", "layer_name", "segment_identity"),
 }
 
@@ -124,6 +125,8 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         "compare_broken_with_bank": ("compare", ["compare", SAMPLES / "train.zarr", SAMPLES / "server_broken.zarr",
                                                  "--bank", SAMPLES / "bank.zarr"], 1),
         "compare_fixed": ("compare", ["compare", SAMPLES / "train.zarr", SAMPLES / "server_fixed.zarr"], 0),
+        # one recording on both sides: a match that cannot say anything, so it says what to record next
+        "compare_same_recording": ("compare", ["compare", SAMPLES / "train.zarr", SAMPLES / "train.zarr"], 0),
         "identify_hf_bank": ("identify", ["identify", SAMPLES / "server_broken.zarr", "--bank",
                                           SAMPLES / "bank.zarr"], 0),
         "identify_trainer_bank": ("identify", ["identify", SAMPLES / "server_broken.zarr", "--bank",
@@ -191,6 +194,12 @@ def test_the_reports_exercise_the_payloads_that_matter(reports, replay_report) -
     assert {"segment_order", "segment_missing", "segment_extra", "config"} <= kinds
     assert any("fix" in f["evidence"] for f in broken["findings"])
     assert broken["verdict"] == "mismatch" and reports["compare_fixed"]["document"]["verdict"] == "match"
+    # The grouping by cause, the Fix box and the what-to-record-next box are there to validate.
+    assert [c["kind"] for c in broken["causes"]] == ["segment_order"]
+    assert broken["fix"]["config_can_fix"] and broken["fix"]["steps"][-1]["commands"]
+    assert any("changes" in f["evidence"] for f in broken["findings"] if f["kind"] == "config")
+    assert reports["compare_fixed"]["document"]["fix"] is None
+    assert reports["compare_same_recording"]["document"]["record_next"]["steps"]
     replay = replay_report["document"]
     assert replay["replay"]["b_server"] is not None and replay["replay"]["provenance"]
     assert {"replay", "draft_vocabulary"} <= {f["kind"] for f in replay["findings"]}
@@ -228,6 +237,11 @@ BROKEN_COMPARE = {
     "an extra segment with a counterpart": (
         lambda d: next(m for m in d["segment_map"] if m["status"] == "extra").update(reference=0), "is not of type 'null'"),
     "a side without its rows": (lambda d: d["candidate"].pop("rows"), "'rows' is a required property"),
+    "a cause without its consequences": (lambda d: d["causes"][0].pop("consequences"),
+                                         "'consequences' is a required property"),
+    "a Fix box whose value is text": (lambda d: d["fix"].update(value="[-1, 2, 5]"), "at $.fix:"),
+    "a readable config diff without its field": (
+        lambda d: _finding(d, "config")["evidence"]["changes"][0].pop("field"), "'field' is a required property"),
 }
 
 

@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("sglang", reason="SGLang is not installed: bash requirements/frameworks-sglang.sh installs it")
+from conftest import skip_unless_installed
+
+skip_unless_installed("sglang", reason="SGLang is not installed: bash requirements/frameworks-sglang.sh installs it")
 
 import sglang_harness as h  # noqa: E402
 import torch  # noqa: E402

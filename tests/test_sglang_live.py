@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("sglang", reason="SGLang is not installed: bash requirements/frameworks-sglang.sh installs it")
+from conftest import skip_unless_installed
+
+skip_unless_installed("sglang", reason="SGLang is not installed: bash requirements/frameworks-sglang.sh installs it")
 
 import servers  # noqa: E402
 import sglang_harness as h  # noqa: E402

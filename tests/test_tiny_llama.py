@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache
 
 from tracediff.testing.tiny_llama import (
     ENGINE_RID_BASE,
@@ -133,6 +132,8 @@ def test_layer_states_follow_hf_numbering_and_pre_norm(tl: TinyLlama, seqs: list
 
 
 def test_layer_states_with_cache_match_the_full_forward(tl: TinyLlama, seqs: list[list[int]]) -> None:
+    from transformers import DynamicCache  # noqa: PLC0415  (seconds to import: not at collection)
+
     tokens = seqs[1]
     full = _full_states(tl, tokens)
     states, past = layer_states(tl, torch.tensor(tokens[:4]), use_cache=True)

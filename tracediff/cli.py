@@ -539,7 +539,15 @@ def compare(
         click.echo(render_verdict_line(report))
     else:
         click.echo(render_text(report, color=sys.stdout.isatty(), verbose=verbose))
+    _say_written("compare", json_path, markdown_path, html_path)
     sys.exit(report.exit_code(fail_on))
+
+
+def _say_written(command: str, json_path: Path | None, markdown_path: Path | None, html_path: Path | None) -> None:
+    """One line per report file written, on stderr (stdout stays the report, or -q's one line)."""
+    for kind, path in (("JSON", json_path), ("Markdown", markdown_path), ("HTML", html_path)):
+        if path is not None:
+            click.echo(f"tracediff {command}: wrote the {kind} report {path}", err=True)
 
 
 # ---------------------------------------------------------------------------------- replay
@@ -601,6 +609,7 @@ def replay(reference: Path, candidate: Path, tap: str | None, ref_tap: str | Non
         prog.stage("writing reports")
         write_report(report, json_path=json_path, markdown_path=markdown_path, html_path=html_path)
     click.echo(render_replay(report))
+    _say_written("replay", json_path, markdown_path, html_path)
     sys.exit(report.exit_code("error"))
 
 
@@ -631,6 +640,8 @@ def identify(store: Path, bank: Path, tap: str | None, bank_tap: str | None, seg
     if json_path is not None:
         write_json(json_path, ident.to_dict())
     click.echo(render_identification(ident))
+    if json_path is not None:
+        click.echo(f"tracediff identify: wrote the JSON result {json_path}", err=True)
     sys.exit(0 if all(s.verdict in ("match", "scaled") for s in ident.segments) else 1)
 
 
@@ -823,11 +834,22 @@ def inspect(store: Path, as_json: bool) -> None:
 @_storage_options
 @click.argument("store", type=STORE)
 @click.argument("dest", type=click.Path(path_type=Path), required=False)
+@click.option("-o", "--output", "output", type=click.Path(path_type=Path), metavar="DEST",
+              help="The .zarr.zip file to write (default: STORE.zip next to STORE), as record and import take it; "
+                   "DEST may also follow STORE.")
 @click.option("--overwrite", is_flag=True, help="Replace DEST if it exists already.")
-def pack(store: Path | str, dest: Path | None, overwrite: bool) -> None:
-    """Pack a store folder (or a store at a URL) into one local .zarr.zip file (to attach to a bug report)."""
+def pack(store: Path | str, dest: Path | None, output: Path | None, overwrite: bool) -> None:
+    """Pack a store folder (or a store at a URL) into one local .zarr.zip file (to attach to a bug report).
+
+    \b
+      tracediff pack server.zarr -o server.zarr.zip
+      tracediff pack server.zarr server.zarr.zip      (the same)
+    """
     from tracediff.store import pack_store  # noqa: PLC0415
 
+    if dest is not None and output is not None and dest != output:
+        raise UsageError(f"pack: DEST is given twice ({dest} and -o {output}); give it once, with -o")
+    dest = output if output is not None else dest
     if dest is None:
         dest = store.with_name(store.name + ".zip") if isinstance(store, Path) else Path(_store_name(store) + ".zip")
     click.echo(str(pack_store(store, dest, overwrite=overwrite)))

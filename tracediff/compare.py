@@ -43,6 +43,7 @@ from tracediff.plan import (
     stream_layout,
     tap_summary,
 )
+from tracediff.remedy import attach_next_steps
 from tracediff.results import Finding, Plan, Report, SegmentMatch, Side
 from tracediff.segments import SegmentDecision
 from tracediff.store import TraceStore
@@ -271,6 +272,7 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
             f"Both sides are {what}: this compare checks the store against itself and says nothing about "
             f"the server. Compare the trainer's store with one the server recorded.",
             {"how": same, "reference": str(ref_store.path), "candidate": str(cand_store.path)}))
+    attach_next_steps(report)
     return report
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from tracediff.adapters.conventions import AuxLayers, format_layers
 from tracediff.align import Alignment, RowPairs
 from tracediff.diagnose import StreamResult, row_ref
-from tracediff.metadata import is_aux_key
+from tracediff.metadata import PHYSICAL_FIELD, is_aux_key, readable_changes
 from tracediff.plan import SegmentPlan
 from tracediff.results import Finding, Report
 from tracediff.segment_findings import seg_name, segment_findings
@@ -43,6 +43,7 @@ def build_findings(
             {"reference_segment_size": ref.segment_size, "candidate_segment_size": cand.segment_size,
              "reference_width": ref.width, "candidate_width": cand.width,
              "reference_segments": ref.segments, "candidate_segments": cand.segments},
+            f"the two sides have different hidden sizes ({ref.segment_size} vs {cand.segment_size})",
         ))
     elif ref.width != cand.width:
         out.append(Finding(
@@ -52,6 +53,7 @@ def build_findings(
             f"than the draft was trained on.",
             {"reference_width": ref.width, "candidate_width": cand.width, "segment_size": plan.segment_size,
              "reference_segments": ref.segments, "candidate_segments": cand.segments, "aux_layer_config": aux},
+            f"the candidate concatenates {cand.segments} hidden states, the reference {ref.segments}",
         ))
     if ref.dtype != cand.dtype:
         out.append(Finding(
@@ -86,6 +88,7 @@ def build_findings(
             f"so every later hidden state sees a different context; feed the server the exact training token ids.",
             {"sequences": len(prefix_groups), "prefix_lengths": lengths, "example_tokens": tokens,
              "example_sequence": alignment.candidate.group_keys[example_group]},
+            "the candidate's sequences start with tokens the reference does not have",
         ))
     else:
         # A sequence with tokens inserted or deleted inside it is reported as such, not as a prefix.
@@ -99,6 +102,7 @@ def build_findings(
                 f"(e.g. {ref_prefix['tokens']}): the trainer saw a prefix (chat template, BOS) the server does not "
                 f"get, so hidden states are computed in a different context.",
                 ref_prefix,
+                "the reference's sequences start with tokens the candidate does not get",
             ))
         shifted = {d for g, d in eff.items() if d != 0 and g not in inserted}
         if shifted and not ref_prefix:
@@ -126,6 +130,7 @@ def build_findings(
             f"{plan.offset_scores.get('0', float('nan')):.4f} at 0); the server pairs hidden states with the wrong "
             f"tokens, or the trainer shifts them.",
             {"offset": o, "scores": plan.offset_scores},
+            f"the candidate's rows are labelled {abs(o)} token{'s' if abs(o) > 1 else ''} {'late' if late else 'early'}",
         ))
 
     pairing = plan.token_pairing
@@ -140,6 +145,7 @@ def build_findings(
             f"state is paired with the wrong token: fix how the server builds the draft's input ids.",
             {"rows": pairing["mismatched"], "compared": pairing["compared"], "unknown": pairing["unknown"],
              "examples": pairing["examples"], "pattern": pairing.get("pattern_evidence") or None},
+            "the candidate feeds the draft another input token on some rows",
         ))
 
     if segplan is not None:
@@ -160,6 +166,7 @@ def build_findings(
                 f"{len(pairs)} aligned rows (first at sequence {where['seq']}, position {where['position']}); "
                 f"those rows are left out of the cosine statistics.",
                 {"side": side_name, "segment": seg, "rows": count, "first_row": where},
+                f"{side_name} segment {seg_name(side.segment_labels[seg], seg)} holds NaN or Inf",
             ))
 
     # -- coverage
@@ -189,7 +196,7 @@ def build_findings(
         ))
 
     # -- config
-    out += _config_findings(report, ref_aux, cand_aux)
+    out += _config_findings(report, ref_aux, cand_aux, out)
     return out
 
 
@@ -217,37 +224,56 @@ def _insertion_findings(alignment: Alignment, pairs: RowPairs) -> list[Finding]:
             f"training token ids.",
             {"kind": kind, "sequences": len(seqs), "example_sequences": seqs[:5], "positions": positions[:32],
              "length": length, "tokens": list(tokens), "occurrences": len(found)},
+            f"tokens are {'inserted into' if kind == 'insertion' else 'missing from'} the middle of "
+            f"{len(seqs)} candidate sequence{'s' if len(seqs) != 1 else ''}",
         ))
     return out
 
 
-def _config_findings(report: Report, ref_aux: AuxLayers | None, cand_aux: AuxLayers | None) -> list[Finding]:
+def _config_findings(report: Report, ref_aux: AuxLayers | None, cand_aux: AuxLayers | None,
+                     found: list[Finding]) -> list[Finding]:
+    """What the recorded configs say, as a readable diff (physical layers first, one field a line).
+
+    An aux-layer difference that a wiring finding's config fix changes back is that root cause as
+    the configs record it, not a second problem: it says so with ``explained_by``."""
     out: list[Finding] = []
     aux_diffs = [d for d in report.config_diff if is_aux_key(d["path"])]
     other = [d for d in report.config_diff if not is_aux_key(d["path"])]
     layers = {"reference": ref_aux.to_dict() if ref_aux else None, "candidate": cand_aux.to_dict() if cand_aux else None}
+    ref_phys = ref_aux.physical if ref_aux else None
+    cand_phys = cand_aux.physical if cand_aux else None
     if aux_diffs and ref_aux is not None and cand_aux is not None and all(d.get("equivalent") for d in aux_diffs):
         out.append(Finding(
             "config", "info",
             f"The aux-layer settings are recorded in different numberings ({_numbering(ref_aux)} vs "
             f"{_numbering(cand_aux)}) but name the same physical layers {format_layers(ref_aux.physical)} "
             f"(HF hidden_states numbering, L = last layer before the final norm).",
-            {"differences": aux_diffs, "aux_layers": layers},
+            {"differences": aux_diffs, "aux_layers": layers, "changes": readable_changes(aux_diffs)},
         ))
     elif aux_diffs:
-        shown = "; ".join(f"{d['path']}: {d['reference']} -> {d['candidate']}" for d in aux_diffs[:4])
-        phys = (f"; physical layers {format_layers(ref_aux.physical if ref_aux else None)} vs "
-                f"{format_layers(cand_aux.physical if cand_aux else None)}")
+        changes = readable_changes(aux_diffs, ref_phys, cand_phys)
+        fields = len(changes) - (1 if changes and changes[0]["field"] == PHYSICAL_FIELD else 0)
+        evidence: dict[str, Any] = {"differences": aux_diffs, "aux_layers": layers, "changes": changes}
+        cause = next((f for f in found if f.severity == "error" and not f.evidence.get("explained_by")
+                      and isinstance(f.evidence.get("fix"), dict) and f.evidence["fix"].get("config_can_fix")), None)
+        tail = ""
+        if cause is not None:
+            evidence["explained_by"] = cause.kind
+            tail = f" The fix of {cause.kind} changes this setting."
         out.append(Finding(
             "config", "warning",
-            f"The recorded aux-layer configuration differs between the two sides ({shown}{phys}).",
-            {"differences": aux_diffs, "aux_layers": layers},
+            f"The recorded aux-layer configuration differs between the two sides: physical layers "
+            f"{format_layers(ref_phys)} -> {format_layers(cand_phys)} (HF hidden_states numbering, reference -> "
+            f"candidate); {fields} recorded field{'s' if fields != 1 else ''} differ{'s' if fields == 1 else ''}."
+            + tail,
+            evidence,
+            "the recorded aux-layer configuration differs",
         ))
     if other:
         out.append(Finding(
             "config", "info",
             f"{len(other)} other metadata field(s) differ, e.g. {', '.join(d['path'] for d in other[:5])}.",
-            {"differences": other},
+            {"differences": other, "changes": readable_changes(other)},
         ))
     return out
 

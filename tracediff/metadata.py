@@ -118,6 +118,40 @@ def _walk_diff(ref: Any, cand: Any, path: list[str | int], out: list[dict[str, A
         out.append(_entry(path, "values_changed", ref, cand))
 
 
+#: The field name of the first line of a readable config diff: what the two sides feed, in one numbering.
+PHYSICAL_FIELD = "physical layers (HF hidden_states numbering)"
+
+
+def readable_changes(entries: list[dict[str, Any]], reference_physical: Any = None,
+                     candidate_physical: Any = None) -> list[dict[str, Any]]:
+    """Config differences as a person reads a diff: one ``{"field", "reference", "candidate"}`` per
+    field that differs, the physical layers first (when a side knows them and they differ), then
+    each entry of :func:`config_diff` walked down to the fields that differ, so a changed aux-layer
+    block reads as its changed ids and convention, never as two whole dicts. A side that lacks a
+    field has ``None`` there."""
+    out: list[dict[str, Any]] = []
+    if (reference_physical is not None or candidate_physical is not None) and reference_physical != candidate_physical:
+        out.append({"field": PHYSICAL_FIELD, "reference": reference_physical, "candidate": candidate_physical})
+    for entry in entries:
+        out += _leaf_changes(str(entry.get("path", "")), entry.get("reference"), entry.get("candidate"))
+    return out
+
+
+def _leaf_changes(path: str, reference: Any, candidate: Any) -> list[dict[str, Any]]:
+    if isinstance(reference, dict) or isinstance(candidate, dict):
+        ref = reference if isinstance(reference, dict) else None
+        cand = candidate if isinstance(candidate, dict) else None
+        if (ref is None and reference is not None) or (cand is None and candidate is not None):
+            return [{"field": path, "reference": reference, "candidate": candidate}]  # a dict against a value
+        ref, cand = ref or {}, cand or {}
+        rows: list[dict[str, Any]] = []
+        for key in [*ref, *(k for k in cand if k not in ref)]:
+            if key not in ref or key not in cand or ref[key] != cand[key]:
+                rows += _leaf_changes(f"{path}.{key}" if path else str(key), ref.get(key), cand.get(key))
+        return rows
+    return [{"field": path, "reference": reference, "candidate": candidate}]
+
+
 def _entry(path: list[str | int], change: str, ref: Any, cand: Any) -> dict[str, Any]:
     name = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in path)
     return {"path": name, "change": change, "reference": _plain(ref), "candidate": _plain(cand)}

@@ -9,6 +9,7 @@ candidate is already configured for those layers and the data still differ, the 
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -46,8 +47,9 @@ class Fix:
     def sentence(self) -> str:
         if self.value is not None and self.config_can_fix:
             where = f"{self.engine} " if self.engine else ""
+            # Where the layers were read and what the numbering means: evidence.fix and the Fix box.
             text = (f"Set {where}{self.field} = {self.value} ({self.convention} numbering; physical layers "
-                    f"{format_layers(self.target_layers)} in HF hidden_states numbering, from the {self.target_from}).")
+                    f"{format_layers(self.target_layers)}).")
             mix = self.numbering_mixup
             if mix:
                 text += (f" The candidate's ids {mix['ids']} are the {mix['convention']} numbering of those layers "
@@ -140,3 +142,168 @@ def _numbering_mixup(cand_aux: AuxLayers | None, target: list[PhysicalLayer | No
             return {"ids": list(ids), "convention": name, "meaning": other.meaning, "field": other.field,
                     "candidate_meaning": conv.meaning}
     return None
+
+
+# ----------------------------------------------------------------------------- the two boxes
+#: How each engine is recorded and sent the reference's token ids again (README "Record the server").
+_SERVER_RECORDING = {
+    "sglang": ("python -m sglang.launch_server ...", "--url http://127.0.0.1:30000"),
+    "vllm": ("python -m vllm.entrypoints.openai.api_server ...", "--url http://127.0.0.1:8000 --engine vllm"),
+}
+
+
+def attach_next_steps(report: Any) -> None:
+    """Fill ``report.fix`` (the Fix box) and ``report.record_next`` (what to record next) from its
+    findings: what a person does after reading the report, with the commands to do it. Run it
+    once every finding is in (compare does, last)."""
+    report.fix = fix_box(report)
+    report.record_next = record_next_box(report)
+
+
+def _stores(side: Any) -> list[str]:
+    """A side's stores as the command line gives them (several for a side read from several)."""
+    stores = side.meta.get("stores") if isinstance(side.meta, dict) else None
+    return [str(s) for s in stores] if isinstance(stores, list) and stores else [str(side.path)]
+
+
+def _q(paths: list[str]) -> str:
+    return " ".join(shlex.quote(p) for p in paths)
+
+
+def _compare_command(report: Any, extra: str = "") -> str:
+    ref, cand = _stores(report.reference), _stores(report.candidate)
+    refs = _q(ref) if len(ref) == 1 else " ".join(f"--reference {shlex.quote(r)}" for r in ref)
+    return f"tracediff compare {refs} {_q(cand)}{extra}"
+
+
+def _rerecord_commands(report: Any, engine: str | None) -> list[str]:
+    """Record the candidate again (its engine's adapter when known), replay the reference's tokens, compare."""
+    cand = _stores(report.candidate)
+    out_store = shlex.quote(cand[0])
+    ref = _q(_stores(report.reference)[:1])
+    if engine in _SERVER_RECORDING:
+        launch, url = _SERVER_RECORDING[engine]
+        return [f"tracediff record --adapter {engine} -o {out_store} --overwrite -- {launch}",
+                f"tracediff send {ref} {url}", _compare_command(report)]
+    # The engine is not known: "..." is the command (and adapter) the candidate was recorded with.
+    return [f"tracediff record -o {out_store} --overwrite -- ...", _compare_command(report)]
+
+
+def _root_fix(report: Any) -> tuple[Any, dict[str, Any]] | None:
+    """The first root cause that carries a fix, and that fix."""
+    for cause in report.causes():
+        finding = report.findings[cause.finding]
+        fix = finding.evidence.get("fix")
+        if isinstance(fix, dict):
+            return finding, fix
+    return None
+
+
+def _target_unknown(fix: dict[str, Any]) -> bool:
+    return any(t is None for t in fix.get("target_layers") or [None])
+
+
+def fix_box(report: Any) -> dict[str, Any] | None:
+    """The Fix box: the config field and value in the candidate engine's numbering with the commands
+    to record again and compare, or why no config value fixes it (then where to look). None when
+    no root cause carries a fix, or when the layers to feed are not known (what to record next)."""
+    found = _root_fix(report)
+    if found is None:
+        return None
+    finding, fix = found
+    if _target_unknown(fix):
+        return None
+    box = {key: fix.get(key) for key in ("engine", "field", "value", "convention", "target_layers", "target_from",
+                                          "config_can_fix")}
+    # "eagle_config.x (nested in the draft config)": the name to set on its own, where it lives apart.
+    name, _, where = str(fix.get("field") or "").partition(" (")
+    box["field"], box["field_location"] = (name or None), where.rstrip(")") or None
+    box["finding"] = finding.kind
+    steps: list[dict[str, Any]] = []
+    # config: set field = value; engine: a value per engine (the candidate's is not recorded); code: no value can.
+    box["how"] = ("config" if fix.get("config_can_fix") and fix.get("value") is not None
+                  else "engine" if fix.get("convention") is None else "code")
+    if box["how"] == "engine":
+        steps.append({"text": " ".join(str(r) for r in fix.get("reasons") or []), "commands": []})
+        steps.append({"text": "Set it in the candidate's engine, then record the candidate again as before, with its "
+                              "engine's adapter (--adapter sglang or vllm: it records the ids and their numbering), "
+                              "and compare:",
+                      "commands": _rerecord_commands(report, None)})
+    elif box["how"] == "config":
+        conv = CONVENTIONS.get(str(fix.get("convention")))
+        steps.append({"text": f"{fix.get('convention')} numbering"
+                              + (f" ({conv.meaning})" if conv else "")
+                              + f": physical layers {format_layers(fix.get('target_layers'))}, what the reference "
+                                f"fed (from the {fix.get('target_from')}).",
+                      "commands": []})
+        mix = fix.get("numbering_mixup")
+        if isinstance(mix, dict):
+            steps.append({"text": f"The candidate's ids {mix['ids']} are the {mix['convention']} numbering of those "
+                                  f"layers: the same numbers name other layers in {fix.get('engine') or fix.get('convention')}.",
+                          "commands": []})
+        steps.append({"text": "Then record the candidate again with that setting and compare:",
+                      "commands": _rerecord_commands(report, fix.get("engine"))})
+    else:
+        steps.append({"text": "No config value fixes this. " + " ".join(str(r) for r in fix.get("reasons") or []),
+                      "commands": []})
+        steps.append({"text": "Once it is changed, record the candidate again and compare:",
+                      "commands": _rerecord_commands(report, fix.get("engine"))})
+    box["steps"] = steps
+    return box
+
+
+def _bank_used(report: Any) -> bool:
+    return any(m.bank_layer for m in report.segment_map)
+
+
+def _bank_step(report: Any, why: str) -> dict[str, Any]:
+    return {"text": f"Or record a bank of every layer of the target on the same token ids ({why}), and compare "
+                    f"with it:",
+            "commands": ["tracediff record --adapter hf -o bank.zarr -- python run_target_on_samples.py",
+                         _compare_command(report, " --bank bank.zarr")]}
+
+
+def record_next_box(report: Any) -> dict[str, Any] | None:
+    """What to record next, when this report cannot decide: a pair the data cannot tell from a
+    neighbouring layer, layers no side records, one recording on both sides. None otherwise."""
+    reasons: list[str] = []
+    steps: list[dict[str, Any]] = []
+    ref = _q(_stores(report.reference)[:1])
+    same = [f for f in report.findings if f.kind == "same_recording"]
+    if same:
+        reasons.append("Both sides are one recording: this compare says nothing about the server.")
+        steps.append({"text": "Record the server on the reference's token ids and compare the two:",
+                      "commands": [f"tracediff record --adapter sglang -o server.zarr -- "
+                                   f"{_SERVER_RECORDING['sglang'][0]}",
+                                   f"tracediff send {ref} {_SERVER_RECORDING['sglang'][1]}",
+                                   f"tracediff compare {ref} server.zarr"]})
+    undecided = [f for f in report.findings if f.kind == "segment_undecided"
+                 or (f.kind == "config" and f.severity == "error")]
+    if undecided:
+        pairs = len(undecided)
+        reasons.append(f"The data cannot tell {pairs} segment pair{'s' if pairs != 1 else ''} from a neighbouring "
+                       f"layer at this depth ({', '.join(sorted({f.kind for f in undecided}))}).")
+        # Calibration rows already used and still undecided: only a bank can tell.
+        if report.plan.calibration is None:
+            dtype = report.plan.compute_dtype or "bfloat16"
+            steps.append({"text": "Record calibration rows on the reference (a few of its sequences recomputed "
+                                  "with the trainer's weights in the server's compute dtype), and compare again:",
+                          "commands": [f"tracediff calibrate {ref} --model TARGET_DIR --dtype {dtype}",
+                                       _compare_command(report)]})
+        if not _bank_used(report):
+            steps.append(_bank_step(report, "it names each segment's layer"))
+    found = _root_fix(report)
+    if found is not None and _target_unknown(found[1]):
+        finding, fix = found
+        reasons.append(f"No side records which layer each reference segment is, so {finding.kind} has no fix value: "
+                       + " ".join(str(r) for r in fix.get("reasons") or []))
+        steps.append({"text": "Record the reference's aux-layer ids with their numbering (e.g. tracediff.record(..., "
+                              "meta={\"aux_layers\": {\"ids\": [...], \"convention\": \"hf\"}}), or record with the "
+                              "trainer's adapter: --adapter speculators / specforge), and compare again.",
+                      "commands": []})
+        if not _bank_used(report):
+            steps.append(_bank_step(report, "it names each segment's layer"))
+    if not reasons:
+        return None
+    unique = [s for k, s in enumerate(steps) if s not in steps[:k]]
+    return {"reasons": reasons, "steps": unique}

@@ -52,6 +52,9 @@ class Finding:
     severity: str
     message: str
     evidence: dict[str, Any] = field(default_factory=dict)
+    #: What is wrong in a few words ("the candidate's segments are shifted by one slot"): the verdict
+    #: line names a root cause by it. "" where none was written (the message then stands for it).
+    summary: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in FINDING_KINDS:
@@ -249,6 +252,13 @@ class Report:
     replay: dict[str, Any] | None = None  # compare --draft / tracediff replay (tracediff.replay.ReplayResult)
     # What differs, per position: each wrong segment against its closest counterpart, each subset's groups.
     position_profiles: list[SegmentProfile] = field(default_factory=list)
+    # The Fix box (tracediff.remedy.next_steps): the config field and value in the candidate engine's
+    # numbering, or why no config value can fix it, and the commands to record again and compare; None
+    # when no fix is known.
+    fix: dict[str, Any] | None = None
+    # The "what to record next" box: why this report cannot decide, and what to record so that the
+    # next one can (calibration rows, a bank, the aux-layer ids); None when nothing is missing.
+    record_next: dict[str, Any] | None = None
 
     @property
     def verdict(self) -> str:
@@ -262,14 +272,52 @@ class Report:
     def counts(self) -> dict[str, int]:
         return {s: sum(1 for f in self.findings if f.severity == s) for s in SEVERITIES}
 
+    def causes(self) -> list[Cause]:
+        """The findings grouped by cause: one entry per root cause (an error finding that no other
+        finding explains), in finding order, with the findings that follow from it.
+
+        A finding follows from another when its evidence names that finding's kind as
+        ``explained_by``; it is grouped under the first root cause of that kind. A ``config`` finding
+        so marked records the cause in the recorded configuration (it is no consequence of it) and is
+        listed apart. Severities, counts and exit codes do not change: every finding is still counted.
+        """
+        roots = [i for i, f in enumerate(self.findings) if f.severity == "error" and not _explained_by(f)]
+        # A finding without a summary is named by its kind (the message follows in every report).
+        out = [Cause(i, self.findings[i].kind, self.findings[i].summary or self.findings[i].kind) for i in roots]
+        first_of_kind: dict[str, Cause] = {}
+        for c in out:
+            first_of_kind.setdefault(c.kind, c)
+        for i, f in enumerate(self.findings):
+            cause = first_of_kind.get(_explained_by(f) or "")
+            if cause is not None and i != cause.finding:
+                (cause.config if f.kind == "config" else cause.consequences).append(i)
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["verdict"] = self.verdict
         out["counts"] = self.counts()
+        out["causes"] = [asdict(c) for c in self.causes()]
         return _finite(out)
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False, allow_nan=False)
+
+
+@dataclass
+class Cause:
+    """One root cause of a mismatch and what follows from it, as indices into ``Report.findings``."""
+
+    finding: int  # the root-cause finding
+    kind: str
+    summary: str  # its summary, for the verdict line
+    consequences: list[int] = field(default_factory=list)  # findings it explains (their explained_by)
+    config: list[int] = field(default_factory=list)  # config findings that record it (explained_by too)
+
+
+def _explained_by(f: Finding) -> str | None:
+    value = f.evidence.get("explained_by") if isinstance(f.evidence, dict) else None
+    return value if isinstance(value, str) and value else None
 
 
 def _finite(obj: Any) -> Any:

@@ -43,12 +43,13 @@ def segment_findings(report: Report, segplan: SegmentPlan, stream: StreamResult,
     wiring = [f for f in _wiring_findings(report, segplan)
               if not (f.kind == "segment_missing" and f.evidence["reference_segment"] in explained_r)
               and not (f.kind == "segment_extra" and f.evidence["candidate_segment"] in explained_c)]
+    _mark_shift_consequences(wiring, report.reference.segments, report.candidate.segments)
     subset_findings = [_subset_finding(report, i, j, s, c) for (i, j), (s, c) in sorted(subsets.items())]
     if context is not None:
         # Rows after a changed context differ by construction: a consequence, not a root cause.
         subset_findings = [Finding("segment_subset", "warning", f.message + f" Expected while the sequences differ "
                                    f"(see {context.kind}): fix that first and compare again.",
-                                   {**f.evidence, "explained_by": context.kind}) for f in subset_findings]
+                                   {**f.evidence, "explained_by": context.kind}, f.summary) for f in subset_findings]
     values = [f for f in _value_findings(report, segplan, stream, context)
               if (f.evidence.get("candidate_segment"), f.evidence.get("reference_segment")) not in subsets]
     wrong_layer = [f for f in values if f.kind == "segment_value" and f.evidence.get("explained_by") is None]
@@ -80,7 +81,32 @@ def _subset_finding(report: Report, i: int, j: int, subset: Any, content: Any) -
         f"{subset.off_total} rows beyond numerics are in this group). Look at the code path those rows take.",
         {"candidate_segment": i, "reference_segment": j, "subset": subset.to_dict(), "content": content.kind,
          "content_evidence": content.evidence, "groups": table},
+        f"candidate segment {cand} holds {_CONTENT_WORDS.get(content.kind, 'other data')} on the {subset.description}",
     )
+
+
+#: What a subset's rows hold, in a few words (the summary; the message has the whole sentence).
+_CONTENT_WORDS = {"zeros": "zeros", "constant": "one constant row", "other_request": "another request's rows",
+                  "neighbour_position": "a neighbouring position's rows", "reference_segment": "another segment",
+                  "unknown": "other data"}
+
+
+def _mark_shift_consequences(wiring: list[Finding], ref_segments: int, cand_segments: int) -> None:
+    """A shift by s slots empties s reference slots at one end and fills s candidate slots at the
+    other: those segment_missing and segment_extra findings follow from the shift (one
+    misconfiguration, not three), and say so with ``explained_by``. Others stay root causes."""
+    order = next((f for f in wiring if f.kind == "segment_order" and f.evidence.get("pattern") == "shift"), None)
+    if order is None:
+        return
+    s = int(order.evidence["shift"])
+    # Candidate slot i carries reference slot i + s.
+    vacated = set(range(s)) if s > 0 else set(range(ref_segments + s, ref_segments))
+    filled = set(range(cand_segments - s, cand_segments)) if s > 0 else set(range(-s))
+    for f in wiring:
+        if ((f.kind == "segment_missing" and f.evidence["reference_segment"] in vacated)
+                or (f.kind == "segment_extra" and f.evidence["candidate_segment"] in filled)):
+            f.evidence["explained_by"] = "segment_order"
+            f.message = f.message.rstrip() + f" It follows from the shift (see segment_order)."
 
 
 def _attach_fix(finding: Finding, fix: Fix) -> None:
@@ -109,10 +135,13 @@ def _wiring_findings(report: Report, segplan: SegmentPlan) -> list[Finding]:
         else:
             how = "the candidate concatenates the same hidden states in a different order"
             detail = {"pattern": "permutation"}
+        summary = (f"the candidate's segments are shifted by {_slots(detail['shift'])}" if "shift" in detail
+                   else "the candidate concatenates the same hidden states in another order")
         out.append(Finding(
             "segment_order", "error",
             f"Segments are wired differently: {pairs_text}; {how}.",
             {**detail, "pairs": [{"candidate": d.candidate, "reference": d.reference} for d in matched]},
+            summary,
         ))
     taken = {d.reference for d in matched}
     std = segplan.standardised
@@ -134,6 +163,7 @@ def _wiring_findings(report: Report, segplan: SegmentPlan) -> list[Finding]:
             {"reference_segment": j, "closest_candidate": best,
              "closest_standardised_cosine": float(col[best]) if best is not None else None,
              "closest_cosine": float(segplan.raw[best, j]) if best is not None else None},
+            f"reference segment {seg_name(rlab[j], j)} is missing from the candidate",
         ))
     for d in decisions:
         if d.duplicate_of is not None:
@@ -142,6 +172,7 @@ def _wiring_findings(report: Report, segplan: SegmentPlan) -> list[Finding]:
                 f"Candidate segments {d.duplicate_of} and {d.candidate} both carry reference segment "
                 f"{seg_name(rlab[d.reference], d.reference)}: the server feeds the same hidden state twice.",
                 {"candidate_segments": [d.duplicate_of, d.candidate], "reference_segment": d.reference},
+                f"candidate segments {d.duplicate_of} and {d.candidate} carry the same reference segment",
             ))
         elif d.reference is None and d.candidate in segplan.dead_candidate:
             continue
@@ -158,6 +189,8 @@ def _wiring_findings(report: Report, segplan: SegmentPlan) -> list[Finding]:
                 {"candidate_segment": d.candidate, "closest_reference": closest,
                  "closest_standardised_cosine": float(std[d.candidate, closest]) if closest is not None else None,
                  "closest_cosine": float(segplan.raw[d.candidate, closest]) if closest is not None else None},
+                f"candidate segment {seg_name(clab[d.candidate], d.candidate)} is a hidden state the reference "
+                f"never had",
             ))
     return out
 
@@ -184,6 +217,7 @@ def _value_findings(report: Report, segplan: SegmentPlan, stream: StreamResult,
                 f"relative error {m.std_rel_error:.3g}, cosine {m.cos_mean:.4f}); expected while the sequences differ "
                 f"(see {context.kind}): fix that first and compare again.",
                 {**f.evidence, "explained_by": context.kind},
+                f"candidate segment {_cand(report, d)} differs from reference segment {_ref(report, d)}",
             )]
         out += found
     return out
@@ -251,6 +285,9 @@ def _pair_findings(report: Report, segplan: SegmentPlan, d: SegmentDecision, rel
             f"{label} is {rlabel} {t.describe()}, within numerics (held-out standardised error "
             f"{t.relative_error:.2g} vs budget {budget:.2g}; norm ratio median {m.norm_ratio_p50:.4g}): {what}.",
             evidence,
+            f"{label} is {rlabel} "
+            + {"constant": "times a constant", "rmsnorm": "normalised on one side only (RMSNorm)",
+               "layernorm": "normalised on one side only (LayerNorm)"}[t.kind],
         )]
     if rel.relation == "other" and d.reference == d.candidate:
         fits = ", ".join(f"{f.kind}{'' if f.side in (None, 'candidate') else ' (reference side)'} "
@@ -262,6 +299,7 @@ def _pair_findings(report: Report, segplan: SegmentPlan, d: SegmentDecision, rel
             f"and beyond {limit:.2g}, {_limit_text(segplan, d.reference)}; raw cosine {m.cos_mean:.4f}); no transform "
             f"fits (held-out errors: {fits}): probably a neighbouring layer, or another context.",
             evidence,
+            f"{label} holds other data than {rlabel} (probably a neighbouring layer)",
         )]
     err = m.std_rel_error if math.isfinite(m.std_rel_error) else rel.relative_error
     if rel.relation == "undecided" and noise.neighbour is not None:
@@ -342,5 +380,6 @@ def _layer_config_findings(report: Report, segplan: SegmentPlan, ref_aux: AuxLay
             f"(standardised relative error {rel.relative_error:.3g}, numerics budget {noise.budget:.2g}"
             + (f", neighbour distance ~{noise.neighbour:.2g}" if noise.neighbour is not None else "")
             + "). Feed the trained layers, or record calibration rows (tracediff calibrate) or a bank (--bank) to "
-              "decide from the data.", evidence))
+              "decide from the data.", evidence,
+            f"slot {j} is configured for layer {rtext} on the reference and {ctext} on the candidate"))
     return out

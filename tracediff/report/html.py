@@ -21,18 +21,26 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from tracediff.report.text import (
+    CHANGE_EVIDENCE,
     EVIDENCE_CHARS,
+    RECORD_NEXT_TITLE,
+    RECORDED_CONFIG,
     METRICS_ERROR_HEADERS,
     METRICS_SCALE_HEADERS,
     SEVERITY_TITLES,
     TABLE_EVIDENCE,
+    box_steps,
     candidate_labels,
+    change_lines,
     config_diff_items,
     fmt_cos,
     fmt_num,
     fmt_row,
     fmt_value,
+    fix_assignment,
+    fix_heading,
     group_table,
+    grouped_findings,
     matched_cells,
     metrics_cells_error,
     metrics_cells_scale,
@@ -120,6 +128,21 @@ table.config td.path, table.config td.path code { white-space: nowrap; overflow-
 .profile p.caption { margin: 0 0 8px; color: var(--muted); font-size: 12.5px; }
 a.chart-link { margin-left: 8px; font-size: 12px; white-space: nowrap; }
 footer { color: var(--muted); font-size: 12px; text-align: center; margin-top: 24px; }
+header.verdict p.cause { margin-top: 6px; font-size: 16px; font-weight: 600; opacity: 1; }
+section.box { border-width: 2px; border-left-width: 8px; }
+section.box.fix { border-color: var(--ok); background: #f3faf4; }
+section.box.record-next { border-color: var(--warn); background: #fff8e1; }
+section.box h2 { margin-bottom: 6px; }
+section.box p { margin: 6px 0; }
+p.assignment { font-size: 17px; margin: 8px 0 10px; }
+p.assignment code { font-size: 16px; padding: 3px 8px; background: #fff; border: 1px solid var(--line); }
+pre.commands { background: #1f2328; color: #f6f8fa; padding: 8px 12px; border-radius: 6px; overflow-x: auto;
+  font: 12.5px/1.5 ui-monospace, SFMono-Regular, Menlo, Consolas, "DejaVu Sans Mono", monospace; margin: 4px 0 8px; }
+ul.findings > li.cause { border-left-width: 6px; }
+div.follows { margin: 8px 0 2px 24px; }
+div.follows h4 { margin: 6px 0 2px; font-size: 13px; color: var(--muted); font-weight: 600; }
+ul.changes { margin: 4px 0 2px 70px; padding: 0; list-style: none; font-size: 12.5px; }
+ul.changes li { margin: 1px 0; }
 """
 
 
@@ -148,6 +171,7 @@ def render_html(report: Report) -> str:
         "</head><body>",
         _header(report),
         "<main>",
+        _boxes(report),
         _summary(report),
         _findings(report),
         _what_differs(report),
@@ -165,27 +189,44 @@ def render_html(report: Report) -> str:
 
 # ------------------------------------------------------------------------------- sections
 def _header(report: Report) -> str:
+    sentence = verdict_sentence(report)
+    cause = f'<p class="cause">{_e(sentence)}</p>' if sentence else ""
     return (
         f'<header class="verdict {_e(report.verdict)}"><h1>tracediff compare: {_e(report.verdict.upper())}</h1>'
         f"<p>{_e(plural_counts(report.counts()))} &middot; exit code {report.exit_code()} &middot; "
         f"reference <code>{_e(report.reference.path)}</code> vs candidate <code>{_e(report.candidate.path)}</code></p>"
-        "</header>"
+        f"{cause}</header>"
     )
+
+
+def _commands(commands: list[str]) -> str:
+    return f'<pre class="commands">{_e(chr(10).join(commands))}</pre>' if commands else ""
+
+
+def _boxes(report: Report) -> str:
+    """The Fix box and the "what to record next" box: first on the page, above the summary."""
+    out = []
+    if report.fix:
+        fix = report.fix
+        out.append(f'<section class="box fix" id="fix"><h2>{_e(fix_heading(fix))}</h2>')
+        assignment = fix_assignment(fix)
+        if assignment:
+            out.append(f'<p class="assignment"><code>{_e(assignment)}</code></p>')
+        for text, commands in box_steps(fix):
+            out.append(f"<p>{_e(text)}</p>{_commands(commands)}")
+        out.append("</section>")
+    if report.record_next:
+        box = report.record_next
+        out.append(f'<section class="box record-next" id="record-next"><h2>{_e(RECORD_NEXT_TITLE)}</h2>')
+        out += [f"<p>{_e(r)}</p>" for r in box.get("reasons") or []]
+        for text, commands in box_steps(box):
+            out.append(f"<p>{_e(text)}</p>{_commands(commands)}")
+        out.append("</section>")
+    return "\n".join(out)
 
 
 def _summary(report: Report) -> str:
     out = ['<section id="summary"><h2>Summary</h2>']
-    errors = [f for f in report.findings if f.severity == "error"]
-    sentence = verdict_sentence(report)
-    if sentence:
-        out.append(f"<p>{_e(sentence)}</p>")
-    if errors:
-        out.append('<ul class="findings">')
-        out += [
-            f'<li class="error"><span class="sev error">error</span><span class="kind">{_e(f.kind)}</span>{_e(f.message)}</li>'
-            for f in errors
-        ]
-        out.append("</ul>")
     ref_items = dict(side_items(report.reference))
     cand_items = dict(side_items(report.candidate))
     order = ["path", "aux layers"] + [k for k in ref_items if k not in ("path", "aux layers")]
@@ -199,33 +240,53 @@ def _summary(report: Report) -> str:
     return "\n".join(out)
 
 
+def _finding_card(report: Report, f: Finding, extra_css: str = "", inner: str = "") -> str:
+    anchor = _profile_anchor(report, f)
+    link = f'<a class="chart-link" href="#{anchor}">per-position chart</a>' if anchor else ""
+    out = [f'<li class="{f.severity}{extra_css}"><span class="sev {f.severity}">{_e(f.severity)}</span>'
+           f'<span class="kind">{_e(f.kind)}</span>{_e(f.message)}{link}']
+    table = group_table(f)
+    if table is not None:
+        out.append(_table(*table, numeric_last=False))
+        out.append(_group_chart(f))
+    changes = change_lines(f)
+    if changes:
+        out.append('<ul class="changes">' + "".join(f'<li class="mono">{_e(c)}</li>' for c in changes) + "</ul>")
+    shown = [(k, v) for k, v in f.evidence.items() if k not in TABLE_EVIDENCE and not (changes and k in CHANGE_EVIDENCE)]
+    if shown:
+        out.append('<table class="evidence">')
+        out += [f"<tr><th>{_e(k)}</th><td>{_evidence_value(v)}</td></tr>" for k, v in shown]
+        out.append("</table>")
+    out.append(inner)
+    out.append("</li>")
+    return "\n".join(out)
+
+
 def _findings(report: Report) -> str:
     out = ['<section id="findings"><h2>Findings</h2>']
     if not report.findings:
         out.append('<p class="muted">None.</p>')
+    grouped, rest = grouped_findings(report)
+    if grouped:
+        out.append(f"<h3>Root causes ({len(grouped)}), each with what follows from it</h3>")
+        out.append('<ul class="findings causes">')
+        for root, consequences, config in grouped:
+            inner = []
+            for heading, group in ((f"Follows from it ({len(consequences)})", consequences),
+                                   (RECORDED_CONFIG[0].upper() + RECORDED_CONFIG[1:].rstrip(":"), config)):
+                if group:
+                    inner.append(f'<div class="follows"><h4>{_e(heading)}</h4><ul class="findings consequences">')
+                    inner += [_finding_card(report, f) for f in group]
+                    inner.append("</ul></div>")
+            out.append(_finding_card(report, root, " cause", "\n".join(inner)))
+        out.append("</ul>")
     for severity in SEVERITIES:
-        group = [f for f in report.findings if f.severity == severity]
+        group = [f for f in rest if f.severity == severity]
         if not group:
             continue
         out.append(f"<h3>{_e(SEVERITY_TITLES[severity])} ({len(group)})</h3>")
         out.append('<ul class="findings">')
-        for f in group:
-            anchor = _profile_anchor(report, f)
-            link = f'<a class="chart-link" href="#{anchor}">per-position chart</a>' if anchor else ""
-            out.append(
-                f'<li class="{severity}"><span class="sev {severity}">{_e(severity)}</span>'
-                f'<span class="kind">{_e(f.kind)}</span>{_e(f.message)}{link}'
-            )
-            table = group_table(f)
-            if table is not None:
-                out.append(_table(*table, numeric_last=False))
-                out.append(_group_chart(f))
-            if f.evidence:
-                out.append('<table class="evidence">')
-                out += [f"<tr><th>{_e(k)}</th><td>{_evidence_value(v)}</td></tr>" for k, v in f.evidence.items()
-                        if k not in TABLE_EVIDENCE]
-                out.append("</table>")
-            out.append("</li>")
+        out += [_finding_card(report, f) for f in group]
         out.append("</ul>")
     out.append("</section>")
     return "\n".join(out)

@@ -13,20 +13,29 @@ import re
 from typing import Any
 
 from tracediff.report.text import (
+    CHANGE_EVIDENCE,
+    CHANGES_SHOWN,
     EVIDENCE_CHARS,
+    RECORD_NEXT_TITLE,
+    RECORDED_CONFIG,
     METRICS_ERROR_HEADERS,
     METRICS_SCALE_HEADERS,
     SEVERITY_TITLES,
     TABLE_EVIDENCE,
     WORST_ROWS_SHOWN,
+    box_steps,
     candidate_labels,
+    change_lines,
     clip,
     config_diff_items,
     fmt_cos,
     fmt_mapping,
     fmt_row,
     fmt_value,
+    fix_assignment,
+    fix_heading,
     group_table,
+    grouped_findings,
     matched_cells,
     metrics_cells_error,
     metrics_cells_scale,
@@ -38,7 +47,7 @@ from tracediff.report.text import (
     side_items,
     verdict_sentence,
 )
-from tracediff.results import SEVERITIES, Report
+from tracediff.results import SEVERITIES, Finding, Report
 
 # CommonMark lets any ASCII punctuation be backslash-escaped; these are the ones that can start
 # emphasis, links, code, HTML or a table cell.
@@ -96,14 +105,10 @@ def _summary(report: Report) -> list[str]:
         f"{plural_counts(report.counts())}; exit code {report.exit_code()}.",
         "",
     ]
-    errors = [f for f in report.findings if f.severity == "error"]
     sentence = verdict_sentence(report)
     if sentence:
-        lines += [sentence, ""]
-    for f in errors:
-        lines.append(f"- **error** `{f.kind}`: {_md(f.message)}")
-    if errors:
-        lines.append("")
+        lines += [_md(sentence), ""]
+    lines += _boxes(report)
     ref_items = dict(side_items(report.reference))
     cand_items = dict(side_items(report.candidate))
     # The aux-layer config right under the paths: a wrong one is the usual cause of a segment mismatch.
@@ -119,26 +124,83 @@ def _summary(report: Report) -> list[str]:
     return lines
 
 
+def _fence(commands: list[str]) -> list[str]:
+    """Shell commands as a fenced block whose fence no backtick run inside can close."""
+    body = [_NEWLINES.sub(" ", c) for c in commands]
+    longest = max((len(run) for c in body for run in re.findall(r"`+", c)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [f"{fence}sh", *body, fence]
+
+
+def _boxes(report: Report) -> list[str]:
+    """The Fix box and the "what to record next" box as GitHub alerts (a plain quote elsewhere)."""
+    out: list[str] = []
+    for kind, box in (("fix", report.fix), ("record", report.record_next)):
+        if not box:
+            continue
+        body: list[str] = []
+        if kind == "fix":
+            body += [f"**{_md(fix_heading(box))}**", ""]
+            assignment = fix_assignment(box)
+            if assignment:
+                body += [_code(assignment), ""]
+        else:
+            body += [f"**{_md(RECORD_NEXT_TITLE)}**", ""]
+            body += [item for r in box.get("reasons") or [] for item in (_md(r), "")]
+        for text, commands in box_steps(box):
+            if text:
+                body += [_md(text), ""]
+            if commands:
+                body += [*_fence(commands), ""]
+        while body and not body[-1]:
+            body.pop()
+        out += ["> [!IMPORTANT]" if kind == "fix" else "> [!NOTE]"]
+        out += [f"> {line}" if line else ">" for line in body]
+        out.append("")
+    return out
+
+
+def _finding_items(f: Finding, indent: str = "") -> list[str]:
+    lines = [f"{indent}- **{f.severity}** `{f.kind}`: {_md(f.message)}"]
+    table = group_table(f)
+    if table is not None:
+        headers, rows = table
+        lines += ["", *[indent + "  " + line for line in _table(headers, [[_md(c) for c in r] for r in rows],
+                                                                right=False)], ""]
+    changes = change_lines(f)
+    lines += [f"{indent}  - {_code(c)}" for c in changes[:CHANGES_SHOWN]]
+    if len(changes) > CHANGES_SHOWN:
+        lines.append(f"{indent}  - ... {len(changes) - CHANGES_SHOWN} more in the Config diff below")
+    for key, value in f.evidence.items():
+        if key in TABLE_EVIDENCE or (changes and key in CHANGE_EVIDENCE):
+            continue
+        lines.append(f"{indent}  - {_md(key)}: {_code(clip(fmt_value(value), EVIDENCE_CHARS))}")
+    return lines
+
+
 def _findings(report: Report) -> list[str]:
     lines = ["", "### Findings", ""]
     if not report.findings:
         return lines + ["None."]
+    grouped, rest = grouped_findings(report)
+    for k, (root, consequences, config) in enumerate(grouped, 1):
+        title = root.summary or root.kind
+        lines += [f"#### Root cause {k}: {_md(title)}", ""]
+        lines += _finding_items(root)
+        for heading, group in ((f"Follows from it ({len(consequences)}):", consequences),
+                               (RECORDED_CONFIG[0].upper() + RECORDED_CONFIG[1:], config)):
+            if group:
+                lines += ["", heading, ""]
+                for f in group:
+                    lines += _finding_items(f)
+        lines.append("")
     for severity in SEVERITIES:
-        group = [f for f in report.findings if f.severity == severity]
+        group = [f for f in rest if f.severity == severity]
         if not group:
             continue
         lines += [f"#### {SEVERITY_TITLES[severity]} ({len(group)})", ""]
         for f in group:
-            lines.append(f"- **{severity}** `{f.kind}`: {_md(f.message)}")
-            table = group_table(f)
-            if table is not None:
-                headers, rows = table
-                lines += ["", *["  " + line for line in _table(headers, [[_md(c) for c in r] for r in rows],
-                                                              right=False)], ""]
-            for key, value in f.evidence.items():
-                if key in TABLE_EVIDENCE:
-                    continue
-                lines.append(f"  - {_md(key)}: {_code(clip(fmt_value(value), EVIDENCE_CHARS))}")
+            lines += _finding_items(f)
         lines.append("")
     return lines
 

@@ -217,6 +217,8 @@ def _match_sentence(m: SegmentMatch) -> str:
 
 #: Evidence keys rendered as their own table (not inline).
 TABLE_EVIDENCE = ("groups",)
+#: Evidence keys a config finding's readable diff (``changes``) stands for: the raw entries are in the JSON.
+CHANGE_EVIDENCE = ("changes", "differences")
 
 
 def group_table(f: Finding) -> tuple[list[str], list[list[str]]] | None:
@@ -300,12 +302,21 @@ def _noise_text(p: Any) -> str:
 
 
 def config_diff_items(report: Report) -> list[tuple[str, str, str, str]]:
-    """Config differences as (path, change, reference value, candidate value).
+    """Config differences as (field, change, reference value, candidate value), one field a row: the
+    physical layers first (when a side knows them and they differ), then each entry walked down to
+    the fields that differ (:func:`tracediff.metadata.readable_changes`), never a whole dict.
 
     Entries are read leniently (``path``/``key``, ``change``/``kind``/``type``,
     ``reference``/``old``, ``candidate``/``new``); keys beyond those are appended to the change.
     """
+    from tracediff.metadata import PHYSICAL_FIELD, readable_changes  # noqa: PLC0415
+
     out = []
+    if report.config_diff:
+        ref_aux, cand_aux = report.reference.aux_layers or {}, report.candidate.aux_layers or {}
+        for c in readable_changes([], ref_aux.get("physical"), cand_aux.get("physical")):
+            out.append((PHYSICAL_FIELD, "translated from the recorded ids", _side_value(c["reference"]),
+                        _side_value(c["candidate"])))
     for entry in report.config_diff:
         d = dict(entry)
         path = _pop_first(d, ("path", "key", "field"))
@@ -316,14 +327,17 @@ def config_diff_items(report: Report) -> list[tuple[str, str, str, str]]:
         change_text = fmt_value(change) if change is not _MISSING else ""
         if rest:
             change_text = f"{change_text} ({rest})" if change_text else rest
-        out.append(
-            (
-                fmt_value(path) if path is not _MISSING else "-",
+        leaves = readable_changes([{"path": fmt_value(path) if path is not _MISSING else "-",
+                                    "reference": None if ref is _MISSING else ref,
+                                    "candidate": None if cand is _MISSING else cand}])
+        for leaf in leaves or [{"field": fmt_value(path) if path is not _MISSING else "-", "reference": ref,
+                                "candidate": cand}]:
+            out.append((
+                str(leaf["field"]),
                 change_text or "changed",
-                fmt_value(ref) if ref is not _MISSING else "-",
-                fmt_value(cand) if cand is not _MISSING else "-",
-            )
-        )
+                "-" if leaf["reference"] is _MISSING else _side_value(leaf["reference"]),
+                "-" if leaf["candidate"] is _MISSING else _side_value(leaf["candidate"]),
+            ))
     return out
 
 
@@ -468,7 +482,6 @@ def render_text(report: Report, color: bool = False, *, verbose: bool = False) -
     else:
         lines += _summary(report, paint, brief=True)
         lines += _findings_brief(report, paint)
-        lines += _fixes(report, paint)
         lines += _segment_map(report, paint)
         lines += _pairs(report, paint)
         lines += _replay(report, paint)
@@ -483,7 +496,7 @@ def verdict_sentence(report: Report) -> str | None:
     if any(f.kind == "same_recording" for f in report.findings):
         return "Both sides are one recording: the rows match because they are the same rows."
     if report.verdict != "match":
-        return None
+        return root_cause_sentence(report)
     undecided = [f for f in report.findings if f.kind == "segment_undecided"]
     if undecided:
         return (f"No error, but for {len(undecided)} segment pair{'s' if len(undecided) > 1 else ''} the data cannot tell "
@@ -499,54 +512,196 @@ def verdict_sentence(report: Report) -> str | None:
             f"numerics budget (standardised relative error; budget {how}).")
 
 
+def _plural(n: int, noun: str, many: str | None = None) -> str:
+    return f"{n} {noun if n == 1 else (many or noun + 's')}"
+
+
+def root_cause_sentence(report: Report) -> str | None:
+    """``1 root cause: the candidate's segments are shifted by one slot; 2 consequences.``: what a
+    mismatch comes down to, from :meth:`Report.causes` (None when no error is a root cause)."""
+    causes = report.causes()
+    if not causes:
+        return None
+    consequences = sum(len(c.consequences) for c in causes)
+    shown = [c.summary for c in causes[:3]]
+    head = _plural(len(causes), "root cause") + (", the first 3" if len(causes) > 3 else "")
+    tail = f"; {_plural(consequences, 'consequence')}" if consequences else ""
+    return f"{head}: {'; '.join(shown)}{tail}."
+
+
 def render_verdict_line(report: Report) -> str:
-    """The verdict on one line (``compare -q``): ``mismatch: 3 errors, 1 warning, 0 info``."""
-    return f"{report.verdict}: {plural_counts(report.counts())}"
+    """The verdict on one line (``compare -q``): ``mismatch: 1 root cause, 2 consequences; 3 errors,
+    1 warning, 1 info`` (a match: ``match: 0 errors, 0 warnings, 2 info``)."""
+    causes = report.causes()
+    if not causes:
+        return f"{report.verdict}: {plural_counts(report.counts())}"
+    consequences = sum(len(c.consequences) for c in causes)
+    follows = f", {_plural(consequences, 'consequence')}" if consequences else ""
+    return f"{report.verdict}: {_plural(len(causes), 'root cause')}{follows}; {plural_counts(report.counts())}"
+
+
+def fix_heading(fix: dict[str, Any]) -> str:
+    """The Fix box's title: where the change goes."""
+    if fix.get("how") == "engine":
+        return "Fix: the aux-layer ids in the candidate engine's numbering"
+    if not (fix.get("config_can_fix") and fix.get("value") is not None):
+        return "Fix: not a config value"
+    where = f"on the candidate ({fix['engine']})" if fix.get("engine") else "on the candidate"
+    location = f", {fix['field_location']}" if fix.get("field_location") else ""
+    return f"Fix {where}{location}"
+
+
+def fix_assignment(fix: dict[str, Any]) -> str | None:
+    """``FIELD = VALUE`` in the candidate engine's numbering, when a config value fixes it."""
+    if fix.get("config_can_fix") and fix.get("value") is not None and fix.get("field"):
+        return f"{fix['field']} = {fmt_value(fix['value'])}"
+    return None
+
+
+RECORD_NEXT_TITLE = "What to record next: this report cannot decide"
+
+
+def box_steps(box: dict[str, Any] | None) -> list[tuple[str, list[str]]]:
+    """A box's steps as (sentence, commands) pairs."""
+    steps = (box or {}).get("steps") or []
+    return [(str(s.get("text", "")), [str(c) for c in s.get("commands") or []]) for s in steps if isinstance(s, dict)]
+
+
+def change_lines(f: Finding) -> list[str]:
+    """A config finding's readable diff, one ``field: reference -> candidate`` a line (physical layers
+    first, as the finding lists them); [] for other findings."""
+    changes = f.evidence.get("changes")
+    if not isinstance(changes, list):
+        return []
+    return [f"{c.get('field')}: {_side_value(c.get('reference'))} -> {_side_value(c.get('candidate'))}"
+            for c in changes if isinstance(c, dict)]
+
+
+def _side_value(value: Any) -> str:
+    return "(none)" if value is None else fmt_value(value)
+
+
+#: Readable-diff lines shown under a config finding in the default report (the rest: --verbose, JSON).
+CHANGES_SHOWN = 8
+
+
+#: Said before the config findings that record a root cause (they are no consequence of it).
+RECORDED_CONFIG = "the recorded config says the same:"
+
+
+def grouped_findings(report: Report) -> tuple[list[tuple[Finding, list[Finding], list[Finding]]], list[Finding]]:
+    """The findings as a person reads them: each root cause with its consequences and the config
+    findings that record it (:meth:`Report.causes`), then every other finding in severity order."""
+    causes = report.causes()
+    grouped = [(report.findings[c.finding], [report.findings[i] for i in c.consequences],
+                [report.findings[i] for i in c.config]) for c in causes]
+    placed = {i for c in causes for i in (c.finding, *c.consequences, *c.config)}
+    rest = [f for s in SEVERITIES for i, f in enumerate(report.findings) if f.severity == s and i not in placed]
+    return grouped, rest
 
 
 def fix_lines(report: Report) -> list[str]:
-    """The proposed fixes, one sentence each: the config value to set (or why no config can), from
-    the findings that carry one."""
-    out: list[str] = []
-    for f in report.findings:
-        fix = f.evidence.get("fix")
-        if not isinstance(fix, dict):
-            continue
-        value, field = fix.get("value"), fix.get("field")
-        if fix.get("config_can_fix") and value is not None and field:
-            engine = f" ({fix['engine']})" if fix.get("engine") else ""
-            text = (f"On the candidate{engine}: set {field} = {fmt_value(value)} ({fix.get('convention')} numbering), "
-                    f"then record it again and rerun this compare.")
+    """The fix in sentences (the demo prints them): the config value to set, or why no config can."""
+    fix = report.fix
+    if not fix:
+        return []
+    assignment = fix_assignment(fix)
+    if assignment is not None:
+        engine = f" ({fix['engine']})" if fix.get("engine") else ""
+        return [f"On the candidate{engine}: set {assignment} ({fix.get('convention')} numbering), then record it "
+                f"again and rerun this compare."]
+    return [text for text, _ in box_steps(fix)[:1]]
+
+
+def _box(title: str, body: list[str], paint: _Painter, style: str) -> list[str]:
+    rule = "-" * (WIDTH - 4 - len(title) - 3)
+    lines = ["", "  " + paint(f".- {title} ", "bold", style) + paint(rule, style)]
+    lines += ["  " + paint("|", style) + (" " + line if line else "") for line in body]
+    lines.append("  " + paint("'" + "-" * (WIDTH - 4), style))
+    return lines
+
+
+def _wrap_command(command: str, indent: str, width: int) -> list[str]:
+    """A shell command cut at spaces outside quotes, each cut ending in a backslash (still runs pasted)."""
+    words, word, quoted = [], "", False
+    for ch in command:
+        if ch == "'":
+            quoted = not quoted
+        if ch == " " and not quoted:
+            words.append(word)
+            word = ""
         else:
-            reasons = " ".join(str(r) for r in fix.get("reasons") or [] if r)
-            text = f"No config value fixes this: {reasons}" if reasons else "No config value fixes this."
-        if text not in out:
-            out.append(text)
-    return out
+            word += ch
+    words.append(word)
+    lines, line = [], indent
+    for w in words:
+        if line.strip() and len(line) + 1 + len(w) + 2 > width:
+            lines.append(line + " \\")
+            line = indent + "    " + w
+        else:
+            line = f"{line} {w}" if line.strip() else line + w
+    return lines + [line]
+
+
+def _box_body(box: dict[str, Any], first: str | None, reasons: list[str]) -> list[str]:
+    inner = WIDTH - 5
+    body: list[str] = []
+    if first:
+        body += [("    " + line) for line in _wrap(clean(first), "", hang="    ") if line]
+    for reason in reasons:
+        body += _wrap(clean(reason), "", hang="  ")
+    for text, commands in box_steps(box):
+        if text:
+            body += _wrap(clean(text), "", hang="  ")
+        for command in commands:
+            body += _wrap_command(clean(command), "    ", inner)
+    return body
 
 
 def _fixes(report: Report, paint: _Painter) -> list[str]:
-    fixes = fix_lines(report)
-    if not fixes:
-        return []
-    lines = _heading("Fix", paint)
-    for text in fixes:
-        lines += _wrap(clean(text), "  ", hang="      ")
+    """The Fix box and the "what to record next" box, at the top of the report."""
+    lines: list[str] = []
+    if report.fix:
+        lines += _box(fix_heading(report.fix), _box_body(report.fix, fix_assignment(report.fix), []), paint, "green")
+    if report.record_next:
+        reasons = [str(r) for r in report.record_next.get("reasons") or []]
+        lines += _box(RECORD_NEXT_TITLE, _box_body(report.record_next, None, reasons), paint, "yellow")
     return lines
 
 
 def _findings_brief(report: Report, paint: _Painter) -> list[str]:
-    """Every finding's message, errors first, without its evidence."""
+    """Each root cause with what follows from it under it, then the other findings by severity;
+    messages without their evidence (config findings with their readable diff)."""
     if not report.findings:
         return []
-    lines = _heading("Findings (root cause first)", paint)
-    for severity in SEVERITIES:
-        for f in report.findings:
-            if f.severity == severity:
-                lines += _finding_line(f, paint, indent="  ")
-                table = group_table(f)
-                if table is not None:
-                    lines += _table(*table, indent=" " * 6)
+    grouped, rest = grouped_findings(report)
+    title = "Findings (each root cause, then what follows from it)" if grouped else "Findings"
+    lines = _heading(title, paint)
+    for root, consequences, config in grouped:
+        lines += _brief_finding(root, paint, "  ")
+        for f in consequences:
+            lines += _brief_finding(f, paint, "    -> ", hang=" " * 10)
+        if config:
+            lines.append(f"    {RECORDED_CONFIG}")
+        for f in config:
+            lines += _brief_finding(f, paint, "    -> ", hang=" " * 10)
+    for f in rest:
+        lines += _brief_finding(f, paint, "  ")
+    return lines
+
+
+def _brief_finding(f: Finding, paint: _Painter, indent: str, hang: str | None = None) -> list[str]:
+    hang = hang if hang is not None else indent + "    "
+    lines = _finding_line(f, paint, indent=indent, hang=hang)
+    table = group_table(f)
+    if table is not None:
+        lines += _table(*table, indent=hang + "  ")
+    # The diff of a warning or error; an info finding's message names its fields (--verbose has them all).
+    changes = change_lines(f) if f.severity != "info" else []
+    for change in changes[:CHANGES_SHOWN]:
+        lines += _wrap(clean(change), hang + "  ", hang=hang + "      ")
+    if len(changes) > CHANGES_SHOWN:
+        lines.append(f"{hang}  ... {len(changes) - CHANGES_SHOWN} more (--verbose, or the JSON report)")
     return lines
 
 
@@ -627,8 +782,12 @@ def _summary(report: Report, paint: _Painter, *, brief: bool = False) -> list[st
     ]
     sentence = verdict_sentence(report)
     if sentence:
-        lines += _wrap(sentence, "  ")
+        lines += _wrap(clean(sentence), "  ")
+    boxes = _fixes(report, paint)
+    lines += boxes
     if not brief:
+        if boxes:
+            lines.append("")
         for f in report.findings:
             if f.severity == "error":
                 lines += _finding_line(f, paint, indent="  ")
@@ -652,9 +811,9 @@ def aux_brief(side: Side) -> str:
             f"{fmt_value(aux.get('recorded'))} in {aux.get('field')})")
 
 
-def _finding_line(f: Finding, paint: _Painter, indent: str) -> list[str]:
+def _finding_line(f: Finding, paint: _Painter, indent: str, hang: str | None = None) -> list[str]:
     tag = f"{_SEVERITY_TAGS[f.severity]} {f.kind}:"
-    wrapped = _wrap(f"{tag} {clean(f.message)}", indent, hang=indent + "    ")
+    wrapped = _wrap(f"{tag} {clean(f.message)}", indent, hang=indent + "    " if hang is None else hang)
     # Colour only the tag, after wrapping, so the widths stay right.
     first = wrapped[0]
     wrapped[0] = first.replace(tag, paint(tag, "bold", _SEVERITY_COLORS[f.severity]), 1)
@@ -665,21 +824,43 @@ def _findings(report: Report, paint: _Painter) -> list[str]:
     lines = _heading("Findings", paint)
     if not report.findings:
         return lines + ["  none"]
+    grouped, rest = grouped_findings(report)
+    if grouped:
+        lines.append(paint(f"  Root causes ({len(grouped)}), each with what follows from it", "bold"))
+        for root, consequences, config in grouped:
+            lines += _full_finding(root, paint, "    ")
+            for f in consequences:
+                lines += _full_finding(f, paint, "      -> ", hang=" " * 12)
+            if config:
+                lines.append(f"      {RECORDED_CONFIG}")
+            for f in config:
+                lines += _full_finding(f, paint, "      -> ", hang=" " * 12)
     for severity in SEVERITIES:
-        group = [f for f in report.findings if f.severity == severity]
+        group = [f for f in rest if f.severity == severity]
         if not group:
             continue
         lines.append(paint(f"  {SEVERITY_TITLES[severity]} ({len(group)})", "bold"))
         for f in group:
-            lines += _finding_line(f, paint, indent="    ")
-            table = group_table(f)
-            if table is not None:
-                lines += _table(*table, indent=" " * 8)
-            for key, value in f.evidence.items():
-                if key in TABLE_EVIDENCE:
-                    continue
-                text = clip(fmt_value(value), EVIDENCE_CHARS)
-                lines += _wrap(f"{clean(key)}: {clean(text)}", " " * 8, hang=" " * 12)
+            lines += _full_finding(f, paint, "    ")
+    return lines
+
+
+def _full_finding(f: Finding, paint: _Painter, indent: str, hang: str | None = None) -> list[str]:
+    """A finding with every piece of evidence (a config finding's diff one field a line, not its
+    raw entries: the JSON report has those)."""
+    hang = indent + "    " if hang is None else hang
+    lines = _finding_line(f, paint, indent=indent, hang=hang)
+    table = group_table(f)
+    if table is not None:
+        lines += _table(*table, indent=hang)
+    changes = change_lines(f)
+    for change in changes:
+        lines += _wrap(clean(change), hang, hang=hang + "    ")
+    for key, value in f.evidence.items():
+        if key in TABLE_EVIDENCE or (changes and key in CHANGE_EVIDENCE):
+            continue
+        text = clip(fmt_value(value), EVIDENCE_CHARS)
+        lines += _wrap(f"{clean(key)}: {clean(text)}", hang, hang=hang + "    ")
     return lines
 
 
@@ -765,12 +946,10 @@ def _plan(report: Report, paint: _Painter) -> list[str]:
 
 
 def _config_diff(report: Report, paint: _Painter) -> list[str]:
-    lines = _heading("Config diff (meta of reference vs candidate)", paint)
+    lines = _heading("Config diff (meta of reference -> candidate, one field a line)", paint)
     items = config_diff_items(report)
     if not items:
         return lines + ["  no differences"]
     for path, change, ref, cand in items:
-        lines += _wrap(f"{clean(path)}: {clean(change)}", "  ", hang="      ")
-        lines += _wrap(f"reference: {clean(ref)}", "      ", hang="          ")
-        lines += _wrap(f"candidate: {clean(cand)}", "      ", hang="          ")
+        lines += _wrap(f"{clean(path)}: {clean(ref)} -> {clean(cand)}  ({clean(change)})", "  ", hang="      ")
     return lines

@@ -37,22 +37,14 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import (
-    DeepseekV3Config,
-    DeepseekV3ForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    PretrainedConfig,
-    PreTrainedModel,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+
+if TYPE_CHECKING:
+    # transformers is imported where a model is built (seconds at import: test collection stays cheap).
+    from transformers import PretrainedConfig, PreTrainedModel
 
 from tracediff.testing.tiny_llama import TinyLlama, instantiate_model, layer_states
 
@@ -186,6 +178,17 @@ def _config(
     arch: str, hidden_size: int, num_layers: int, vocab_size: int, every_expert: bool = False
 ) -> tuple[type[PreTrainedModel], PretrainedConfig]:
     """The model class and a tiny config of ``arch``: head size :data:`HEAD_DIM`, GQA as the architecture has it."""
+    from transformers import (  # noqa: PLC0415
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
     heads = hidden_size // HEAD_DIM
     common: dict[str, Any] = {
         "vocab_size": vocab_size,

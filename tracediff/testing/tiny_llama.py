@@ -36,12 +36,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
+
+if TYPE_CHECKING:
+    # transformers costs seconds to import: the functions that build or run a model import it, so
+    # importing this module (every test module does, at collection) stays cheap.
+    from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
 __all__ = [
     "ENGINE_RID_BASE",
@@ -131,6 +135,8 @@ def build_tiny_llama(
     The global torch RNG is left untouched (the build runs under ``fork_rng``), so building a model
     in a test does not change the random numbers of the code around it.
     """
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
     if hidden_size % 4:
         raise ValueError(f"hidden_size must be a multiple of 4 (4 attention heads), got {hidden_size}")
     config = LlamaConfig(
@@ -180,6 +186,8 @@ def instantiate_model(
 
 def new_cache(tl: TinyLlama) -> DynamicCache:
     """An empty KV cache for ``tl``'s model (one per request, as an engine keeps one per request)."""
+    from transformers import DynamicCache  # noqa: PLC0415
+
     try:
         return DynamicCache(config=tl.config)
     except TypeError:  # transformers 4.x before DynamicCache took a config
