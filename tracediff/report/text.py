@@ -614,7 +614,8 @@ def fix_lines(report: Report) -> list[str]:
 
 
 def _box(title: str, body: list[str], paint: _Painter, style: str) -> list[str]:
-    rule = "-" * (WIDTH - 4 - len(title) - 3)
+    title = clean(title)  # an engine's name comes from a store
+    rule = "-" * max(3, WIDTH - 4 - len(title) - 3)
     lines = ["", "  " + paint(f".- {title} ", "bold", style) + paint(rule, style)]
     lines += ["  " + paint("|", style) + (" " + line if line else "") for line in body]
     lines.append("  " + paint("'" + "-" * (WIDTH - 4), style))
