@@ -545,7 +545,7 @@ def fix_heading(fix: dict[str, Any]) -> str:
     if fix.get("how") == "engine":
         return "Fix: the aux-layer ids in the candidate engine's numbering"
     if not (fix.get("config_can_fix") and fix.get("value") is not None):
-        return "Fix: not a config value"
+        return "Fix: in code, not a config value"
     where = f"on the candidate ({fix['engine']})" if fix.get("engine") else "on the candidate"
     location = f", {fix['field_location']}" if fix.get("field_location") else ""
     return f"Fix {where}{location}"
