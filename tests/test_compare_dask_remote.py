@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import skip_unless_installed
 
 skip_unless_installed("distributed", "s3fs")

@@ -19,7 +19,6 @@ import json
 import re
 import shlex
 import shutil
-from pathlib import Path
 
 import pytest
 
