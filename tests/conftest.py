@@ -34,6 +34,20 @@ VOCAB = 128
 REPO = Path(__file__).resolve().parents[1]
 
 
+def report_without_paths(report: dict[str, Any]) -> dict[str, Any]:
+    """A JSON compare report with the two stores' paths taken out: what must not depend on where they
+    live (the commands of its Fix and what-to-record-next boxes name the stores: there they become words)."""
+    import shlex  # noqa: PLC0415
+
+    out = json.loads(json.dumps(report))
+    words = {shlex.quote(out[side].pop("path")): side.upper() for side in ("reference", "candidate")}
+    for box in (out.get("fix"), out.get("record_next")):
+        for step in (box or {}).get("steps", []):
+            for path, word in sorted(words.items(), key=lambda kv: -len(kv[0])):
+                step["commands"] = [c.replace(path, word) for c in step["commands"]]
+    return out
+
+
 # ------------------------------------------------------------------------------- optional frameworks
 def skip_unless_installed(*modules: str, reason: str = "") -> None:
     """Skip the calling test module unless every one of ``modules`` is installed, without importing

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from conftest import cli_env, invoke_tracediff, read_plain, skip_unless_installed
 
 skip_unless_installed("speculators", reason="speculators is not installed (requirements/frameworks-trainers.sh)")

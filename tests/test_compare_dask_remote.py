@@ -14,11 +14,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-
-from conftest import skip_unless_installed
+from conftest import report_without_paths, skip_unless_installed
 
 skip_unless_installed("distributed", "s3fs")
 
@@ -30,13 +28,6 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "samples"
 
 __all__ = ["object_store"]  # the fixture, used by name
-
-
-def _without_paths(report: dict[str, Any]) -> dict[str, Any]:
-    out = json.loads(json.dumps(report))
-    for side in ("reference", "candidate"):
-        out[side].pop("path")
-    return out
 
 
 def _compare(env: dict[str, str], out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -62,7 +53,7 @@ def test_compare_dask_of_bucket_stores_gives_the_report_of_the_local_folders(obj
     there = json.loads((tmp_path / "dask.json").read_text())
     here = json.loads((tmp_path / "local.json").read_text())
     assert there["candidate"]["path"] == urls["server_broken"]
-    assert _without_paths(there) == _without_paths(here)
+    assert report_without_paths(there) == report_without_paths(here)
     assert there["verdict"] == "mismatch" and there["findings"]
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import REPO, cli_env, invoke_tracediff
+from conftest import REPO, cli_env, invoke_tracediff, report_without_paths
 from object_store import KILL_WIDTH, NODE_SCRIPT, FaultProxy, ObjectStore, object_store, record_to_url_until_killed
 from reliability_children import race_group_creation
 from test_send import SEQS, FakeServer, write_trace
@@ -45,18 +44,6 @@ def _one_line_error(result: Any, *names: str) -> str:
     for name in names:
         assert name in lines[0], (name, lines[0])
     return lines[0]
-
-
-def _without_paths(report: dict[str, Any]) -> dict[str, Any]:
-    """A JSON report with the two stores' paths taken out: what must not depend on where they live
-    (the commands of its Fix and what-to-record-next boxes name the stores: there they become words)."""
-    out = json.loads(json.dumps(report))
-    words = {shlex.quote(out[side].pop("path")): side.upper() for side in ("reference", "candidate")}
-    for box in (out.get("fix"), out.get("record_next")):
-        for step in (box or {}).get("steps", []):
-            for path, word in sorted(words.items(), key=lambda kv: -len(kv[0])):
-                step["commands"] = [c.replace(path, word) for c in step["commands"]]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +80,7 @@ def test_compare_of_urls_gives_the_same_json_report_as_of_local_folders(
     assert remote.returncode == local.returncode == 1, remote.stderr
     there, here = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("r", "l"))
     assert there["candidate"]["path"] == bucket_samples["server_broken"]
-    assert _without_paths(there) == _without_paths(here)
+    assert report_without_paths(there) == report_without_paths(here)
     assert there["verdict"] == "mismatch" and there["findings"] and there["metrics"]
 
 

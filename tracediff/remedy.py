@@ -256,9 +256,9 @@ def _bank_used(report: Any) -> bool:
     return any(m.bank_layer for m in report.segment_map)
 
 
-def _bank_step(report: Any, why: str) -> dict[str, Any]:
-    return {"text": f"Or record a bank of every layer of the target on the same token ids ({why}), and compare "
-                    f"with it:",
+def _bank_step(report: Any) -> dict[str, Any]:
+    return {"text": "A bank of every layer of the target, recorded on the same token ids, names each segment's "
+                    "layer: record one and compare with it:",
             "commands": ["tracediff record --adapter hf -o bank.zarr -- python run_target_on_samples.py",
                          _compare_command(report, " --bank bank.zarr")]}
 
@@ -291,18 +291,17 @@ def record_next_box(report: Any) -> dict[str, Any] | None:
                           "commands": [f"tracediff calibrate {ref} --model TARGET_DIR --dtype {dtype}",
                                        _compare_command(report)]})
         if not _bank_used(report):
-            steps.append(_bank_step(report, "it names each segment's layer"))
+            steps.append(_bank_step(report))
     found = _root_fix(report)
     if found is not None and _target_unknown(found[1]):
         finding, fix = found
-        reasons.append(f"No side records which layer each reference segment is, so {finding.kind} has no fix value: "
-                       + " ".join(str(r) for r in fix.get("reasons") or []))
+        reasons.append(f"{finding.kind} has no fix value: " + " ".join(str(r) for r in fix.get("reasons") or []))
         steps.append({"text": "Record the reference's aux-layer ids with their numbering (e.g. tracediff.record(..., "
                               "meta={\"aux_layers\": {\"ids\": [...], \"convention\": \"hf\"}}), or record with the "
                               "trainer's adapter: --adapter speculators / specforge), and compare again.",
                       "commands": []})
         if not _bank_used(report):
-            steps.append(_bank_step(report, "it names each segment's layer"))
+            steps.append(_bank_step(report))
     if not reasons:
         return None
     unique = [s for k, s in enumerate(steps) if s not in steps[:k]]

@@ -53,7 +53,7 @@ class Finding:
     message: str
     evidence: dict[str, Any] = field(default_factory=dict)
     #: What is wrong in a few words ("the candidate's segments are shifted by one slot"): the verdict
-    #: line names a root cause by it. "" where none was written (the message then stands for it).
+    #: line names a root cause by it. "" where none was written (its kind then stands for it).
     summary: str = ""
 
     def __post_init__(self) -> None:
@@ -252,7 +252,7 @@ class Report:
     replay: dict[str, Any] | None = None  # compare --draft / tracediff replay (tracediff.replay.ReplayResult)
     # What differs, per position: each wrong segment against its closest counterpart, each subset's groups.
     position_profiles: list[SegmentProfile] = field(default_factory=list)
-    # The Fix box (tracediff.remedy.next_steps): the config field and value in the candidate engine's
+    # The Fix box (tracediff.remedy.attach_next_steps): the config field and value in the candidate engine's
     # numbering, or why no config value can fix it, and the commands to record again and compare; None
     # when no fix is known.
     fix: dict[str, Any] | None = None

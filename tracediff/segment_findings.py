@@ -106,7 +106,7 @@ def _mark_shift_consequences(wiring: list[Finding], ref_segments: int, cand_segm
         if ((f.kind == "segment_missing" and f.evidence["reference_segment"] in vacated)
                 or (f.kind == "segment_extra" and f.evidence["candidate_segment"] in filled)):
             f.evidence["explained_by"] = "segment_order"
-            f.message = f.message.rstrip() + f" It follows from the shift (see segment_order)."
+            f.message = f.message.rstrip() + " It follows from the shift (see segment_order)."
 
 
 def _attach_fix(finding: Finding, fix: Fix) -> None:

@@ -545,7 +545,7 @@ def fix_heading(fix: dict[str, Any]) -> str:
     if fix.get("how") == "engine":
         return "Fix: the aux-layer ids in the candidate engine's numbering"
     if not (fix.get("config_can_fix") and fix.get("value") is not None):
-        return "Fix: not a config value"
+        return "Fix: in code, not a config value"
     where = f"on the candidate ({fix['engine']})" if fix.get("engine") else "on the candidate"
     location = f", {fix['field_location']}" if fix.get("field_location") else ""
     return f"Fix {where}{location}"
@@ -614,7 +614,8 @@ def fix_lines(report: Report) -> list[str]:
 
 
 def _box(title: str, body: list[str], paint: _Painter, style: str) -> list[str]:
-    rule = "-" * (WIDTH - 4 - len(title) - 3)
+    title = clean(title)  # an engine's name comes from a store
+    rule = "-" * max(3, WIDTH - 4 - len(title) - 3)
     lines = ["", "  " + paint(f".- {title} ", "bold", style) + paint(rule, style)]
     lines += ["  " + paint("|", style) + (" " + line if line else "") for line in body]
     lines.append("  " + paint("'" + "-" * (WIDTH - 4), style))
