@@ -301,20 +301,17 @@ class PassPlan:
     reference_dtype: str
     candidate_streams: tuple[StreamLocation, ...] = ()
     reference_streams: tuple[StreamLocation, ...] = ()
-    # Whether blocks use the fused kernel (tracediff.kernels) where it runs: only for a pass large
-    # enough to pay for loading numba (about half a second) and, once per machine, compiling it.
+    # Whether blocks use the fused kernel (tracediff.kernels) where it runs.
     fused: bool = False
 
 
-#: Raw bytes (both sides) from which a pass uses the fused kernel.
-FUSED_MIN_BYTES = 64 << 20
-
-
-def use_fused_kernel(pass_bytes: int) -> bool:
-    """Whether a pass over ``pass_bytes`` of raw rows uses the fused kernel: from
-    :data:`FUSED_MIN_BYTES` on; ``TRACEDIFF_KERNEL=fused`` always, ``=torch`` never."""
-    choice = os.environ.get("TRACEDIFF_KERNEL", "").lower()
-    return choice == "fused" or (choice != "torch" and pass_bytes >= FUSED_MIN_BYTES)
+def use_fused_kernel() -> bool:
+    """Whether the pass uses the fused kernel: only on request
+    (``TRACEDIFF_KERNEL=fused``) for now. The kernel alone is 3.6-4.5x the torch kernels per CPU
+    second (benchmarks/bench_kernel.py), but a whole compare of 1 GiB a side measured 1.32x the time
+    with it (numba's import, its memory, the pass's other per-row work): it becomes the default when
+    a whole compare is shown faster (docs/performance.md)."""
+    return os.environ.get("TRACEDIFF_KERNEL", "").lower() == "fused"
 
 
 @dataclass(frozen=True)
@@ -382,7 +379,7 @@ def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches
     return PassPlan(tuple((int(i), int(j)) for i, j in matches), size, block, sub, tuple(scales),
                     tuple(profiles or ()), buckets.edges, wc, wr, cdt, rdt,
                     tuple(location_of(s) for s in candidate.streams), tuple(location_of(s) for s in reference.streams),
-                    use_fused_kernel(len(pairs) * raw_row))
+                    use_fused_kernel())
 
 
 class _Pass:

@@ -124,7 +124,7 @@ def _build() -> Any:
 
 def fused_kernel() -> Any:
     """The compiled kernel, or None where numba is missing (or ``TRACEDIFF_KERNEL=torch``; which
-    passes use it at all: :func:`tracediff.diagnose.use_fused_kernel`)."""
+    passes use it at all: :func:`tracediff.diagnose.use_fused_kernel`, opt-in)."""
     global _KERNEL, _TRIED
     if os.environ.get("TRACEDIFF_KERNEL", "").lower() == "torch":
         return None
