@@ -678,14 +678,7 @@ def _findings_brief(report: Report, paint: _Painter) -> list[str]:
     grouped, rest = grouped_findings(report)
     title = "Findings (each root cause, then what follows from it)" if grouped else "Findings"
     lines = _heading(title, paint)
-    for root, consequences, config in grouped:
-        lines += _brief_finding(root, paint, "  ")
-        for f in consequences:
-            lines += _brief_finding(f, paint, "    -> ", hang=" " * 10)
-        if config:
-            lines.append(f"    {RECORDED_CONFIG}")
-        for f in config:
-            lines += _brief_finding(f, paint, "    -> ", hang=" " * 10)
+    lines += _cause_tree(grouped, _brief_finding, paint, "  ")
     for f in rest:
         lines += _brief_finding(f, paint, "  ")
     return lines
@@ -828,14 +821,7 @@ def _findings(report: Report, paint: _Painter) -> list[str]:
     grouped, rest = grouped_findings(report)
     if grouped:
         lines.append(paint(f"  Root causes ({len(grouped)}), each with what follows from it", "bold"))
-        for root, consequences, config in grouped:
-            lines += _full_finding(root, paint, "    ")
-            for f in consequences:
-                lines += _full_finding(f, paint, "      -> ", hang=" " * 12)
-            if config:
-                lines.append(f"      {RECORDED_CONFIG}")
-            for f in config:
-                lines += _full_finding(f, paint, "      -> ", hang=" " * 12)
+        lines += _cause_tree(grouped, _full_finding, paint, "    ")
     for severity in SEVERITIES:
         group = [f for f in rest if f.severity == severity]
         if not group:
@@ -953,4 +939,20 @@ def _config_diff(report: Report, paint: _Painter) -> list[str]:
         return lines + ["  no differences"]
     for path, change, ref, cand in items:
         lines += _wrap(f"{clean(path)}: {clean(ref)} -> {clean(cand)}  ({clean(change)})", "  ", hang="      ")
+    return lines
+
+
+def _cause_tree(grouped: list, render: Any, paint: Any, indent: str) -> list[str]:
+    """Each root cause at ``indent``, its consequences and the config findings that say the same
+    under it (``-> ``), rendered by ``render`` (brief or full)."""
+    lines: list[str] = []
+    arrow, hang = f"{indent}  -> ", " " * (len(indent) + 8)
+    for root, consequences, config in grouped:
+        lines += render(root, paint, indent)
+        for f in consequences:
+            lines += render(f, paint, arrow, hang=hang)
+        if config:
+            lines.append(f"{indent}  {RECORDED_CONFIG}")
+        for f in config:
+            lines += render(f, paint, arrow, hang=hang)
     return lines
