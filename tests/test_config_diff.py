@@ -77,9 +77,10 @@ def test_the_shipped_samples_config_diff_is_unchanged():
     assert any(AUX_KEYS.search(e["path"]) for e in diff) and len(mine) > 0
 
 
-def test_compare_imports_neither_deepdiff_nor_pandas():
+def test_compare_imports_neither_deepdiff_nor_pandas_nor_torch():
+    # torch alone is 1.1-1.4 s of a process's start-up here: a compare is numpy (issue #27).
     code = ("import sys; from tracediff.compare import compare_stores; "
             "compare_stores('samples/train.zarr', 'samples/server_broken.zarr'); "
-            "print(sorted(m for m in ('deepdiff', 'pandas', 'polars') if m in sys.modules))")
+            "print(sorted(m for m in ('deepdiff', 'pandas', 'polars', 'torch', 'numba') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

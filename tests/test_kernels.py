@@ -1,6 +1,7 @@
-"""The fused kernel of the streaming pass gives the torch kernels' numbers (its reference
-implementation) up to float32 summation order, on every stored dtype it reads and on rows that are
-not ordinary (massive dimensions, zeros, NaN, Inf); and a compare decides the same with either."""
+"""The fused kernel of the streaming pass gives the numbers of the per-element formulas (torch here,
+an implementation independent of both of the pass's) up to float32 summation order, on every stored
+dtype it reads and on rows that are not ordinary (massive dimensions, zeros, NaN, Inf); and a compare
+decides the same with it and with the pass's numpy kernels (its reference implementation)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def test_fused_row_stats_equal_the_torch_kernels(cdtype, rdtype):
     assert not dn[:, n:].any() and not xc[n:].any()
 
 
-def test_stored_float16_rows_keep_the_torch_kernels():
+def test_stored_float16_rows_keep_the_numpy_kernels():
     raw = np.zeros((4, 64), np.float16)
     out = np.zeros((4, 1), np.float32)
     args = (np.array([0]), np.array([0]), np.zeros((1, 64), np.float32), np.ones((1, 64), np.float32))
@@ -86,7 +87,7 @@ def _summary(report):
 
 @pytest.mark.parametrize("candidate", ["server_broken", "server_fixed"])
 def test_compare_decides_the_same_with_either_kernel(monkeypatch, candidate):
-    monkeypatch.setenv("TRACEDIFF_KERNEL", "torch")
+    monkeypatch.setenv("TRACEDIFF_KERNEL", "numpy")
     slow = compare_stores("samples/train.zarr", f"samples/{candidate}.zarr")
     monkeypatch.setenv("TRACEDIFF_KERNEL", "fused")
     fast = compare_stores("samples/train.zarr", f"samples/{candidate}.zarr")
@@ -101,7 +102,7 @@ def test_subset_findings_are_the_same_with_either_kernel(monkeypatch, tmp_path):
     from subset_traces import record_subset_traces
 
     traces = record_subset_traces(tmp_path)
-    monkeypatch.setenv("TRACEDIFF_KERNEL", "torch")
+    monkeypatch.setenv("TRACEDIFF_KERNEL", "numpy")
     slow = compare_stores(traces["ref"], traces["decode_zeros"])
     monkeypatch.setenv("TRACEDIFF_KERNEL", "fused")
     fast = compare_stores(traces["ref"], traces["decode_zeros"])

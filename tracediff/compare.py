@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from tracediff import __version__
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
@@ -105,7 +104,7 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
         )
 
     # -- shapes first: each side's recorded segment size
-    def size_sample() -> tuple[torch.Tensor, torch.Tensor]:
+    def size_sample() -> tuple[np.ndarray, np.ndarray]:
         pick = sample_pairs(base_pairs, 256, opts.seed)
         return read_rows(ref_index, base_pairs.reference[pick]), read_rows(cand_index, base_pairs.candidate[pick])
 

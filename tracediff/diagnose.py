@@ -4,13 +4,13 @@ Memory: per worker thread one block of raw rows for both sides (about ``block_by
 buffers of a sub-block (about 2 MiB), a small cache of decoded chunks for compressed stores only,
 and per-row float32 arrays the size of the row index. Throughput is bound by copying the rows out of
 the page cache and by the float32 kernels: rows of uncompressed chunk files are read straight into a
-reused 64-byte aligned buffer, blocks run on ``workers`` threads (torch single-threaded inside each:
-no OpenMP barrier per kernel, no collapse when other processes hold the cores), and every kernel
-writes into a buffer allocated once.
+reused 64-byte aligned buffer, blocks run on ``workers`` threads (numpy's kernels release the GIL and
+are single-threaded inside: no OpenMP barrier per kernel, no collapse when other processes hold the
+cores), and every kernel writes into a buffer allocated once. No torch: a compare never imports it.
 
 A block of row pairs is the unit of work everywhere: :class:`_Pass` computes one from the small
 :class:`PassPlan` and the block's :class:`BlockSpec` (which stored rows each side reads) alone, into
-a :class:`_BlockResult` of sums, counts, first indices, per-position sums and the block's per-row
+a :class:`BlockResult` of sums, counts, first indices, per-position sums and the block's per-row
 metrics; :class:`_Merger` adds results in block order whatever order they finish in. So threads of
 this process and tasks on a cluster (:mod:`tracediff.distributed`) give the same bits.
 
@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 
 from tracediff.align import RowIndex, RowPairs
 from tracediff.errors import CompareError
@@ -46,7 +45,7 @@ Progress = Callable[[int], None]
 _TINY = 1e-30  # norms are clamped to this before dividing (as the per-element formulas always did)
 
 
-class _ChunkReader:
+class ChunkReader:
     """Gathers arbitrary rows of a list of streams: rows of uncompressed chunk files are read straight
     into the output (only the rows asked for); other chunks are decoded whole, through a small LRU
     cache. Not thread-safe: one per thread."""
@@ -101,6 +100,14 @@ class _ChunkReader:
                 data = self._chunk(int(s), int(c))
                 out[part] = data[within[part] - c * cr]
         return out[:n]
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS says, else the machine's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def _reference_files() -> int:
@@ -181,10 +188,10 @@ class ProfileRequest:
     kind: str  # segment_missing | segment_extra | segment_duplicate
     candidate: int
     reference: int
-    cand_mean: torch.Tensor  # the candidate segment's robust (mean, scale), as the plan's matrix used
-    cand_scale: torch.Tensor
-    ref_mean: torch.Tensor
-    ref_scale: torch.Tensor
+    cand_mean: np.ndarray  # the candidate segment's robust (mean, scale), as the plan's matrix used
+    cand_scale: np.ndarray
+    ref_mean: np.ndarray
+    ref_scale: np.ndarray
     numerics_budget: float
     drift_limit: float
     same_tensor_cosine: float
@@ -208,7 +215,7 @@ class StreamResult:
     profiles: list[SegmentProfile] = field(default_factory=list)
 
 
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An empty array whose start is 64-byte aligned: copies from the page cache into a buffer that is
     not (numpy's large allocations start 16 bytes into a page) run several times slower."""
     dtype = np.dtype(dtype)
@@ -218,11 +225,12 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return raw[skip : skip + nbytes].view(dtype).reshape(shape)
 
 
-def _source(raw: np.ndarray, dtype: str) -> torch.Tensor:
-    """A torch view of stored rows (bf16 bits as bfloat16), without copying."""
+def _widen(src: np.ndarray, dtype: str, out: np.ndarray) -> None:
+    """Stored rows ``src`` into the float32 buffer ``out`` (bf16 bits widened exactly)."""
     if dtype == "bfloat16":
-        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(raw)
+        np.left_shift(src.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
+    else:
+        out[...] = src
 
 
 @dataclass
@@ -231,30 +239,30 @@ class _Buffers:
     the views of a sub-block the kernels read and write (made once: slicing costs as much as a
     small kernel)."""
 
-    cand: _ChunkReader
-    ref: _ChunkReader
+    cand: ChunkReader
+    ref: ChunkReader
     craw: np.ndarray  # [block, wc] stored dtype, 64-byte aligned
     rraw: np.ndarray
-    cf: torch.Tensor  # [sub, wc] float32
-    rf: torch.Tensor
-    d: torch.Tensor  # [sub, size] float32
-    xc: torch.Tensor  # [block, kc] segment norms
-    xr: torch.Tensor  # [block, kr]
-    dn: torch.Tensor  # [pairs, block] norm of the difference
-    mx: torch.Tensor  # [pairs, block] largest |difference|
-    sn: torch.Tensor  # [pairs, block] norm of the standardised difference
-    sd: torch.Tensor  # [pairs, block] norm of the standardised reference
-    d2: torch.Tensor  # [sub, size] float32 (profiles: the standardised reference)
-    pdn: torch.Tensor  # [profiles, block] norm of the difference
-    psn: torch.Tensor  # [profiles, block] norm of the standardised difference
-    psd: torch.Tensor  # [profiles, block] norm of the standardised reference
-    pzc: torch.Tensor  # [profiles, block] norm of the standardised candidate (its own scales)
-    pzd: torch.Tensor  # [profiles, block] dot of the two standardised segments
+    cf: np.ndarray  # [sub, wc] float32
+    rf: np.ndarray
+    d: np.ndarray  # [sub, size] float32
+    xc: np.ndarray  # [block, kc] segment norms
+    xr: np.ndarray  # [block, kr]
+    dn: np.ndarray  # [pairs, block] norm of the difference
+    mx: np.ndarray  # [pairs, block] largest |difference|
+    sn: np.ndarray  # [pairs, block] norm of the standardised difference
+    sd: np.ndarray  # [pairs, block] norm of the standardised reference
+    d2: np.ndarray  # [sub, size] float32 (profiles: the standardised reference)
+    pdn: np.ndarray  # [profiles, block] norm of the difference
+    psn: np.ndarray  # [profiles, block] norm of the standardised difference
+    psd: np.ndarray  # [profiles, block] norm of the standardised reference
+    pzc: np.ndarray  # [profiles, block] norm of the standardised candidate (its own scales)
+    pzd: np.ndarray  # [profiles, block] dot of the two standardised segments
     views: dict[tuple[int, int], tuple] = field(default_factory=dict)
 
 
 @dataclass
-class _BlockResult:
+class BlockResult:
     """What one block of row pairs adds to the pass: sums, counts and first indices that merge
     exactly (in block order, as one thread would add them), and the per-row metrics of its rows."""
 
@@ -292,7 +300,7 @@ class PassPlan:
     segment_size: int
     block: int  # rows of a block: bounds a worker's memory (about ``block_bytes`` of raw rows)
     sub: int
-    scales: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    scales: tuple[tuple[np.ndarray, np.ndarray], ...]
     profiles: tuple[ProfileRequest, ...]
     bucket_edges: np.ndarray
     candidate_width: int
@@ -307,7 +315,7 @@ class PassPlan:
 
 def use_fused_kernel() -> bool:
     """Whether the pass uses the fused kernel: only on request
-    (``TRACEDIFF_KERNEL=fused``) for now. The kernel alone is 3.6-4.5x the torch kernels per CPU
+    (``TRACEDIFF_KERNEL=fused``) for now. The kernel alone is 3.6-4.5x the eager kernels per CPU
     second (benchmarks/bench_kernel.py), but a whole compare of 1 GiB a side measured 1.32x the time
     with it (numba's import, its memory, the pass's other per-row work): it becomes the default when
     a whole compare is shown faster (docs/performance.md)."""
@@ -361,7 +369,7 @@ def location_of(stream: TraceStream) -> StreamLocation:
 
 
 def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches: list[tuple[int, int]],
-              segment_size: int, scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+              segment_size: int, scales: list[tuple[np.ndarray, np.ndarray]] | None = None,
               profiles: list[ProfileRequest] | None = None, block_bytes: int = 16 << 20) -> PassPlan:
     """The :class:`PassPlan` of :func:`stream_metrics`'s arguments."""
     size = segment_size
@@ -374,7 +382,7 @@ def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches
     # large enough that the per-kernel dispatch cost stays small.
     sub = max(16, min(block, (2 << 20) // max(1, (wc + wr) * 4)))
     if scales is None:
-        scales = [(torch.zeros(size), torch.ones(size)) for _ in matches]
+        scales = [(np.zeros(size, np.float32), np.ones(size, np.float32)) for _ in matches]
     buckets = PositionBuckets.of(reference.position[pairs.reference])
     return PassPlan(tuple((int(i), int(j)) for i, j in matches), size, block, sub, tuple(scales),
                     tuple(profiles or ()), buckets.edges, wc, wr, cdt, rdt,
@@ -393,8 +401,7 @@ class _Pass:
         self.profiles = list(plan.profiles)
         self.buckets = PositionBuckets(plan.bucket_edges, np.empty(0, dtype=np.int16))
         # Per profile: (reference mean, 1 / reference scale, candidate mean, 1 / candidate scale).
-        self.profile_scales = [(r.ref_mean.float().contiguous(), (1.0 / r.ref_scale.float()).contiguous(),
-                                r.cand_mean.float().contiguous(), (1.0 / r.cand_scale.float()).contiguous())
+        self.profile_scales = [(_f32(r.ref_mean), _inverse(r.ref_scale), _f32(r.cand_mean), _inverse(r.cand_scale))
                                for r in self.profiles]
         self.size, self.block, self.sub = plan.segment_size, plan.block, plan.sub
         self.wc, self.wr = plan.candidate_width, plan.reference_width
@@ -403,36 +410,36 @@ class _Pass:
         self.seg_c = np.array([i for i, _ in self.matches], dtype=np.int64)
         self.seg_r = np.array([j for _, j in self.matches], dtype=np.int64)
         # Per pair: the reference segment's robust mean and 1 / scale (the plan's, float32).
-        self.scales = [(m.float().contiguous(), (1.0 / s.float()).contiguous()) for m, s in plan.scales]
+        self.scales = [(_f32(m), _inverse(s)) for m, s in plan.scales]
         # The same as [pairs, size] arrays, for the fused kernel.
         self.np_means = np.ascontiguousarray(
-            np.stack([m.numpy() for m, _ in self.scales]) if self.scales else np.zeros((0, self.size), np.float32))
+            np.stack([m for m, _ in self.scales]) if self.scales else np.zeros((0, self.size), np.float32))
         self.np_invs = np.ascontiguousarray(
-            np.stack([s.numpy() for _, s in self.scales]) if self.scales else np.zeros((0, self.size), np.float32))
+            np.stack([s for _, s in self.scales]) if self.scales else np.zeros((0, self.size), np.float32))
 
     def buffers(self) -> _Buffers:
         p, q = len(self.matches), len(self.profiles)
         return _Buffers(
-            cand=_ChunkReader(self.candidate, max_chunks=8),
+            cand=ChunkReader(self.candidate, max_chunks=8),
             # The reference is read in the candidate's order, across many chunk files at once.
-            ref=_ChunkReader(self.reference, max_chunks=64, max_files=_reference_files()),
-            craw=_aligned_empty((self.block, self.wc), VALUE_DTYPES[self.cdt]),
-            rraw=_aligned_empty((self.block, self.wr), VALUE_DTYPES[self.rdt]),
-            cf=torch.empty(self.sub, self.wc),
-            rf=torch.empty(self.sub, self.wr),
-            d=torch.empty(self.sub, self.size),
-            xc=torch.empty(self.block, self.kc),
-            xr=torch.empty(self.block, self.kr),
-            dn=torch.empty(p, self.block),
-            mx=torch.empty(p, self.block),
-            sn=torch.empty(p, self.block),
-            sd=torch.empty(p, self.block),
-            d2=torch.empty(self.sub if q else 0, self.size),
-            pdn=torch.empty(q, self.block),
-            psn=torch.empty(q, self.block),
-            psd=torch.empty(q, self.block),
-            pzc=torch.empty(q, self.block),
-            pzd=torch.empty(q, self.block),
+            ref=ChunkReader(self.reference, max_chunks=64, max_files=_reference_files()),
+            craw=aligned_empty((self.block, self.wc), VALUE_DTYPES[self.cdt]),
+            rraw=aligned_empty((self.block, self.wr), VALUE_DTYPES[self.rdt]),
+            cf=aligned_empty((self.sub, self.wc), np.float32),
+            rf=aligned_empty((self.sub, self.wr), np.float32),
+            d=np.empty((self.sub, self.size), np.float32),
+            xc=np.empty((self.block, self.kc), np.float32),
+            xr=np.empty((self.block, self.kr), np.float32),
+            dn=np.empty((p, self.block), np.float32),
+            mx=np.empty((p, self.block), np.float32),
+            sn=np.empty((p, self.block), np.float32),
+            sd=np.empty((p, self.block), np.float32),
+            d2=np.empty((self.sub if q else 0, self.size), np.float32),
+            pdn=np.empty((q, self.block), np.float32),
+            psn=np.empty((q, self.block), np.float32),
+            psd=np.empty((q, self.block), np.float32),
+            pzc=np.empty((q, self.block), np.float32),
+            pzd=np.empty((q, self.block), np.float32),
         )
 
     def _views(self, w: _Buffers, s0: int, s1: int) -> tuple:
@@ -444,12 +451,12 @@ class _Pass:
         b, size = s1 - s0, self.size
         sides = []
         for raw, buf, dtype, k in ((w.craw, w.cf, self.cdt, self.kc), (w.rraw, w.rf, self.rdt, self.kr)):
-            src = _source(raw[s0:s1], dtype)
+            src = raw[s0:s1]
             if dtype == "float32":  # used in place
                 widen, rows = None, src
             else:
-                widen, rows = (buf[:b], src), buf[:b]
-            sides.append((widen, rows.view(b, k, size)))
+                widen, rows = (buf[:b], src, dtype), buf[:b]
+            sides.append((widen, rows.reshape(b, k, size)))
         (cwiden, c3), (rwiden, r3) = sides
         kernels = [
             (c3[:, i], r3[:, j], w.dn[p, s0:s1], w.mx[p, s0:s1],
@@ -466,7 +473,7 @@ class _Pass:
             w.views[key] = views
         return views
 
-    def run(self, pool: queue.SimpleQueue, spec: BlockSpec | Callable[[], BlockSpec]) -> _BlockResult:
+    def run(self, pool: queue.SimpleQueue, spec: BlockSpec | Callable[[], BlockSpec]) -> BlockResult:
         """One block on buffers taken from ``pool`` (``spec`` may be made here, on the thread)."""
         bufs = pool.get()
         try:
@@ -474,7 +481,7 @@ class _Pass:
         finally:
             pool.put(bufs)
 
-    def block_metrics(self, w: _Buffers, spec: BlockSpec) -> _BlockResult:
+    def block_metrics(self, w: _Buffers, spec: BlockSpec) -> BlockResult:
         start, stop = spec.start, spec.stop
         m, size, kc, kr = stop - start, self.size, self.kc, self.kr
         before = w.cand.bytes_read + w.ref.bytes_read
@@ -482,49 +489,47 @@ class _Pass:
         rraw = w.ref.gather_at(spec.ref_stream, spec.ref_row, w.rraw)
         # The norms of every segment and, per matched pair, of the difference: one fused loop that
         # reads each stored value once (tracediff.kernels), where it runs; else (and for the
-        # profiles) torch kernels a sub-block at a time (its float32 rows stay in cache).
-        fused = self.plan.fused and fused_row_stats(craw, rraw, m, size, self.cdt, self.rdt, self.seg_c, self.seg_r, self.np_means,
-                                self.np_invs, w.xc.numpy(), w.xr.numpy(), w.dn.numpy(), w.mx.numpy(),
-                                w.sn.numpy(), w.sd.numpy())
-        norm, sub_, absolute, amax, mul = torch.linalg.vector_norm, torch.sub, torch.abs, torch.amax, torch.mul
-        for s0 in range(0, m, self.sub) if not fused or self.profiles else ():
-            cwiden, rwiden, c3, r3, xc, xr, d, kernels, d2, profile_kernels = self._views(w, s0, min(m, s0 + self.sub))
-            if cwiden is not None:
-                cwiden[0].copy_(cwiden[1])
-            if rwiden is not None:
-                rwiden[0].copy_(rwiden[1])
-            if not fused:
-                norm(c3, 2, dim=2, out=xc)
-                norm(r3, 2, dim=2, out=xr)
-            for a, b, dn, mx, sn, sd, mean, inv_scale in ([] if fused else kernels):
-                sub_(a, b, out=d)
-                norm(d, 2, dim=1, out=dn)
-                # |d| in place: the norms below square it, and the largest |d| is the max abs diff.
-                # (abs + amax costs a tenth of aminmax on this machine's torch.)
-                absolute(d, out=d)
-                amax(d, dim=1, out=mx)
-                # The decision metric: every dimension in units of the reference's robust scale.
-                mul(d, inv_scale, out=d)
-                norm(d, 2, dim=1, out=sn)
-                sub_(b, mean, out=d)
-                mul(d, inv_scale, out=d)
-                norm(d, 2, dim=1, out=sd)
-            # Profiles: the same, plus the standardised cosine (each side in its own scales, as the
-            # plan's matrix).
-            for a, b, dn, sn, sd, zc, zd, rmean, rinv, cmean, cinv in profile_kernels:
-                sub_(a, b, out=d)
-                norm(d, 2, dim=1, out=dn)
-                mul(d, rinv, out=d)
-                norm(d, 2, dim=1, out=sn)
-                sub_(b, rmean, out=d2)
-                mul(d2, rinv, out=d2)
-                norm(d2, 2, dim=1, out=sd)
-                sub_(a, cmean, out=d)
-                mul(d, cinv, out=d)
-                norm(d, 2, dim=1, out=zc)
-                mul(d, d2, out=d)
-                torch.sum(d, dim=1, out=zd)
-        xc, xr = w.xc[:m].numpy(), w.xr[:m].numpy()
+        # profiles) numpy kernels a sub-block at a time (its float32 rows stay in cache).
+        fused = self.plan.fused and fused_row_stats(craw, rraw, m, size, self.cdt, self.rdt, self.seg_c, self.seg_r,
+                                                    self.np_means, self.np_invs, w.xc, w.xr, w.dn, w.mx, w.sn, w.sd)
+        sub_, absolute, amax, mul = np.subtract, np.abs, np.max, np.multiply
+        with np.errstate(all="ignore"):
+            for s0 in range(0, m, self.sub) if not fused or self.profiles else ():
+                cwiden, rwiden, c3, r3, xc, xr, d, kernels, d2, profile_kernels = self._views(w, s0, min(m, s0 + self.sub))
+                if cwiden is not None:
+                    _widen(cwiden[1], cwiden[2], cwiden[0])
+                if rwiden is not None:
+                    _widen(rwiden[1], rwiden[2], rwiden[0])
+                if not fused:
+                    _norms(c3, xc)
+                    _norms(r3, xr)
+                for a, b, dn, mx, sn, sd, mean, inv_scale in ([] if fused else kernels):
+                    sub_(a, b, out=d)
+                    _norms(d, dn)
+                    # |d| in place: the norms below square it, and the largest |d| is the max abs diff.
+                    absolute(d, out=d)
+                    amax(d, axis=1, out=mx)
+                    # The decision metric: every dimension in units of the reference's robust scale.
+                    mul(d, inv_scale, out=d)
+                    _norms(d, sn)
+                    sub_(b, mean, out=d)
+                    mul(d, inv_scale, out=d)
+                    _norms(d, sd)
+                # Profiles: the same, plus the standardised cosine (each side in its own scales, as the
+                # plan's matrix).
+                for a, b, dn, sn, sd, zc, zd, rmean, rinv, cmean, cinv in profile_kernels:
+                    sub_(a, b, out=d)
+                    _norms(d, dn)
+                    mul(d, rinv, out=d)
+                    _norms(d, sn)
+                    sub_(b, rmean, out=d2)
+                    mul(d2, rinv, out=d2)
+                    _norms(d2, sd)
+                    sub_(a, cmean, out=d)
+                    mul(d, cinv, out=d)
+                    _norms(d, zc)
+                    np.einsum("ij,ij->i", d, d2, out=zd)
+        xc, xr = w.xc[:m], w.xr[:m]
         # A segment with a non-finite value has a non-finite norm; a non-finite norm may also be an
         # overflow of finite values: only those rows are checked value by value.
         fin_c = self._finite(xc, craw, self.cdt, kc)
@@ -537,18 +542,18 @@ class _Pass:
         ok = fin_c[:, self.seg_c] & fin_r[:, self.seg_r]  # [m, pairs]
         x = xc[:, self.seg_c].astype(np.float64)
         y = xr[:, self.seg_r].astype(np.float64)
-        dd = w.dn[:, :m].numpy().T.astype(np.float64) ** 2
+        dd = w.dn[:, :m].T.astype(np.float64) ** 2
         fast = ok & (x > 1e-15) & (x < 1e18) & (y > 1e-15) & (y < 1e18) & np.isfinite(dd)
         with np.errstate(all="ignore"):
             nb = y * y
             cos = np.where(fast, 1.0 - np.clip((dd - (x - y) ** 2) / (2.0 * x * y), 0.0, 2.0), np.nan)
             ratio = np.where(fast, x / y, np.nan)
             rel = np.where(fast, dd / (x * x + nb), np.nan)
-        max_abs = np.where(fast, w.mx[:, :m].numpy().T, np.nan)  # of |d|: +0.0, never -0.0
+        max_abs = np.where(fast, w.mx[:, :m].T, np.nan)  # of |d|: +0.0, never -0.0
         sq_err = np.where(fast, dd, 0.0).sum(axis=0)
         sq_ref = np.where(fast, nb, 0.0).sum(axis=0)
-        sn2 = w.sn[:, :m].numpy().T.astype(np.float64) ** 2
-        sd2 = w.sd[:, :m].numpy().T.astype(np.float64) ** 2
+        sn2 = w.sn[:, :m].T.astype(np.float64) ** 2
+        sd2 = w.sd[:, :m].T.astype(np.float64) ** 2
         std_ok = ok & np.isfinite(sn2) & np.isfinite(sd2)
         std_num = np.where(std_ok, sn2, 0.0).sum(axis=0)
         std_den = np.where(std_ok, sd2, 0.0).sum(axis=0)
@@ -556,8 +561,8 @@ class _Pass:
         for p in np.unique(odd_pairs).tolist():
             rows = odd_rows[odd_pairs == p]
             e_cos, e_ratio, e_rel, e_max, e_sq, e_nb = _exact_rows(
-                to_float32(craw[rows], self.cdt).view(-1, kc, size)[:, self.seg_c[p]],
-                to_float32(rraw[rows], self.rdt).view(-1, kr, size)[:, self.seg_r[p]],
+                to_float32(craw[rows], self.cdt).reshape(-1, kc, size)[:, self.seg_c[p]],
+                to_float32(rraw[rows], self.rdt).reshape(-1, kr, size)[:, self.seg_r[p]],
             )
             cos[rows, p], ratio[rows, p], rel[rows, p], max_abs[rows, p] = e_cos, e_ratio, e_rel, e_max
             sq_err[p] += e_sq
@@ -566,7 +571,7 @@ class _Pass:
         row_metrics[0], row_metrics[1], row_metrics[2], row_metrics[3] = cos, ratio, rel, max_abs
         row_metrics[4] = np.where(std_ok, sn2, np.nan)
         profile_sums, profile_den = self._profile_sums(w, m, spec.buckets, xc, xr, fin_c, fin_r)
-        return _BlockResult(
+        return BlockResult(
             bad_c, bad_r,
             {int(s): start + int(np.argmax(~fin_c[:, s])) for s in np.flatnonzero(bad_c)},
             {int(s): start + int(np.argmax(~fin_r[:, s])) for s in np.flatnonzero(bad_r)},
@@ -586,11 +591,11 @@ class _Pass:
             x = xc[:, r.candidate].astype(np.float64)
             y = xr[:, r.reference].astype(np.float64)
             ok = fin_c[:, r.candidate] & fin_r[:, r.reference]
-            dd = w.pdn[q, :m].numpy().astype(np.float64) ** 2
-            zc = w.pzc[q, :m].numpy().astype(np.float64)
-            zr = w.psd[q, :m].numpy().astype(np.float64)
-            zd = w.pzd[q, :m].numpy().astype(np.float64)
-            sn2 = w.psn[q, :m].numpy().astype(np.float64) ** 2
+            dd = w.pdn[q, :m].astype(np.float64) ** 2
+            zc = w.pzc[q, :m].astype(np.float64)
+            zr = w.psd[q, :m].astype(np.float64)
+            zd = w.pzd[q, :m].astype(np.float64)
+            sn2 = w.psn[q, :m].astype(np.float64) ** 2
             ordinary_y = (y > 1e-15) & (y < 1e18)
             fast = ok & ordinary_y & (x > 1e-15) & (x < 1e18) & np.isfinite(dd)
             with np.errstate(all="ignore"):
@@ -612,26 +617,43 @@ class _Pass:
         fin = np.isfinite(norms)
         if not fin.all():
             rows = np.flatnonzero(~fin.all(axis=1))
-            fin[rows] = torch.isfinite(to_float32(raw[rows], dtype).view(rows.size, k, -1)).all(dim=2).numpy()
+            fin[rows] = np.isfinite(to_float32(raw[rows], dtype).reshape(rows.size, k, -1)).all(axis=2)
         return fin
 
 
-def _exact_rows(a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, float]:
+def _f32(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _inverse(scale: np.ndarray) -> np.ndarray:
+    """1 / scale, float32 (the pass multiplies by it)."""
+    return np.ascontiguousarray(np.float32(1.0) / np.asarray(scale, dtype=np.float32))
+
+
+def _norms(x: np.ndarray, out: np.ndarray) -> None:
+    """The L2 norms of ``x`` along its last axis into ``out`` (float32 sums of squares)."""
+    np.einsum("...h,...h->...", x, x, out=out)
+    np.sqrt(out, out=out)
+
+
+def _exact_rows(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, float]:
     """Metrics of finite rows by the per-element formulas, for rows whose norms are not ordinary:
     cosine, norm ratio, rel_diff, max abs diff per row; summed squared error and reference norm."""
-    na = (a * a).sum(dim=1)
-    nb = (b * b).sum(dim=1)
-    d = a - b
-    sq = (d * d).sum(dim=1)
-    max_abs = d.abs().amax(dim=1)
-    # 1 - cos as half the squared distance of the unit vectors: exact near cos = 1 in fp32.
-    ua = a / na.sqrt().clamp_min(_TINY)[:, None]
-    ub = b / nb.sqrt().clamp_min(_TINY)[:, None]
-    one_minus_cos = 0.5 * ((ua - ub) ** 2).sum(dim=1)
-    cos = (1.0 - one_minus_cos).numpy()
-    ratio = (na.sqrt() / nb.sqrt().clamp_min(_TINY)).numpy()
-    rel = (sq / (na + nb).clamp_min(_TINY)).numpy()
-    return cos, ratio, rel, max_abs.numpy(), float(sq.double().sum()), float(nb.double().sum())
+    tiny = np.float32(_TINY)
+    with np.errstate(all="ignore"):
+        na = (a * a).sum(axis=1)
+        nb = (b * b).sum(axis=1)
+        d = a - b
+        sq = (d * d).sum(axis=1)
+        max_abs = np.abs(d).max(axis=1)
+        # 1 - cos as half the squared distance of the unit vectors: exact near cos = 1 in fp32.
+        ua = a / np.maximum(np.sqrt(na), tiny)[:, None]
+        ub = b / np.maximum(np.sqrt(nb), tiny)[:, None]
+        one_minus_cos = np.float32(0.5) * ((ua - ub) ** 2).sum(axis=1)
+        cos = np.float32(1.0) - one_minus_cos
+        ratio = np.sqrt(na) / np.maximum(np.sqrt(nb), tiny)
+        rel = sq / np.maximum(na + nb, tiny)
+    return cos, ratio, rel, max_abs, float(sq.astype(np.float64).sum()), float(nb.astype(np.float64).sum())
 
 
 class BlockRunner(Protocol):
@@ -639,7 +661,7 @@ class BlockRunner(Protocol):
     spec through :func:`run_blocks` on ``plan``, each result handed to ``add`` (in any order) on the
     calling thread. Raises :class:`tracediff.errors.CompareError` when a block cannot be run."""
 
-    def run(self, plan: PassPlan, specs: Iterable[BlockSpec], blocks: int, add: Callable[[_BlockResult], None]) -> None: ...
+    def run(self, plan: PassPlan, specs: Iterable[BlockSpec], blocks: int, add: Callable[[BlockResult], None]) -> None: ...
 
 
 class _Merger:
@@ -658,9 +680,9 @@ class _Merger:
         self.profile_den = [np.zeros(2) for _ in range(profiles)]
         self.bytes_read = 0
         self.next = 0
-        self.pending: dict[int, _BlockResult] = {}
+        self.pending: dict[int, BlockResult] = {}
 
-    def add(self, res: _BlockResult) -> None:
+    def add(self, res: BlockResult) -> None:
         if not self.next <= res.number < self.blocks or res.number in self.pending:
             raise CompareError(f"streaming pass: block {res.number} arrived twice or was never asked for")
         rm, sl = res.row_metrics, slice(res.start, res.stop)
@@ -676,7 +698,7 @@ class _Merger:
         if self.progress is not None:
             self.progress(res.stop - res.start)
 
-    def _merge(self, res: _BlockResult) -> None:
+    def _merge(self, res: BlockResult) -> None:
         self.nf_c += res.bad_c
         self.nf_r += res.bad_r
         for s, k in res.first_c.items():
@@ -707,7 +729,7 @@ class BlockWorker:
         self._job = _Pass(plan, reference, candidate)
         self._bufs = self._job.buffers()
 
-    def run(self, spec: BlockSpec) -> _BlockResult:
+    def run(self, spec: BlockSpec) -> BlockResult:
         return self._job.block_metrics(self._bufs, spec)
 
     def close(self) -> None:
@@ -716,21 +738,19 @@ class BlockWorker:
 
 
 def run_blocks(plan: PassPlan, reference: Sequence[TraceStream], candidate: Sequence[TraceStream],
-               specs: Iterable[BlockSpec], workers: int = 1) -> Iterator[_BlockResult]:
-    """The results of ``specs`` (in order) on ``workers`` threads of this process, torch
-    single-threaded inside each when there are several (the blocks are the parallelism)."""
+               specs: Iterable[BlockSpec], workers: int = 1) -> Iterator[BlockResult]:
+    """The results of ``specs`` (in order) on ``workers`` threads of this process (the blocks are the
+    parallelism; numpy's kernels are single-threaded)."""
     job = _Pass(plan, reference, candidate)
     pool: queue.SimpleQueue = queue.SimpleQueue()
     made = [job.buffers() for _ in range(max(1, workers))]
     for bufs in made:
         pool.put(bufs)
-    threads = torch.get_num_threads()
     try:
         if workers <= 1:
             for spec in specs:
                 yield job.run(pool, spec)
         else:
-            torch.set_num_threads(1)
             with ThreadPoolExecutor(workers, thread_name_prefix="tracediff-stream") as ex:
                 futures = [ex.submit(job.run, pool, spec) for spec in specs]
                 try:
@@ -740,8 +760,6 @@ def run_blocks(plan: PassPlan, reference: Sequence[TraceStream], candidate: Sequ
                     for fut in futures:
                         fut.cancel()
     finally:
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
         for bufs in made:
             bufs.cand.close()
             bufs.ref.close()
@@ -753,7 +771,7 @@ def stream_metrics(
     candidate: RowIndex,
     matches: list[tuple[int, int]],
     segment_size: int,
-    scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    scales: list[tuple[np.ndarray, np.ndarray]] | None = None,
     *,
     limits: list[tuple[float, float]] | None = None,
     profiles: list[ProfileRequest] | None = None,
@@ -770,7 +788,7 @@ def stream_metrics(
     (:func:`tracediff.plan.pair_limits`), carried into its metrics. ``profiles`` are pairs measured per position only
     (:func:`tracediff.plan.profile_requests`).
 
-    ``workers`` threads (default: torch's thread count) each take whole blocks; for compressed
+    ``workers`` threads (default: the CPUs this process may run on) each take whole blocks; for compressed
     stores, one (they share a cache of decoded chunks). With ``runner``, the blocks run there (a
     cluster) instead. Results do not depend on the thread count nor on where blocks run: every block
     is the same function of the plan and its rows, and the totals merge in block order.
@@ -795,7 +813,7 @@ def stream_metrics(
     else:
         direct = all(s.reads_rows_directly for s in (*candidate.streams, *reference.streams))
         if workers is None:
-            workers = torch.get_num_threads() if direct else 1
+            workers = usable_cpus() if direct else 1
         workers = max(1, min(int(workers), len(spans)))
         # Each spec is made on the thread that runs it: slicing the index is part of the block's work.
         lazy = [functools.partial(BlockSpec.of, pairs, reference, candidate, buckets, b, start, stop)

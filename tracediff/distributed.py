@@ -27,9 +27,8 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import Any
 
-import torch
 
-from tracediff.diagnose import BlockSpec, BlockWorker, PassPlan, StreamLocation, _BlockResult
+from tracediff.diagnose import BlockSpec, BlockWorker, PassPlan, StreamLocation, BlockResult
 from tracediff.errors import CompareError, StoreError, UsageError, first_line
 from tracediff.store import TraceStore, TraceStream
 from tracediff.storeset import open_side
@@ -142,7 +141,7 @@ class DaskRunner:
         return {addr: int(w.get("nthreads", 1)) for addr, w in info.get("workers", {}).items()}
 
     # -- the pass
-    def run(self, plan: PassPlan, specs: Iterable[BlockSpec], blocks: int, add: Callable[[_BlockResult], None]) -> None:
+    def run(self, plan: PassPlan, specs: Iterable[BlockSpec], blocks: int, add: Callable[[BlockResult], None]) -> None:
         from distributed import as_completed  # noqa: PLC0415
 
         client = self.start()
@@ -278,16 +277,11 @@ def _worker(plan: PassPlan, key: str, storage_options: dict[str, Any]) -> BlockW
     return worker
 
 
-def run_block_task(plan: PassPlan, key: str, storage_options: dict[str, Any], specs: list[BlockSpec]) -> list[_BlockResult]:
+def run_block_task(plan: PassPlan, key: str, storage_options: dict[str, Any], specs: list[BlockSpec]) -> list[BlockResult]:
     """A dask task: the partial results of ``specs`` (consecutive blocks of one compare)."""
     # One thread per block, as the threaded pass runs them: the cluster's workers are the parallelism.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        worker = _worker(plan, key, storage_options)
-        return [worker.run(spec) for spec in specs]
-    finally:
-        torch.set_num_threads(threads)
+    worker = _worker(plan, key, storage_options)
+    return [worker.run(spec) for spec in specs]
 
 
 def _forget(key: str) -> None:

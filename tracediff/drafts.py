@@ -5,14 +5,18 @@ and replay (checks) need; no framework import, no I/O.
 ``i + d2t[i]``. A map holding the target ids themselves (*absolute ids*, a converter bug seen in the
 wild) then sends draft id i to ``i + id_i``: nearly every drafted token is wrong while the fc input
 is perfect.
+
+torch is imported by the functions that take tensors (the recorders and replay have it loaded
+already); a compare reads only :func:`recorded_d2t_problems` and never imports it.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 #: Both readings are valid maps and no t2d decides; absolute ids are by far the likelier.
 AMBIGUOUS = "absolute ids (probably: read as offsets it is valid too, but then no two kept ids are adjacent)"
@@ -20,6 +24,8 @@ AMBIGUOUS = "absolute ids (probably: read as offsets it is valid too, but then n
 
 def tensor_sha256(t: torch.Tensor, limit: int = 1 << 26) -> str:
     """sha256 of a tensor's bytes (of the first ``limit`` bytes of very large ones, said in the value)."""
+    import torch  # noqa: PLC0415
+
     flat = t.detach().reshape(-1)
     size = 1 if flat.dtype == torch.bool else flat.element_size()
     n = flat.numel() * size
@@ -37,6 +43,8 @@ def d2t_kind(d2t: torch.Tensor, vocab: int | None, t2d: torch.Tensor | None = No
     absolute ids, ``d2t[i]`` itself must be. A map can be both only when every kept target id is at
     least 2 from the next (``d2t`` then strictly increases either way): ``t2d`` (the kept target ids'
     mask, which engines ignore) decides then, else the answer is :data:`AMBIGUOUS`."""
+    import torch  # noqa: PLC0415
+
     values = d2t.detach().to("cpu").long().reshape(-1)
     if values.numel() == 0:
         return "neither (not a strictly increasing map)"
@@ -65,6 +73,8 @@ def d2t_kind(d2t: torch.Tensor, vocab: int | None, t2d: torch.Tensor | None = No
 
 def d2t_facts(d2t: Any, vocab: int | None, t2d: Any = None) -> dict[str, Any]:
     """Present, size, sha256 and kind of a d2t map (``{"present": False}`` without one)."""
+    import torch  # noqa: PLC0415
+
     if not isinstance(d2t, torch.Tensor):
         return {"present": False}
     values = d2t.detach().to("cpu").long().reshape(-1)

@@ -32,13 +32,14 @@ from tracediff.plan import (
     tap_summary,
 )
 from tracediff.segments import (
-    _tier,
+    lower_median,
     noise_floor,
     relative_error,
     segment_cosine_matrix,
     segment_scales,
     split,
     standardised_cosine_matrix,
+    tier_of,
 )
 from tracediff.store import TraceStore, open_store
 from tracediff.transforms import best_transform, fit_transforms
@@ -232,7 +233,7 @@ def _identify(store: TraceStore, bank: TraceStore, tap: str | None, bank_tap: st
         # Standardised cosines say where a segment comes from, not how it was transformed: the final
         # layer before and after the final norm can tie. Among the close columns, the one the
         # segment equals (identity within the numerics budget) wins.
-        close = [j for j in order[:4] if _tier(float(dist[j]), float("inf"), floor.distance) == "exact"
+        close = [j for j in order[:4] if tier_of(float(dist[j]), float("inf"), floor.distance) == "exact"
                  or dist[j] <= 2 * dist[order[0]] + 1e-12]
         errors = {j: relative_error(cs[:, i], bs[:, j], b_scales.mean[j], b_scales.scale[j]) for j in close}
         equal = sorted((e, j) for j, e in errors.items() if math.isfinite(e) and e <= budgets[j])
@@ -241,13 +242,14 @@ def _identify(store: TraceStore, bank: TraceStore, tap: str | None, bank_tap: st
         j2 = rest[0] if rest else None
         d1 = float(dist[j1])
         d2 = float(dist[j2]) if j2 is not None else float("inf")
-        tier = "exact" if equal else _tier(d1, d2, floor.distance)
+        tier = "exact" if equal else tier_of(d1, d2, floor.distance)
         fit = None if equal else best_transform(fit_transforms(
             cs[:, i], bs[:, j1], c_scales.mean[i], c_scales.scale[i], b_scales.mean[j1], b_scales.scale[j1]),
             budgets[j1])
         ci, bj = cs[:, i], bs[:, j1]
-        rel_l2 = float(((ci - bj).norm() / bj.norm().clamp_min(1e-30)).item()) if ci.numel() else float("nan")
-        ratio = float((ci.norm(dim=1) / bj.norm(dim=1).clamp_min(1e-30)).median().item()) if ci.numel() else float("nan")
+        rel_l2 = float(np.linalg.norm(ci - bj) / max(float(np.linalg.norm(bj)), 1e-30)) if ci.size else float("nan")
+        ratio = (float(lower_median(np.linalg.norm(ci, axis=1) / np.maximum(np.linalg.norm(bj, axis=1), np.float32(1e-30))))
+                 if ci.size else float("nan"))
         best, runner = names[j1], (names[j2] if j2 is not None else None)
         label = labels[i] if i < len(labels) else f"seg{i}"
         if equal:

@@ -3,15 +3,16 @@
 For a block of row pairs the pass needs, per row, the norm of every segment of both sides and, per
 matched segment pair, the norm and the largest absolute value of the difference, the norm of the
 difference in units of the reference segment's robust scale, and the norm of the standardised
-reference. The reference implementation (:meth:`tracediff.diagnose._Pass.block_metrics`' torch
+reference. The reference implementation (:meth:`tracediff.diagnose._Pass.block_metrics`' numpy
 path) runs about eight eager kernels per pair over float32 copies of the rows: some ten reads and
 six writes of every value. :func:`fused_row_stats` widens each stored value (bf16 bits or float32)
 once, in a compiled loop whose float32 sums LLVM vectorises: the same numbers up to float32
-summation order (tests/test_kernels.py holds it to the torch path).
+summation order (tests/test_kernels.py holds it to the per-element formulas and a compare's
+decisions to the numpy path's).
 
 Compiled by numba (a registry package; ``nogil``: the pass's block threads run it concurrently,
 each on its own block, so it is serial inside). Without numba, or for other stored dtypes (float16),
-the pass keeps the torch path. Pure computation: no I/O, no allocation beyond two row buffers.
+the pass keeps the numpy path. Pure computation: no I/O, no allocation beyond two row buffers.
 """
 
 from __future__ import annotations
@@ -123,19 +124,19 @@ def _build() -> Any:
 
 
 def fused_kernel() -> Any:
-    """The compiled kernel, or None where numba is missing (or ``TRACEDIFF_KERNEL=torch``; which
+    """The compiled kernel, or None where numba is missing (or ``TRACEDIFF_KERNEL=numpy``; which
     passes use it at all: :func:`tracediff.diagnose.use_fused_kernel`, opt-in)."""
     global _KERNEL, _TRIED
-    if os.environ.get("TRACEDIFF_KERNEL", "").lower() == "torch":
+    if os.environ.get("TRACEDIFF_KERNEL", "").lower() == "numpy":
         return None
     if not _TRIED:
         _TRIED = True
         try:
             _KERNEL = _build()
         except ImportError:
-            log.info("tracediff: numba is not installed: the streaming pass uses its torch kernels")
+            log.info("tracediff: numba is not installed: the streaming pass uses its numpy kernels")
         except Exception as exc:  # a numba that cannot compile here must not stop a compare
-            log.warning("tracediff: the fused kernel could not be compiled (%s): using the torch kernels", exc)
+            log.warning("tracediff: the fused kernel could not be compiled (%s): using the numpy kernels", exc)
     return _KERNEL
 
 

@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from tracediff.align import Alignment, RowIndex, RowPairs, pair_rows
-from tracediff.diagnose import ProfileRequest, _aligned_empty, _ChunkReader
+from tracediff.diagnose import ChunkReader, ProfileRequest, aligned_empty
 from tracediff.errors import CompareError
 from tracediff.noise import (
     ASSUMED_LIMIT_FACTOR,
@@ -43,6 +42,7 @@ from tracediff.segments import (
     SegmentScales,
     closest_counterparts,
     exact_distance,
+    frozen,
     infer_segment_size,
     match_segments,
     mismatched_rows_matrix,
@@ -171,20 +171,21 @@ def sample_pairs(pairs: RowPairs, k: int, seed: int) -> np.ndarray:
     return np.sort(rng.choice(n, size=k, replace=False))
 
 
-def read_rows(index: RowIndex, rows: np.ndarray) -> torch.Tensor:
+def read_rows(index: RowIndex, rows: np.ndarray) -> np.ndarray:
+    """The stored rows ``rows`` of ``index`` as a read-only float32 array [len(rows), width]."""
     width = index.streams[0].width
     dtype = index.streams[0].dtype
-    buf = _aligned_empty((rows.size, width), VALUE_DTYPES[dtype])
-    reader = _ChunkReader(index.streams, max_chunks=16)  # reads each chunk once whatever the order of rows
+    buf = aligned_empty((rows.size, width), VALUE_DTYPES[dtype])
+    reader = ChunkReader(index.streams, max_chunks=16)  # reads each chunk once whatever the order of rows
     try:
         reader.gather(index, rows, buf)
     finally:
         reader.close()
-    return to_float32(buf, dtype)
+    return frozen(to_float32(buf, dtype))
 
 
 def require_finite_rows(
-    sides: list[tuple[TraceStore, str, torch.Tensor]], size: int, what: str = "compare"
+    sides: list[tuple[TraceStore, str, np.ndarray]], size: int, what: str = "compare"
 ) -> None:
     """Refuse (one :class:`CompareError` naming the file) when there is nothing finite to decide
     from: a side whose every segment holds NaN or Inf on every sampled aligned row, or no pair of
@@ -193,7 +194,7 @@ def require_finite_rows(
     masks = []
     for store, tap, rows in sides:
         k_ok = size > 0 and rows.shape[1] % size == 0
-        fin = segment_finite(rows, size) if k_ok else torch.isfinite(rows).all(dim=1, keepdim=True)
+        fin = segment_finite(rows, size) if k_ok else np.isfinite(rows).all(axis=1, keepdims=True)
         masks.append(fin)
         if rows.shape[0] and not bool(fin.any()):
             raise CompareError(
@@ -201,8 +202,8 @@ def require_finite_rows(
                 f"{rows.shape[0]} sampled aligned rows: nothing finite to {what}; find where the non-finite values "
                 f"come from"
             )
-    if len(masks) == 2 and masks[0].numel() and masks[1].numel():
-        common = (masks[1].double().T @ masks[0].double()) > 0  # [Kc, Kr]: a row where both are finite
+    if len(masks) == 2 and masks[0].size and masks[1].size:
+        common = (masks[1].astype(np.float64).T @ masks[0].astype(np.float64)) > 0  # [Kc, Kr]: a row where both are finite
         if not bool(common.any()):
             (a, ta, _), (b, tb, _) = sides[0], sides[1]
             raise CompareError(
@@ -290,7 +291,7 @@ class SegmentSizes:
 
 
 def decide_segment_sizes(ref: Layout, cand: Layout, opts: CompareOptions,
-                         sample: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> SegmentSizes:
+                         sample: Callable[[], tuple[np.ndarray, np.ndarray]]) -> SegmentSizes:
     """Each side's recorded ``segment_size`` first; infer only for a side that recorded none.
 
     Two recorded sizes that differ are two hidden sizes (two target models, or a truncated
@@ -382,7 +383,7 @@ def numerics_budget(floor_error: float, compute_dtype: str, depth: int) -> float
     return max(2.0 * math.sqrt(max(floor_error, 0.0)), 2.0 * prior_drift(compute_dtype, depth), 1e-6) ** 2
 
 
-def plan_segments(cand: torch.Tensor, ref: torch.Tensor, size: int, dtype_ref: str, dtype_cand: str,
+def plan_segments(cand: np.ndarray, ref: np.ndarray, size: int, dtype_ref: str, dtype_cand: str,
                   depths: list[int | None] | None = None, seed: int = 0, *, compute: ComputeDtype | None = None,
                   assumed_depth: int | None = None, calibration: CalibrationRows | None = None) -> SegmentPlan:
     """Decide, on paired sample rows ([n, Wc], [n, Wr] float32), what every candidate segment is.
@@ -453,8 +454,8 @@ def plan_segments(cand: torch.Tensor, ref: torch.Tensor, size: int, dtype_ref: s
             # (the missing reference segment and this extra one are reported, the look-alike as context).
             d.runner_up, d.reference, d.tier = d.reference, None, "none"
             del relations[d.candidate]
-    dead_c = frozenset(int(i) for i in torch.nonzero(~segment_finite(c, size).any(dim=0)).flatten())
-    dead_r = frozenset(int(j) for j in torch.nonzero(~segment_finite(r, size).any(dim=0)).flatten())
+    dead_c = frozenset(int(i) for i in np.flatnonzero(~segment_finite(c, size).any(axis=0)))
+    dead_r = frozenset(int(j) for j in np.flatnonzero(~segment_finite(r, size).any(axis=0)))
     return SegmentPlan(size, int(c.shape[0]), raw, std, baseline, floor, budgets, depth, compute.dtype, decisions,
                        relations, rs, cs, limits, noise, compute, measured, dead_c, dead_r)
 

@@ -8,17 +8,17 @@ segment minus its mean over the sample rows) and compare a pair's distance ``d =
 * the storage noise floor (what rounding both dtypes alone would cost), and
 * the runner-up: the next-best reference segment, or the same segment on mismatched rows.
 
-Pure numpy/torch on in-memory samples; no I/O here.
+Pure numpy on in-memory samples (no torch: a compare never imports it); no I/O here.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 # A pair whose distance is below this fraction of its runner-up's is the same tensor up to numerics;
 # below the second fraction, the same source transformed (scaled, normalised, other context).
@@ -31,23 +31,24 @@ EXACT_FACTOR = 50.0
 MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23, "float64": 52}
 
 
-def to_float32(raw: np.ndarray, dtype: str) -> torch.Tensor:
-    """Stored rows -> float32 torch tensor (bf16 bits widened exactly)."""
+def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored rows -> float32 array (bf16 bits widened exactly: the 16 bits are a float32's top half)."""
     if dtype == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(raw).view(np.int16)).view(torch.bfloat16).float()
-    return torch.from_numpy(np.ascontiguousarray(raw)).float()
+        bits = np.ascontiguousarray(raw).view(np.uint16)
+        return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
+    return np.ascontiguousarray(raw).astype(np.float32, copy=False)
 
 
-def split(rows: torch.Tensor, size: int) -> torch.Tensor:
+def split(rows: np.ndarray, size: int) -> np.ndarray:
     """[n, K*size] -> [n, K, size] (a view)."""
     n, width = rows.shape
     return rows.reshape(n, width // size, size)
 
 
-def _finite_rows(*tensors: torch.Tensor) -> torch.Tensor:
-    mask = torch.ones(tensors[0].shape[0], dtype=torch.bool)
-    for t in tensors:
-        mask &= torch.isfinite(t).all(dim=1)
+def _finite_rows(*arrays: np.ndarray) -> np.ndarray:
+    mask = np.ones(arrays[0].shape[0], dtype=bool)
+    for t in arrays:
+        mask &= np.isfinite(t).all(axis=1)
     return mask
 
 
@@ -85,51 +86,63 @@ class SegmentScales:
     :data:`RESOLUTION_LIMITED_UNITS`) get :data:`EXCLUDED_SCALE`: ``excluded`` counts them per segment.
     """
 
-    mean: torch.Tensor
-    scale: torch.Tensor
+    mean: np.ndarray
+    scale: np.ndarray
     excluded: tuple[int, ...] = ()
 
-    def standardise(self, rows: torch.Tensor) -> torch.Tensor:
+    def standardise(self, rows: np.ndarray) -> np.ndarray:
         """[n, K*H] -> [n, K, H], centred and divided by the scale."""
         return (split(rows, self.mean.shape[1]) - self.mean) / self.scale
 
 
-def _memo(rows: torch.Tensor, key: str, size: int, compute: Any) -> Any:
-    """``compute()``, remembered on the sample tensor ``rows`` itself for this ``size``.
+#: Answers remembered per sample array (see :func:`_memo`): id(array) -> (a weak reference, answers).
+_MEMO: dict[int, tuple[Any, dict]] = {}
+
+
+def _memo(rows: np.ndarray, key: str, size: int, compute: Any) -> Any:
+    """``compute()``, remembered for the sample array ``rows`` itself and this ``size``.
 
     The plan asks the same questions of the same sample many times (its finite mask ~30 times, its
-    scales ~10: each a pass over 25-100 MB); the answer is kept on the tensor, checked against its
-    version counter so that an in-place change recomputes it, and dies with the tensor.
+    scales ~10: each a pass over 25-100 MB); the answer is kept while the array lives (a weak
+    reference drops it with the array). Samples are never changed in place (:func:`read_rows` hands
+    them out read-only); a writeable array is not remembered.
     """
-    cache = getattr(rows, "_tracediff_memo", None)
-    if cache is None or cache[0] != rows._version:
-        cache = (rows._version, {})
-        try:
-            rows._tracediff_memo = cache  # type: ignore[attr-defined]
-        except (AttributeError, RuntimeError):  # a tensor subclass without a __dict__: no memo
-            return compute()
-    value = cache[1].get((key, size))
+    if rows.flags.writeable:
+        return compute()
+    ident = id(rows)
+    entry = _MEMO.get(ident)
+    if entry is None or entry[0]() is not rows:
+        entry = (weakref.ref(rows, lambda _ref, ident=ident: _MEMO.pop(ident, None)), {})
+        _MEMO[ident] = entry
+    value = entry[1].get((key, size))
     if value is None:
-        value = cache[1][(key, size)] = compute()
+        value = entry[1][(key, size)] = compute()
     return value
 
 
-def segment_finite(rows: torch.Tensor, size: int) -> torch.Tensor:
+def frozen(rows: np.ndarray) -> np.ndarray:
+    """``rows`` made read-only (so that the plan's answers about it can be remembered)."""
+    rows.flags.writeable = False
+    return rows
+
+
+def segment_finite(rows: np.ndarray, size: int) -> np.ndarray:
     """[n, K] bool: which segments of which rows hold only finite values."""
     return _memo(rows, "finite", size, lambda: _segment_finite(split(rows, size)))
 
 
-def _segment_finite(x: torch.Tensor) -> torch.Tensor:
+def _segment_finite(x: np.ndarray) -> np.ndarray:
     # A segment's sum is finite when all its values are (one read, no [n, K, H] mask); a non-finite
     # sum may also be an overflow of finite values: only those segments are checked value by value.
-    fin = torch.isfinite(x.sum(dim=2))
-    if not bool(fin.all()):
-        rows, segs = torch.nonzero(~fin, as_tuple=True)
-        fin[rows, segs] = torch.isfinite(x[rows, segs]).all(dim=1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        fin = np.isfinite(x.sum(axis=2))
+    if not fin.all():
+        rows, segs = np.nonzero(~fin)
+        fin[rows, segs] = np.isfinite(x[rows, segs]).all(axis=1)
     return fin
 
 
-def segment_scales(rows: torch.Tensor, size: int, compute_dtype: str | None = None) -> SegmentScales:
+def segment_scales(rows: np.ndarray, size: int, compute_dtype: str | None = None) -> SegmentScales:
     """Robust per-dimension location and scale of each segment of ``rows``, each segment over the
     rows where it is finite (a segment that is NaN on every row gets location 0, scale 1).
 
@@ -140,14 +153,14 @@ def segment_scales(rows: torch.Tensor, size: int, compute_dtype: str | None = No
     return _memo(rows, f"scales@{res}", size, lambda: _segment_scales(rows, size, res))
 
 
-def _segment_scales(rows: torch.Tensor, size: int, resolution: float) -> SegmentScales:
+def _segment_scales(rows: np.ndarray, size: int, resolution: float) -> SegmentScales:
     x = split(rows, size)
     fin = segment_finite(rows, size)
     k = x.shape[1]
-    means, scales = torch.zeros(k, size), torch.ones(k, size)
+    means, scales = np.zeros((k, size), np.float32), np.ones((k, size), np.float32)
     excluded = []
     for j in range(k):
-        xj = x[:, j] if bool(fin[:, j].all()) else x[fin[:, j], j]
+        xj = x[:, j] if fin[:, j].all() else x[fin[:, j], j]
         if xj.shape[0] == 0:
             excluded.append(0)
             continue
@@ -155,36 +168,43 @@ def _segment_scales(rows: torch.Tensor, size: int, resolution: float) -> Segment
         # fraction of the sort's cost (the plan's largest one).
         head = xj[:SCALE_ROWS]
         med = _column_medians(head)
-        mad = _column_medians((head - med).abs()) * 1.4826
-        rms = xj.pow(2).mean(dim=0).sqrt()
-        scale = (mad.pow(2) + (RESOLUTION * rms).pow(2)).sqrt()
+        mad = _column_medians(np.abs(head - med)) * np.float32(1.4826)
+        rms = np.sqrt(np.mean(np.square(xj), axis=0, dtype=np.float32))
+        scale = np.sqrt(np.square(mad) + np.square(np.float32(RESOLUTION) * rms))
         # A dimension that never varies and is zero (padding) must not divide by zero.
-        typical = scale.median().clamp_min(1e-30)
-        scale = torch.maximum(scale, 1e-6 * typical).clamp_min(1e-30)
+        typical = max(float(lower_median(scale)), 1e-30)
+        scale = np.maximum(np.maximum(scale, np.float32(1e-6 * typical)), np.float32(1e-30))
         # Resolution-limited dimensions (massive activations) are left out, as long as most of the
         # segment is not (a segment of near-constant values is compared as it is).
-        limited = mad < RESOLUTION_LIMITED_UNITS * resolution * med.abs()
+        limited = mad < np.float32(RESOLUTION_LIMITED_UNITS * resolution) * np.abs(med)
         if head.shape[0] >= 8 and 0 < int(limited.sum()) <= size // 4:
-            scale = torch.where(limited, torch.full_like(scale, EXCLUDED_SCALE), scale)
+            scale = np.where(limited, np.float32(EXCLUDED_SCALE), scale)
             excluded.append(int(limited.sum()))
         else:
             excluded.append(0)
         scales[j] = scale
-        means[j] = xj.mean(dim=0)
+        means[j] = np.mean(xj, axis=0, dtype=np.float32)
     return SegmentScales(means, scales, tuple(excluded))
 
 
-def _column_medians(x: torch.Tensor) -> torch.Tensor:
-    """``x.median(dim=0).values`` of a finite [n, H] tensor (the lower middle value for even n), by a
-    partial selection over contiguous columns: the same values at a quarter of the sort's cost."""
+def lower_median(v: np.ndarray) -> np.float32:
+    """The lower middle value of a 1-d array (a median that is one of its values)."""
+    k = (v.size - 1) // 2
+    return np.partition(v, k)[k]
+
+
+def _column_medians(x: np.ndarray) -> np.ndarray:
+    """The lower middle value of each column of a finite [n, H] array, by a partial selection over
+    contiguous columns: the same values at a quarter of a sort's cost."""
     n = x.shape[0]
-    cols = np.ascontiguousarray(x.T.numpy())
+    cols = np.ascontiguousarray(x.T)
     k = (n - 1) // 2
-    return torch.from_numpy(np.partition(cols, k, axis=1)[:, k].copy())
+    return np.partition(cols, k, axis=1)[:, k].copy()
 
 
-def _unit(z: torch.Tensor) -> torch.Tensor:
-    return z / z.norm(dim=2, keepdim=True).clamp_min(1e-30)
+def _unit(z: np.ndarray) -> np.ndarray:
+    norm = np.sqrt(np.einsum("...h,...h->...", z, z))[..., None]
+    return z / np.maximum(norm, np.float32(1e-30))
 
 
 #: Rows of the plan's sample turned into unit segments at a time: the matrices' temporaries stay a
@@ -192,8 +212,8 @@ def _unit(z: torch.Tensor) -> torch.Tensor:
 _CHUNK_ROWS = 256
 
 
-def _masked_mean_cosines(c: torch.Tensor, mc: torch.Tensor, r: torch.Tensor, mr: torch.Tensor,
-                         prepare_c: Any = None, prepare_r: Any = None, r_rows: torch.Tensor | None = None) -> np.ndarray:
+def _masked_mean_cosines(c: np.ndarray, mc: np.ndarray, r: np.ndarray, mr: np.ndarray,
+                         prepare_c: Any = None, prepare_r: Any = None, r_rows: np.ndarray | None = None) -> np.ndarray:
     """Mean over rows of cos(c[:, i], r[:, j]) ([n, Kc, H], [n, Kr, H]), each (i, j) over the rows
     where both segments are finite (masks [n, Kc], [n, Kr]); NaN where there is none.
 
@@ -205,23 +225,24 @@ def _masked_mean_cosines(c: torch.Tensor, mc: torch.Tensor, r: torch.Tensor, mr:
         mr = mr[r_rows]
     # Where every segment of every row is finite (nearly always), the masks change nothing: skip them.
     all_c, all_r = bool(mc.all()), bool(mr.all())
-    prods = torch.empty(n, kc, kr)
-    for s in range(0, n, _CHUNK_ROWS):
-        e = min(n, s + _CHUNK_ROWS)
-        cz = c[s:e] if prepare_c is None else prepare_c(c[s:e])
-        rz = r[s:e] if r_rows is None else r[r_rows[s:e]]
-        rz = rz if prepare_r is None else prepare_r(rz)
-        cu = _unit(cz) if all_c else torch.where(mc[s:e, :, None], _unit(torch.where(mc[s:e, :, None], cz, 0.0)), 0.0)
-        ru = _unit(rz) if all_r else torch.where(mr[s:e, :, None], _unit(torch.where(mr[s:e, :, None], rz, 0.0)), 0.0)
-        # [b, Kc, H] x [b, H, Kr] -> [b, Kc, Kr]; summed over every row below, as one sum.
-        torch.bmm(cu, ru.transpose(1, 2), out=prods[s:e])
-    sums = prods.sum(dim=0).double()
-    counts = (mc.double().T @ mr.double())
-    out = torch.where(counts > 0, sums / counts.clamp_min(1), torch.full_like(sums, float("nan")))
-    return out.numpy()
+    sums = np.zeros((kc, kr), np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for s in range(0, n, _CHUNK_ROWS):
+            e = min(n, s + _CHUNK_ROWS)
+            cz = c[s:e] if prepare_c is None else prepare_c(c[s:e])
+            rz = r[s:e] if r_rows is None else r[r_rows[s:e]]
+            rz = rz if prepare_r is None else prepare_r(rz)
+            cu = _unit(cz) if all_c else np.where(mc[s:e, :, None], _unit(np.where(mc[s:e, :, None], cz, 0.0)), 0.0)
+            ru = _unit(rz) if all_r else np.where(mr[s:e, :, None], _unit(np.where(mr[s:e, :, None], rz, 0.0)), 0.0)
+            # [b, Kc, H] x [b, H, Kr] -> [b, Kc, Kr] (float32, each row's cosines), summed in float64.
+            prods = np.matmul(cu.astype(np.float32, copy=False), ru.astype(np.float32, copy=False).transpose(0, 2, 1))
+            sums += prods.sum(axis=0, dtype=np.float64)
+    counts = mc.astype(np.float64).T @ mr.astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
 
 
-def segment_cosine_matrix(cand: torch.Tensor, ref: torch.Tensor, size: int, *, centred: bool = False) -> np.ndarray:
+def segment_cosine_matrix(cand: np.ndarray, ref: np.ndarray, size: int, *, centred: bool = False) -> np.ndarray:
     """Mean over rows of the raw cos(candidate segment i, reference segment j): a [Kc, Kr] matrix.
 
     ``cand`` and ``ref`` are paired rows ([n, Wc], [n, Wr], float32); each entry uses the rows where
@@ -231,16 +252,16 @@ def segment_cosine_matrix(cand: torch.Tensor, ref: torch.Tensor, size: int, *, c
     c, r = split(cand, size), split(ref, size)
     mc, mr = segment_finite(cand, size), segment_finite(ref, size)
     if centred:
-        c = c - (torch.where(mc[:, :, None], c, 0.0).sum(0) / mc.sum(0).clamp_min(1)[:, None])
-        r = r - (torch.where(mr[:, :, None], r, 0.0).sum(0) / mr.sum(0).clamp_min(1)[:, None])
+        c = c - (np.where(mc[:, :, None], c, 0.0).sum(0) / np.maximum(mc.sum(0), 1)[:, None]).astype(np.float32)
+        r = r - (np.where(mr[:, :, None], r, 0.0).sum(0) / np.maximum(mr.sum(0), 1)[:, None]).astype(np.float32)
     return _masked_mean_cosines(c, mc, r, mr)
 
 
-def standardised_cosine_matrix(cand: torch.Tensor, ref: torch.Tensor, cand_scales: SegmentScales,
+def standardised_cosine_matrix(cand: np.ndarray, ref: np.ndarray, cand_scales: SegmentScales,
                                ref_scales: SegmentScales, *, roll: int = 0) -> np.ndarray:
     """Mean over rows of cos(z_c[i], z_r[j]), each side standardised by its own segment scales,
     each entry over the rows where both segments are finite. ``roll``: candidate row i is paired
-    with reference row (i - roll) mod n (``torch.roll(ref, roll, dims=0)``, without the copy).
+    with reference row (i - roll) mod n (``np.roll(ref, roll, axis=0)``, without the copy).
 
     Invariant to a per-dimension affine map on either side (a norm weight, a constant factor, an
     offset), so it says which tensor a segment *comes from*; how it was transformed is decided
@@ -248,7 +269,7 @@ def standardised_cosine_matrix(cand: torch.Tensor, ref: torch.Tensor, cand_scale
     """
     size = ref_scales.mean.shape[1]
     n = cand.shape[0]
-    r_rows = (torch.arange(n) - roll) % n if roll else None
+    r_rows = (np.arange(n) - roll) % n if roll else None
     return _masked_mean_cosines(split(cand, size), segment_finite(cand, size), split(ref, size),
                                 segment_finite(ref, size), _standardiser(cand_scales), _standardiser(ref_scales),
                                 r_rows)
@@ -259,7 +280,7 @@ def _standardiser(scales: SegmentScales) -> Any:
     return lambda x3: (x3 - mean) / scale
 
 
-def mismatched_rows_matrix(cand: torch.Tensor, ref: torch.Tensor, cand_scales: SegmentScales,
+def mismatched_rows_matrix(cand: np.ndarray, ref: np.ndarray, cand_scales: SegmentScales,
                            ref_scales: SegmentScales) -> np.ndarray:
     """The same standardised matrix on deliberately mismatched rows: what 'unrelated' looks like here."""
     n = cand.shape[0]
@@ -269,14 +290,16 @@ def mismatched_rows_matrix(cand: torch.Tensor, ref: torch.Tensor, cand_scales: S
     return standardised_cosine_matrix(cand, ref, cand_scales, ref_scales, roll=n // 2)
 
 
-def relative_error(cand_seg: torch.Tensor, ref_seg: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor) -> float:
+def relative_error(cand_seg: np.ndarray, ref_seg: np.ndarray, mean: np.ndarray, scale: np.ndarray) -> float:
     """Squared relative error of ``cand_seg`` against ``ref_seg`` ([n, H] each), every dimension in
     units of the reference's robust scale: sum |(c - r) / s|^2 / sum |(r - mean) / s|^2."""
-    keep = torch.isfinite(cand_seg).all(dim=1) & torch.isfinite(ref_seg).all(dim=1)
-    if not bool(keep.any()):
+    keep = np.isfinite(cand_seg).all(axis=1) & np.isfinite(ref_seg).all(axis=1)
+    if not keep.any():
         return float("nan")
-    num = (((cand_seg[keep] - ref_seg[keep]) / scale) ** 2).sum(dtype=torch.float64)
-    den = (((ref_seg[keep] - mean) / scale) ** 2).sum(dtype=torch.float64)
+    c, r = (cand_seg, ref_seg) if keep.all() else (cand_seg[keep], ref_seg[keep])
+    with np.errstate(over="ignore", invalid="ignore"):
+        num = np.square((c - r) / scale).sum(dtype=np.float64)
+        den = np.square((r - mean) / scale).sum(dtype=np.float64)
     return float(num / den) if float(den) > 0 else float("nan")
 
 
@@ -290,16 +313,15 @@ class NoiseFloor:
     errors: tuple[float, ...] = ()  # per reference segment
 
 
-def noise_floor(ref: torch.Tensor, size: int, dtype_ref: str, dtype_cand: str, scales: SegmentScales,
+def noise_floor(ref: np.ndarray, size: int, dtype_ref: str, dtype_cand: str, scales: SegmentScales,
                 seed: int = 0) -> NoiseFloor:
     """Measured, not assumed: the sample rows are perturbed by a relative rounding error of each
     dtype's half-ulp (uniform), and the distance is measured the way matching measures it."""
     x = ref[:512]
     if x.shape[0] == 0:
         return NoiseFloor(0.0, 0.0, tuple(0.0 for _ in range(ref.shape[1] // size)))
-    gen = torch.Generator().manual_seed(seed)
-    rel = sum(2.0 ** -(MANTISSA_BITS.get(dt, 23) + 1) for dt in (dtype_ref, dtype_cand))
-    noisy = x * (1 + (torch.rand(x.shape, generator=gen) * 2 - 1) * rel)
+    rel = np.float32(sum(2.0 ** -(MANTISSA_BITS.get(dt, 23) + 1) for dt in (dtype_ref, dtype_cand)))
+    noisy = frozen(x * (1 + (_uniform(x.shape, seed) * 2 - 1) * rel))
     m = standardised_cosine_matrix(noisy, x, scales, scales)
     errors = [relative_error(split(noisy, size)[:, j], split(x, size)[:, j], scales.mean[j], scales.scale[j])
               for j in range(x.shape[1] // size)]
@@ -308,6 +330,14 @@ def noise_floor(ref: torch.Tensor, size: int, dtype_ref: str, dtype_cand: str, s
     distance = 1.0 - float(np.nanmean(diag)) if np.isfinite(diag).any() else 0.0
     return NoiseFloor(float(max(0.0, distance)), float(max(errors, default=0.0)),
                       tuple(float(e) for e in errors))
+
+
+def _uniform(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Uniform float32 numbers in [0, 1): the 24 low bits of each output of a Mersenne Twister seeded
+    with ``seed`` (the numbers torch's CPU ``rand`` draws from ``manual_seed(seed)``, so noise floors
+    stay those of reports made before compare stopped using torch)."""
+    raw = np.random.RandomState(seed)._bit_generator.random_raw(int(np.prod(shape)))
+    return ((raw & 0xFFFFFF).astype(np.float32) * np.float32(2.0**-24)).reshape(shape)
 
 
 @dataclass
@@ -329,7 +359,7 @@ def exact_distance(floor: float) -> float:
     return max(floor * EXACT_FACTOR, 1e-7)
 
 
-def _tier(d1: float, d2: float, floor: float) -> str:
+def tier_of(d1: float, d2: float, floor: float) -> str:
     if not math.isfinite(d1):
         return "none"
     if d1 <= exact_distance(floor):
@@ -360,7 +390,7 @@ def match_segments(centred: np.ndarray, baseline: np.ndarray, floor: float) -> l
             # The runner-up for (i, j): another reference segment for i, another candidate segment
             # for j, or j on mismatched rows; whichever is closest.
             others += [dist[k, j] for k in range(kc) if k != i and math.isfinite(dist[k, j])
-                       and _tier(dist[k, j], np.inf, floor) != "exact"]
+                       and tier_of(dist[k, j], np.inf, floor) != "exact"]
             if math.isfinite(base[i, j]):
                 others.append(base[i, j])
             d2 = min(others) if others else float("inf")
@@ -368,7 +398,7 @@ def match_segments(centred: np.ndarray, baseline: np.ndarray, floor: float) -> l
             cands = [(dist[i, k], k) for k in range(kr) if k != j and math.isfinite(dist[i, k])]
             if cands:
                 runner = min(cands)[1]
-            tier = _tier(float(dist[i, j]), float(d2), floor)
+            tier = tier_of(float(dist[i, j]), float(d2), floor)
             if tier != "none":
                 ratio = float(dist[i, j]) / d2 if d2 > 0 and math.isfinite(d2) else 0.0
                 options.append((ratio, i, j, tier, float(d2), runner))
@@ -392,7 +422,7 @@ def match_segments(centred: np.ndarray, baseline: np.ndarray, floor: float) -> l
         finite = [(dist[i, k], k) for k in range(kr) if math.isfinite(dist[i, k])]
         if finite:
             d_best, best = min(finite)
-            if best in ref_taken and _tier(float(d_best), np.inf, floor) == "exact":
+            if best in ref_taken and tier_of(float(d_best), np.inf, floor) == "exact":
                 duplicates[i] = best
     while True:
         free_c = [i for i in range(kc) if i not in decisions and i not in duplicates]
@@ -467,7 +497,7 @@ def closest_counterparts(decisions: list[SegmentDecision], standardised: np.ndar
     return out
 
 
-def infer_segment_size(width_ref: int, width_cand: int, ref: torch.Tensor, cand: torch.Tensor) -> tuple[int, str]:
+def infer_segment_size(width_ref: int, width_cand: int, ref: np.ndarray, cand: np.ndarray) -> tuple[int, str]:
     """Guess the segment size from the data when no metadata says it.
 
     Hidden states of one model keep their per-channel magnitude profile across layers (the same
@@ -483,7 +513,7 @@ def infer_segment_size(width_ref: int, width_cand: int, ref: torch.Tensor, cand:
     for t in (ref, cand):
         keep = _finite_rows(t)
         if keep.any():
-            profiles.append(torch.log(t[keep].abs().mean(dim=0).double() + 1e-12).numpy())
+            profiles.append(np.log(np.abs(t[keep]).mean(axis=0, dtype=np.float32).astype(np.float64) + 1e-12))
     scores: dict[int, float] = {}
     for s in sizes:
         vals = []

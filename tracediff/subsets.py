@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from tracediff.align import RowIndex, RowPairs, stream_names
 from tracediff.plan import read_rows
@@ -211,7 +210,7 @@ def describe_subset(cand_seg: int, ref_seg: int, members: np.ndarray, pairs: Row
     pick = members[:: max(1, members.size // DESCRIBE_ROWS)][:DESCRIBE_ROWS]
     c = split(read_rows(candidate, pairs.candidate[pick]), size)[:, cand_seg]
     r_all = split(read_rows(reference, pairs.reference[pick]), size)
-    norms = c.norm(dim=1)
+    norms = np.linalg.norm(c, axis=1)
     if bool((norms == 0).all()):
         return SubsetContent("zeros", "zeros on every one of these rows (a truncated or skipped transfer)",
                              {"rows_read": int(pick.size)})
@@ -238,12 +237,13 @@ def describe_subset(cand_seg: int, ref_seg: int, members: np.ndarray, pairs: Row
                          {"closest_reference": closest, "std_rel_errors": [float(e) ** 0.5 for e in errors]})
 
 
-def _relative_spread(rows: torch.Tensor) -> torch.Tensor:
+def _relative_spread(rows: np.ndarray) -> float:
     """Mean distance of rows ([n, H]) from their mean row, relative to their mean norm."""
-    return (rows - rows.mean(dim=0)).norm(dim=1).mean() / rows.norm(dim=1).mean().clamp_min(1e-30)
+    spread = np.linalg.norm(rows - np.mean(rows, axis=0, dtype=np.float32), axis=1).mean()
+    return float(spread / max(float(np.linalg.norm(rows, axis=1).mean()), 1e-30))
 
 
-def _other_rows(pick: np.ndarray, pairs: RowPairs, reference: RowIndex, candidate: RowIndex, c: torch.Tensor,
+def _other_rows(pick: np.ndarray, pairs: RowPairs, reference: RowIndex, candidate: RowIndex, c: np.ndarray,
                 ref_seg: int, scales: SegmentScales, limits: list[float], size: int) -> SubsetContent | None:
     """Do the rows hold the right layer of another request's row in the same step, or of a
     neighbouring position of the same sequence?"""

@@ -15,7 +15,7 @@ A norm ratio that is not 1 proves nothing: the residual stream grows with depth,
 layer differs in norm too. Only a fit whose held-out error is within the numerics budget names a
 transform; a pair that fits none is another computation (a different layer, another context).
 
-Pure torch on the plan sample; no I/O.
+Pure numpy on the plan sample; no I/O.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
+import numpy as np
 
 #: Simplest first: the first fit within the budget is the one reported.
 KINDS = ("identity", "constant", "rmsnorm", "layernorm")
@@ -63,40 +63,45 @@ class TransformFit:
         return out
 
 
-def _halves(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    idx = torch.arange(n)
+def _halves(n: int) -> tuple[np.ndarray, np.ndarray]:
+    idx = np.arange(n)
     return idx[0::2], idx[1::2]
 
 
-def _error(target: torch.Tensor, pred: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor) -> float:
-    num = (((target - pred) / scale) ** 2).sum(dtype=torch.float64)
-    den = (((target - mean) / scale) ** 2).sum(dtype=torch.float64)
+def _error(target: np.ndarray, pred: np.ndarray, mean: np.ndarray, scale: np.ndarray) -> float:
+    with np.errstate(over="ignore", invalid="ignore"):
+        num = np.square((target - pred) / scale).sum(dtype=np.float64)
+        den = np.square((target - mean) / scale).sum(dtype=np.float64)
     return float(num / den) if float(den) > 0 else float("nan")
 
 
-def _rms_unit(x: torch.Tensor) -> torch.Tensor:
-    return x / x.pow(2).mean(dim=1, keepdim=True).sqrt().clamp_min(1e-30)
+def _rms(x: np.ndarray) -> np.ndarray:
+    return np.maximum(np.sqrt(np.mean(np.square(x), axis=1, keepdims=True, dtype=np.float32)), np.float32(1e-30))
 
 
-def _ln_unit(x: torch.Tensor) -> torch.Tensor:
-    c = x - x.mean(dim=1, keepdim=True)
-    return c / c.pow(2).mean(dim=1, keepdim=True).sqrt().clamp_min(1e-30)
+def _rms_unit(x: np.ndarray) -> np.ndarray:
+    return x / _rms(x)
 
 
-def _weight_summary(w: torch.Tensor) -> dict[str, Any]:
-    w64 = w.double()
-    return {"mean": float(w64.mean()), "std": float(w64.std()) if w64.numel() > 1 else 0.0,
+def _ln_unit(x: np.ndarray) -> np.ndarray:
+    c = x - np.mean(x, axis=1, keepdims=True, dtype=np.float32)
+    return c / _rms(c)
+
+
+def _weight_summary(w: np.ndarray) -> dict[str, Any]:
+    w64 = w.astype(np.float64)
+    return {"mean": float(w64.mean()), "std": float(w64.std(ddof=1)) if w64.size > 1 else 0.0,
             "min": float(w64.min()), "max": float(w64.max()),
             "first": [round(float(v), 6) for v in w64[:8]]}
 
 
-def _cross_validated(source: torch.Tensor, target: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor,
+def _cross_validated(source: np.ndarray, target: np.ndarray, mean: np.ndarray, scale: np.ndarray,
                      fit: Any) -> tuple[float, dict[str, Any]]:
     """Fit on one half of the rows and score on the other, both ways; parameters from all rows."""
     a, b = _halves(source.shape[0])
     errs = []
     for train, test in ((a, b), (b, a)):
-        if train.numel() == 0 or test.numel() == 0:
+        if train.size == 0 or test.size == 0:
             continue
         predict, _ = fit(source[train], target[train])
         errs.append(_error(target[test], predict(source[test]), mean, scale))
@@ -105,28 +110,30 @@ def _cross_validated(source: torch.Tensor, target: torch.Tensor, mean: torch.Ten
     return (sum(finite) / len(finite) if finite else float("nan")), params
 
 
-def _fit_constant(scale: torch.Tensor) -> Any:
-    def fit(src: torch.Tensor, tgt: torch.Tensor) -> tuple[Any, dict[str, Any]]:
+def _fit_constant(scale: np.ndarray) -> Any:
+    def fit(src: np.ndarray, tgt: np.ndarray) -> tuple[Any, dict[str, Any]]:
         s, t = src / scale, tgt / scale
-        den = float((s * s).sum(dtype=torch.float64))
-        c = float((s * t).sum(dtype=torch.float64)) / den if den > 0 else 1.0
-        return (lambda x: c * x), {"factor": c}
+        den = float((s * s).sum(dtype=np.float64))
+        c = float((s * t).sum(dtype=np.float64)) / den if den > 0 else 1.0
+        return (lambda x: np.float32(c) * x), {"factor": c}
     return fit
 
 
 def _fit_norm(unit: Any) -> Any:
     centred = unit is _ln_unit
 
-    def fit(src: torch.Tensor, tgt: torch.Tensor) -> tuple[Any, dict[str, Any]]:
+    def fit(src: np.ndarray, tgt: np.ndarray) -> tuple[Any, dict[str, Any]]:
         u = unit(src)
         if centred:  # per-dimension least squares with an intercept
-            um, tm = u.mean(dim=0), tgt.mean(dim=0)
+            um, tm = np.mean(u, axis=0, dtype=np.float32), np.mean(tgt, axis=0, dtype=np.float32)
             du, dt = u - um, tgt - tm
-            w = ((du * dt).sum(dim=0, dtype=torch.float64) / (du * du).sum(dim=0, dtype=torch.float64).clamp_min(1e-30)).float()
+            w = ((du * dt).sum(axis=0, dtype=np.float64)
+                 / np.maximum((du * du).sum(axis=0, dtype=np.float64), 1e-30)).astype(np.float32)
             b = tm - w * um
         else:
-            w = ((u * tgt).sum(dim=0, dtype=torch.float64) / (u * u).sum(dim=0, dtype=torch.float64).clamp_min(1e-30)).float()
-            b = torch.zeros_like(w)
+            w = ((u * tgt).sum(axis=0, dtype=np.float64)
+                 / np.maximum((u * u).sum(axis=0, dtype=np.float64), 1e-30)).astype(np.float32)
+            b = np.zeros_like(w)
         params: dict[str, Any] = {"weight": _weight_summary(w)}
         if centred:
             params["bias"] = _weight_summary(b)
@@ -134,8 +141,8 @@ def _fit_norm(unit: Any) -> Any:
     return fit
 
 
-def fit_transforms(cand: torch.Tensor, ref: torch.Tensor, cand_mean: torch.Tensor, cand_scale: torch.Tensor,
-                   ref_mean: torch.Tensor, ref_scale: torch.Tensor, *,
+def fit_transforms(cand: np.ndarray, ref: np.ndarray, cand_mean: np.ndarray, cand_scale: np.ndarray,
+                   ref_mean: np.ndarray, ref_scale: np.ndarray, *,
                    identity_budget: float | None = None) -> list[TransformFit]:
     """Every transform of :data:`KINDS` fitted to one segment pair ([n, H] rows each, finite rows
     only), simplest first. The identity is scored in the reference's scale (as the noise floor is);
@@ -145,12 +152,12 @@ def fit_transforms(cand: torch.Tensor, ref: torch.Tensor, cand_mean: torch.Tenso
     With ``identity_budget``, an identity within it is the answer (the simplest fit wins): the
     other transforms are not fitted, and the list holds the identity alone.
     """
-    keep = torch.isfinite(cand).all(dim=1) & torch.isfinite(ref).all(dim=1)
+    keep = np.isfinite(cand).all(axis=1) & np.isfinite(ref).all(axis=1)
     # float32 with float64 sums, on at most FIT_ROWS rows: one parameter per dimension is fitted from
     # hundreds of rows, and fresh float64 temporaries of a 2048 x 8192 segment would cost more than
     # the whole streaming pass.
-    c, r = cand[keep][:FIT_ROWS].float(), ref[keep][:FIT_ROWS].float()
-    cm, cs, rm, rs = cand_mean.float(), cand_scale.float(), ref_mean.float(), ref_scale.float()
+    c, r = cand[keep][:FIT_ROWS].astype(np.float32), ref[keep][:FIT_ROWS].astype(np.float32)
+    cm, cs, rm, rs = (np.asarray(a, dtype=np.float32) for a in (cand_mean, cand_scale, ref_mean, ref_scale))
     if c.shape[0] < 4:
         return [TransformFit("identity", None, float("nan"))]
     fits = [TransformFit("identity", None, _error(c, r, rm, rs))]
