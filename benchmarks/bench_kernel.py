@@ -1,6 +1,7 @@
 """Benchmark the streaming pass's per-row statistics: the fused kernel (tracediff/kernels.py) against
-the torch kernels it replaces (the sub-block loop of tracediff/diagnose.py), in one process, on the
-same rows, one thread each.
+the numpy kernels of the pass (:func:`tracediff.diagnose.numpy_row_stats`, its reference
+implementation, run a sub-block at a time as the pass runs it), in one process, on the same rows,
+one thread each.
 
 Rows: ``--rows`` row pairs of ``--segments`` x ``--size`` bf16 values per side (the candidate is the
 reference plus 1% noise, rounded to bf16 again), every candidate segment paired with its reference
@@ -18,35 +19,31 @@ import argparse
 import time
 
 import numpy as np
-import torch
 
+from tracediff.diagnose import numpy_row_stats
 from tracediff.kernels import fused_kernel, fused_row_stats
+from tracediff.segments import to_float32
 
 
-def _torch_loop(c: torch.Tensor, r: torch.Tensor, k: int, size: int, out: dict, sub: int) -> None:
-    """The torch kernels of the pass, as tracediff/diagnose.py runs them (reused buffers, sub-blocks)."""
-    n = c.shape[0]
-    cf, rf, d = torch.empty(sub, k * size), torch.empty(sub, k * size), torch.empty(sub, size)
-    mean, inv = torch.zeros(size), torch.ones(size)
-    norm = torch.linalg.vector_norm
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (uint16), rounded to nearest even."""
+    bits = x.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _numpy_loop(craw: np.ndarray, rraw: np.ndarray, k: int, size: int, out: dict, sub: int) -> None:
+    """The numpy kernels of the pass as tracediff/diagnose.py runs them: widened a sub-block at a time
+    into reused buffers."""
+    n = craw.shape[0]
+    d = np.empty((sub, size), np.float32)
+    mean, inv = np.zeros(size, np.float32), np.ones(size, np.float32)
     for s0 in range(0, n, sub):
         b = min(n, s0 + sub) - s0
-        cf[:b].copy_(c[s0 : s0 + b])
-        rf[:b].copy_(r[s0 : s0 + b])
-        c3, r3 = cf[:b].view(b, k, size), rf[:b].view(b, k, size)
-        norm(c3, 2, dim=2, out=out["xc"][s0 : s0 + b])
-        norm(r3, 2, dim=2, out=out["xr"][s0 : s0 + b])
-        for p in range(k):
-            dd = d[:b]
-            torch.sub(c3[:, p], r3[:, p], out=dd)
-            norm(dd, 2, dim=1, out=out["dn"][p, s0 : s0 + b])
-            torch.abs(dd, out=dd)
-            torch.amax(dd, dim=1, out=out["mx"][p, s0 : s0 + b])
-            torch.mul(dd, inv, out=dd)
-            norm(dd, 2, dim=1, out=out["sn"][p, s0 : s0 + b])
-            torch.sub(r3[:, p], mean, out=dd)
-            torch.mul(dd, inv, out=dd)
-            norm(dd, 2, dim=1, out=out["sd"][p, s0 : s0 + b])
+        c3 = to_float32(craw[s0 : s0 + b], "bfloat16").reshape(b, k, size)
+        r3 = to_float32(rraw[s0 : s0 + b], "bfloat16").reshape(b, k, size)
+        pairs = [(c3[:, p], r3[:, p], out["dn"][p, s0 : s0 + b], out["mx"][p, s0 : s0 + b],
+                  out["sn"][p, s0 : s0 + b], out["sd"][p, s0 : s0 + b], mean, inv) for p in range(k)]
+        numpy_row_stats(c3, r3, out["xc"][s0 : s0 + b], out["xr"][s0 : s0 + b], pairs, d[:b])
 
 
 def main() -> None:
@@ -58,18 +55,19 @@ def main() -> None:
     args = p.parse_args()
     if fused_kernel() is None:
         raise SystemExit("numba is not installed: pip install numba")
-    torch.set_num_threads(1)
     n, k, size = args.rows, args.segments, args.size
-    gen = torch.Generator().manual_seed(0)
-    c = torch.randn(n, k * size, generator=gen).to(torch.bfloat16)
-    r = (c.float() + 0.01 * torch.randn(n, k * size, generator=gen)).to(torch.bfloat16)
-    craw = c.view(torch.int16).numpy().view(np.uint16)
-    rraw = r.view(torch.int16).numpy().view(np.uint16)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, k * size), dtype=np.float32)
+    craw = _bf16(x)
+    rraw = _bf16(to_float32(craw, "bfloat16") + 0.01 * rng.standard_normal((n, k * size), dtype=np.float32))
     seg = np.arange(k, dtype=np.int64)
     means, invs = np.zeros((k, size), np.float32), np.ones((k, size), np.float32)
-    fused = {"xc": np.zeros((n, k), np.float32), "xr": np.zeros((n, k), np.float32),
-             **{name: np.zeros((k, n), np.float32) for name in ("dn", "mx", "sn", "sd")}}
-    ref = {"xc": torch.empty(n, k), "xr": torch.empty(n, k), **{name: torch.empty(k, n) for name in ("dn", "mx", "sn", "sd")}}
+
+    def outputs() -> dict:
+        return {"xc": np.zeros((n, k), np.float32), "xr": np.zeros((n, k), np.float32),
+                **{name: np.zeros((k, n), np.float32) for name in ("dn", "mx", "sn", "sd")}}
+
+    fused, ref = outputs(), outputs()
     sub = max(16, min(n, (2 << 20) // ((2 * k * size) * 4)))
     gb = (craw.nbytes + rraw.nbytes) / 1e9
 
@@ -77,23 +75,23 @@ def main() -> None:
         fused_row_stats(craw, rraw, n, size, "bfloat16", "bfloat16", seg, seg, means, invs, fused["xc"], fused["xr"],
                         fused["dn"], fused["mx"], fused["sn"], fused["sd"])
 
-    def run_torch() -> None:
-        _torch_loop(c, r, k, size, ref, sub)
+    def run_numpy() -> None:
+        _numpy_loop(craw, rraw, k, size, ref, sub)
 
     times = {}
-    for name, fn in (("fused", run_fused), ("torch", run_torch)):
+    for name, fn in (("fused", run_fused), ("numpy", run_numpy)):
         fn()
         start = time.process_time()
         for _ in range(args.repeat):
             fn()
         times[name] = (time.process_time() - start) / args.repeat
     for name in ("dn", "sn", "sd"):
-        np.testing.assert_allclose(fused[name], ref[name].numpy(), rtol=1e-5)
+        np.testing.assert_allclose(fused[name], ref[name], rtol=1e-5)
     print(f"{n} rows of {k} x {size} bf16 a side ({gb:.3f} GB both sides), one thread, CPU seconds, "
           f"mean of {args.repeat}:")
-    for name in ("fused", "torch"):
+    for name in ("fused", "numpy"):
         print(f"  {name:5s}  {times[name] * 1e3:8.1f} ms  {gb / times[name]:6.2f} GB/s")
-    print(f"  fused / torch: {times['torch'] / times['fused']:.2f}x")
+    print(f"  fused / numpy: {times['numpy'] / times['fused']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import numpy as np
 from tracediff import __version__
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
 from tracediff.align import RowIndex, align_sequences, pair_rows, stream_names
-from tracediff.diagnose import StreamResult, stream_metrics, with_subset_profiles
+from tracediff.diagnose import StreamResult, prepare_kernel, stream_metrics, with_subset_profiles
 from tracediff.drafts import recorded_d2t_problems
 from tracediff.errors import CompareError, UsageError
 from tracediff.findings import build_findings
@@ -102,6 +102,8 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
             f"no candidate sequence shares tokens with a reference sequence; were both recorded on the same "
             f"inputs (see `tracediff send`)?"
         )
+
+    prepare_kernel(len(base_pairs), cand_index, ref_index)
 
     # -- shapes first: each side's recorded segment size
     def size_sample() -> tuple[np.ndarray, np.ndarray]:

@@ -35,7 +35,7 @@ import numpy as np
 
 from tracediff.align import RowIndex, RowPairs
 from tracediff.errors import CompareError
-from tracediff.kernels import fused_row_stats
+from tracediff.kernels import fused_available, fused_row_stats, preload_fused_kernel
 from tracediff.results import RowRef, SegmentMetrics, SegmentProfile
 from tracediff.segments import to_float32
 from tracediff.store import VALUE_DTYPES, ChunkFiles, TraceStream
@@ -313,13 +313,34 @@ class PassPlan:
     fused: bool = False
 
 
-def use_fused_kernel() -> bool:
-    """Whether the pass uses the fused kernel: only on request
-    (``TRACEDIFF_KERNEL=fused``) for now. The kernel alone is 3.6-4.5x the eager kernels per CPU
-    second (benchmarks/bench_kernel.py), but a whole compare of 1 GiB a side measured 1.32x the time
-    with it (numba's import, its memory, the pass's other per-row work): it becomes the default when
-    a whole compare is shown faster (docs/performance.md)."""
-    return os.environ.get("TRACEDIFF_KERNEL", "").lower() == "fused"
+#: Stored bytes (both sides) from which a pass uses the fused kernel by default: numba's import and
+#: the cached kernel's load cost ~0.5-1.1 s of a process (measured here), the kernel saves ~1.5 s of
+#: CPU per GB over the numpy kernels (benchmarks/bench_kernel.py); the load also starts in the
+#: background as soon as the pass's size is known (:func:`prepare_kernel`), while the plan runs.
+FUSED_MIN_BYTES = 256 << 20
+
+
+def use_fused_kernel(nbytes: int) -> bool:
+    """Whether a pass over ``nbytes`` of stored rows uses the fused kernel: ``TRACEDIFF_KERNEL=fused``
+    always, ``=numpy`` never; by default from :data:`FUSED_MIN_BYTES` on, where numba is installed
+    (a small compare never imports it: its fixed cost stays that of numpy)."""
+    choice = os.environ.get("TRACEDIFF_KERNEL", "").lower()
+    if choice in ("fused", "numpy"):
+        return choice == "fused"
+    return nbytes >= FUSED_MIN_BYTES and fused_available()
+
+
+def prepare_kernel(pairs: int, candidate: RowIndex, reference: RowIndex) -> None:
+    """Start loading the fused kernel in the background when a pass over ``pairs`` row pairs of these
+    sides will use it (:func:`use_fused_kernel`)."""
+    if pairs and use_fused_kernel(pairs * _row_bytes(candidate, reference)):
+        preload_fused_kernel()
+
+
+def _row_bytes(candidate: RowIndex, reference: RowIndex) -> int:
+    """Stored bytes of one row pair."""
+    c, r = candidate.streams[0], reference.streams[0]
+    return c.width * VALUE_DTYPES[c.dtype].itemsize + r.width * VALUE_DTYPES[r.dtype].itemsize
 
 
 @dataclass(frozen=True)
@@ -376,7 +397,7 @@ def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches
     wc = candidate.streams[0].width
     wr = reference.streams[0].width
     cdt, rdt = candidate.streams[0].dtype, reference.streams[0].dtype
-    raw_row = wc * VALUE_DTYPES[cdt].itemsize + wr * VALUE_DTYPES[rdt].itemsize
+    raw_row = _row_bytes(candidate, reference)
     block = max(64, min(8192, block_bytes // max(1, raw_row)))
     # Sub-blocks of about 2 MiB of float32 rows: small enough to stay in cache between kernels,
     # large enough that the per-kernel dispatch cost stays small.
@@ -387,7 +408,7 @@ def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches
     return PassPlan(tuple((int(i), int(j)) for i, j in matches), size, block, sub, tuple(scales),
                     tuple(profiles or ()), buckets.edges, wc, wr, cdt, rdt,
                     tuple(location_of(s) for s in candidate.streams), tuple(location_of(s) for s in reference.streams),
-                    use_fused_kernel())
+                    use_fused_kernel(len(pairs) * raw_row))
 
 
 class _Pass:
@@ -492,7 +513,7 @@ class _Pass:
         # profiles) numpy kernels a sub-block at a time (its float32 rows stay in cache).
         fused = self.plan.fused and fused_row_stats(craw, rraw, m, size, self.cdt, self.rdt, self.seg_c, self.seg_r,
                                                     self.np_means, self.np_invs, w.xc, w.xr, w.dn, w.mx, w.sn, w.sd)
-        sub_, absolute, amax, mul = np.subtract, np.abs, np.max, np.multiply
+        sub_, mul = np.subtract, np.multiply
         with np.errstate(all="ignore"):
             for s0 in range(0, m, self.sub) if not fused or self.profiles else ():
                 cwiden, rwiden, c3, r3, xc, xr, d, kernels, d2, profile_kernels = self._views(w, s0, min(m, s0 + self.sub))
@@ -501,20 +522,7 @@ class _Pass:
                 if rwiden is not None:
                     _widen(rwiden[1], rwiden[2], rwiden[0])
                 if not fused:
-                    _norms(c3, xc)
-                    _norms(r3, xr)
-                for a, b, dn, mx, sn, sd, mean, inv_scale in ([] if fused else kernels):
-                    sub_(a, b, out=d)
-                    _norms(d, dn)
-                    # |d| in place: the norms below square it, and the largest |d| is the max abs diff.
-                    absolute(d, out=d)
-                    amax(d, axis=1, out=mx)
-                    # The decision metric: every dimension in units of the reference's robust scale.
-                    mul(d, inv_scale, out=d)
-                    _norms(d, sn)
-                    sub_(b, mean, out=d)
-                    mul(d, inv_scale, out=d)
-                    _norms(d, sd)
+                    numpy_row_stats(c3, r3, xc, xr, kernels, d)
                 # Profiles: the same, plus the standardised cosine (each side in its own scales, as the
                 # plan's matrix).
                 for a, b, dn, sn, sd, zc, zd, rmean, rinv, cmean, cinv in profile_kernels:
@@ -528,7 +536,7 @@ class _Pass:
                     sub_(a, cmean, out=d)
                     mul(d, cinv, out=d)
                     _norms(d, zc)
-                    np.einsum("ij,ij->i", d, d2, out=zd)
+                    _dot(d, d2, zd)
         xc, xr = w.xc[:m], w.xr[:m]
         # A segment with a non-finite value has a non-finite norm; a non-finite norm may also be an
         # overflow of finite values: only those rows are checked value by value.
@@ -632,8 +640,44 @@ def _inverse(scale: np.ndarray) -> np.ndarray:
 
 def _norms(x: np.ndarray, out: np.ndarray) -> None:
     """The L2 norms of ``x`` along its last axis into ``out`` (float32 sums of squares)."""
-    np.einsum("...h,...h->...", x, x, out=out)
+    _dot(x, x, out)
     np.sqrt(out, out=out)
+
+
+def _dot(x: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
+    """Dot products along the last axis into ``out``: ``np.vecdot`` (numpy 2; a third of einsum's
+    time here), else einsum."""
+    if _VECDOT is not None:
+        _VECDOT(x, y, out=out)
+    else:
+        np.einsum("...h,...h->...", x, y, out=out)
+
+
+_VECDOT = getattr(np, "vecdot", None)
+
+
+def numpy_row_stats(c3: np.ndarray, r3: np.ndarray, xc: np.ndarray, xr: np.ndarray, pairs: Sequence[tuple],
+                    d: np.ndarray) -> None:
+    """The pass's per-row statistics of a sub-block (float32 rows ``c3`` [b, Kc, H], ``r3`` [b, Kr, H]),
+    eager numpy kernels into reused buffers (the reference implementation of
+    :func:`tracediff.kernels.fused_row_stats`): every segment's norm into ``xc`` / ``xr``, and per
+    pair ``(a, b, dn, mx, sn, sd, mean, inv_scale)`` (views of the two segments and of the outputs)
+    the norm and largest |value| of the difference and the norms of the standardised difference and
+    reference. ``d``: a [b, H] float32 scratch buffer."""
+    _norms(c3, xc)
+    _norms(r3, xr)
+    for a, b, dn, mx, sn, sd, mean, inv_scale in pairs:
+        np.subtract(a, b, out=d)
+        _norms(d, dn)
+        # |d| in place: the norms below square it, and the largest |d| is the max abs diff.
+        np.abs(d, out=d)
+        np.max(d, axis=1, out=mx)
+        # The decision metric: every dimension in units of the reference's robust scale.
+        np.multiply(d, inv_scale, out=d)
+        _norms(d, sn)
+        np.subtract(b, mean, out=d)
+        np.multiply(d, inv_scale, out=d)
+        _norms(d, sd)
 
 
 def _exact_rows(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, float]:

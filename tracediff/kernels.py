@@ -17,8 +17,10 @@ the pass keeps the numpy path. Pure computation: no I/O, no allocation beyond tw
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,7 @@ FUSED_DTYPES = ("bfloat16", "float32")
 
 _KERNEL: Any = None
 _TRIED = False
+_LOCK = threading.Lock()
 
 
 def _build() -> Any:
@@ -125,10 +128,15 @@ def _build() -> Any:
 
 def fused_kernel() -> Any:
     """The compiled kernel, or None where numba is missing (or ``TRACEDIFF_KERNEL=numpy``; which
-    passes use it at all: :func:`tracediff.diagnose.use_fused_kernel`, opt-in)."""
-    global _KERNEL, _TRIED
+    passes use it at all: :func:`tracediff.diagnose.use_fused_kernel`)."""
     if os.environ.get("TRACEDIFF_KERNEL", "").lower() == "numpy":
         return None
+    with _LOCK:  # one compile or cache load, also while preload_fused_kernel's thread is at it
+        return _load()
+
+
+def _load() -> Any:
+    global _KERNEL, _TRIED
     if not _TRIED:
         _TRIED = True
         try:
@@ -138,6 +146,18 @@ def fused_kernel() -> Any:
         except Exception as exc:  # a numba that cannot compile here must not stop a compare
             log.warning("tracediff: the fused kernel could not be compiled (%s): using the numpy kernels", exc)
     return _KERNEL
+
+
+def fused_available() -> bool:
+    """Whether numba is installed (without importing it)."""
+    return importlib.util.find_spec("numba") is not None
+
+
+def preload_fused_kernel() -> None:
+    """Import numba and load the kernel on a background thread (a compare starts it once it knows its
+    pass will use the kernel, so the ~0.5-1 s overlap the plan)."""
+    if not _TRIED:
+        threading.Thread(target=fused_kernel, name="tracediff-kernel-load", daemon=True).start()
 
 
 def fused_row_stats(craw: np.ndarray, rraw: np.ndarray, n: int, size: int, cdtype: str, rdtype: str,
@@ -159,4 +179,4 @@ def fused_row_stats(craw: np.ndarray, rraw: np.ndarray, n: int, size: int, cdtyp
     return True
 
 
-__all__ = ["FUSED_DTYPES", "fused_kernel", "fused_row_stats"]
+__all__ = ["FUSED_DTYPES", "fused_available", "fused_kernel", "fused_row_stats", "preload_fused_kernel"]
