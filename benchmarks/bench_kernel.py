@@ -1,5 +1,5 @@
 """Benchmark the streaming pass's per-row statistics: the fused kernel (tracediff/kernels.py) against
-the numpy kernels of the pass (:func:`tracediff.diagnose.numpy_row_stats`, its reference
+the numpy kernels of the pass (:func:`tracediff.kernels.numpy_row_stats`, its reference
 implementation, run a sub-block at a time as the pass runs it), in one process, on the same rows,
 one thread each.
 
@@ -20,8 +20,7 @@ import time
 
 import numpy as np
 
-from tracediff.diagnose import numpy_row_stats
-from tracediff.kernels import fused_kernel, fused_row_stats
+from tracediff.kernels import fused_kernel, fused_row_stats, numpy_row_stats
 from tracediff.segments import to_float32
 
 

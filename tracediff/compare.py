@@ -19,11 +19,12 @@ import numpy as np
 from tracediff import __version__
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
 from tracediff.align import RowIndex, align_sequences, pair_rows, stream_names
-from tracediff.diagnose import StreamResult, prepare_kernel, stream_metrics, with_subset_profiles
+from tracediff.diagnose import prepare_kernel, stream_metrics
 from tracediff.drafts import recorded_d2t_problems
 from tracediff.errors import CompareError, UsageError
 from tracediff.findings import build_findings
 from tracediff.metadata import aux_config, config_diff, num_layers, same_recording, side_aux_layers
+from tracediff.metrics import StreamResult, with_subset_profiles
 from tracediff.noise import CALIBRATION_TAP, CalibrationRows, canonical_dtype, decide_compute_dtype
 from tracediff.pairing import check_token_pairing
 from tracediff.plan import (

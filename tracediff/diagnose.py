@@ -22,208 +22,39 @@ bucket, never a per-row array.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import queue
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from tracediff.align import RowIndex, RowPairs
 from tracediff.errors import CompareError
-from tracediff.kernels import fused_available, fused_row_stats, preload_fused_kernel
-from tracediff.results import RowRef, SegmentMetrics, SegmentProfile
+from tracediff.gather import ChunkReader, aligned_empty, reference_files, usable_cpus
+from tracediff.kernels import (
+    dot,
+    exact_row_stats,
+    fused_available,
+    fused_row_stats,
+    norms,
+    numpy_row_stats,
+    preload_fused_kernel,
+)
+from tracediff.metrics import (
+    Accumulator,
+    PositionBuckets,
+    ProfileRequest,
+    StreamResult,
+    finish_metrics,
+    profile_of,
+)
 from tracediff.segments import to_float32
-from tracediff.store import VALUE_DTYPES, ChunkFiles, TraceStream
+from tracediff.store import VALUE_DTYPES, TraceStream
 
 Progress = Callable[[int], None]
-
-_TINY = 1e-30  # norms are clamped to this before dividing (as the per-element formulas always did)
-
-
-class ChunkReader:
-    """Gathers arbitrary rows of a list of streams: rows of uncompressed chunk files are read straight
-    into the output (only the rows asked for); other chunks are decoded whole, through a small LRU
-    cache. Not thread-safe: one per thread."""
-
-    def __init__(self, streams: Sequence[TraceStream], max_chunks: int = 64, max_files: int | None = None) -> None:
-        self.streams = list(streams)
-        self.cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
-        self.max_chunks = max_chunks
-        self.bytes_read = 0
-        self.files = ChunkFiles(limit=max(8, max_chunks) if max_files is None else max_files)
-
-    def close(self) -> None:
-        self.files.close()
-        self.cache.clear()
-
-    def _chunk(self, stream: int, chunk: int) -> np.ndarray:
-        key = (stream, chunk)
-        data = self.cache.get(key)
-        if data is not None:
-            self.cache.move_to_end(key)
-            return data
-        data = self.streams[stream].read_chunk(chunk)
-        self.bytes_read += data.nbytes
-        self.cache[key] = data
-        if len(self.cache) > self.max_chunks:
-            self.cache.popitem(last=False)
-        return data
-
-    def gather(self, index: RowIndex, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Raw values of RowIndex entries ``rows`` into ``out[:len(rows)]``."""
-        rows = np.asarray(rows)
-        return self.gather_at(index.stream[rows], index.row[rows], out)
-
-    def gather_at(self, stream: np.ndarray, within: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Raw values of the rows ``within[k]`` of streams ``stream[k]`` into ``out[:len(stream)]``."""
-        n = stream.size
-        if n == 0:
-            return out[:0]
-        single = len(self.streams) == 1
-        for s in [0] if single else np.unique(stream).tolist():
-            sel = np.arange(n) if single else np.flatnonzero(stream == s)
-            st = self.streams[s]
-            cr = st.chunk_rows
-            w = within if single else within[sel]
-            if st.reads_rows_directly:
-                st.read_rows(w, out=out, dest=sel, files=self.files)
-                self.bytes_read += int(sel.size) * out.itemsize * out.shape[1]
-                continue
-            chunks = w // cr
-            for c in np.unique(chunks):
-                part = sel[chunks == c]
-                data = self._chunk(int(s), int(c))
-                out[part] = data[within[part] - c * cr]
-        return out[:n]
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity where the OS says, else the machine's)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
-def _reference_files() -> int:
-    """Open chunk files each streaming thread keeps for the reference: 512 where the process may
-    open many files (reopening a chunk file costs ~25 us, and engine-ordered rows revisit hundreds of
-    them), 64 under a low open-file limit."""
-    try:
-        import resource  # noqa: PLC0415  (POSIX only)
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):
-        return 64
-    return 512 if soft == resource.RLIM_INFINITY or soft >= 8192 else 64
-
-
-@dataclass
-class _Accumulator:
-    cand_seg: int
-    ref_seg: int
-    cos: np.ndarray
-    ratio: np.ndarray
-    rel_diff: np.ndarray
-    max_abs: np.ndarray
-    std_err: np.ndarray  # per row: squared standardised error |(c - r) / s|^2
-    sq_err: float = 0.0
-    std_num: float = 0.0  # sum over rows of |(c - r) / s|^2
-    std_den: float = 0.0  # sum over rows of |(r - mean) / s|^2
-    sq_ref: float = 0.0
-    nonfinite_c: int = 0
-    nonfinite_r: int = 0
-
-
-#: Per-position series have at most this many position buckets.
-POSITION_BUCKETS = 64
-
-
-@dataclass(frozen=True)
-class PositionBuckets:
-    """The aligned rows grouped by reference position into at most :data:`POSITION_BUCKETS` equal
-    buckets; every per-position series of a compare uses the same ones, so their buckets line up."""
-
-    edges: np.ndarray  # [buckets + 1] float64
-    index: np.ndarray  # per aligned row: its bucket (int16)
-
-    @classmethod
-    def of(cls, positions: np.ndarray) -> PositionBuckets:
-        top = int(positions.max()) + 1 if positions.size else 1
-        count = max(1, min(POSITION_BUCKETS, top))
-        edges = np.linspace(0, top, count + 1)
-        index = np.clip(np.searchsorted(edges, positions, side="right") - 1, 0, count - 1).astype(np.int16)
-        return cls(edges, index)
-
-    @property
-    def count(self) -> int:
-        return int(self.edges.size) - 1
-
-    def sums(self, index: np.ndarray, values: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per bucket: the sum of ``values`` where ``keep``, and how many rows that is."""
-        idx = index[keep]
-        return (np.bincount(idx, weights=values[keep].astype(np.float64), minlength=self.count),
-                np.bincount(idx, minlength=self.count).astype(np.float64))
-
-    def series(self, sums: np.ndarray, counts: np.ndarray, divide: float = 1.0, root: bool = False) -> list[list[float]]:
-        """``[[bucket start, sum / (rows x divide), rows], ...]`` (its square root if ``root``) for the
-        buckets with rows."""
-        out = []
-        for b in range(self.count):
-            if counts[b]:
-                v = float(sums[b] / (counts[b] * divide))
-                out.append([float(self.edges[b]), math.sqrt(v) if root and v >= 0 else v, int(counts[b])])
-        return out
-
-
-@dataclass(frozen=True)
-class ProfileRequest:
-    """A segment pair the pass measures per position only (:func:`tracediff.plan.profile_requests`)."""
-
-    kind: str  # segment_missing | segment_extra | segment_duplicate
-    candidate: int
-    reference: int
-    cand_mean: np.ndarray  # the candidate segment's robust (mean, scale), as the plan's matrix used
-    cand_scale: np.ndarray
-    ref_mean: np.ndarray
-    ref_scale: np.ndarray
-    numerics_budget: float
-    drift_limit: float
-    same_tensor_cosine: float
-
-
-@dataclass
-class StreamResult:
-    metrics: list[SegmentMetrics]
-    nonfinite_candidate: dict[int, tuple[int, int | None]]  # segment -> (rows, first pair index)
-    nonfinite_reference: dict[int, tuple[int, int | None]]
-    bytes_read: int
-    # Per matched pair: each aligned row's standardised error over the pair's mean reference size
-    # (float32, NaN where not finite), for localising the rows that differ.
-    row_errors: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
-    # Per matched pair, each aligned row's raw cosine and norm ratio (the same arrays the metrics came
-    # from), for the per-position profiles of a subset's row groups.
-    row_cosines: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
-    row_norm_ratios: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
-    limits: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (budget, drift limit)
-    buckets: PositionBuckets | None = None
-    profiles: list[SegmentProfile] = field(default_factory=list)
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An empty array whose start is 64-byte aligned: copies from the page cache into a buffer that is
-    not (numpy's large allocations start 16 bytes into a page) run several times slower."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = np.empty(nbytes + 64, dtype=np.uint8)
-    skip = -raw.ctypes.data % 64
-    return raw[skip : skip + nbytes].view(dtype).reshape(shape)
-
 
 def _widen(src: np.ndarray, dtype: str, out: np.ndarray) -> None:
     """Stored rows ``src`` into the float32 buffer ``out`` (bf16 bits widened exactly)."""
@@ -443,7 +274,7 @@ class _Pass:
         return _Buffers(
             cand=ChunkReader(self.candidate, max_chunks=8),
             # The reference is read in the candidate's order, across many chunk files at once.
-            ref=ChunkReader(self.reference, max_chunks=64, max_files=_reference_files()),
+            ref=ChunkReader(self.reference, max_chunks=64, max_files=reference_files()),
             craw=aligned_empty((self.block, self.wc), VALUE_DTYPES[self.cdt]),
             rraw=aligned_empty((self.block, self.wr), VALUE_DTYPES[self.rdt]),
             cf=aligned_empty((self.sub, self.wc), np.float32),
@@ -527,16 +358,16 @@ class _Pass:
                 # plan's matrix).
                 for a, b, dn, sn, sd, zc, zd, rmean, rinv, cmean, cinv in profile_kernels:
                     sub_(a, b, out=d)
-                    _norms(d, dn)
+                    norms(d, dn)
                     mul(d, rinv, out=d)
-                    _norms(d, sn)
+                    norms(d, sn)
                     sub_(b, rmean, out=d2)
                     mul(d2, rinv, out=d2)
-                    _norms(d2, sd)
+                    norms(d2, sd)
                     sub_(a, cmean, out=d)
                     mul(d, cinv, out=d)
-                    _norms(d, zc)
-                    _dot(d, d2, zd)
+                    norms(d, zc)
+                    dot(d, d2, zd)
         xc, xr = w.xc[:m], w.xr[:m]
         # A segment with a non-finite value has a non-finite norm; a non-finite norm may also be an
         # overflow of finite values: only those rows are checked value by value.
@@ -568,7 +399,7 @@ class _Pass:
         odd_rows, odd_pairs = np.nonzero(ok & ~fast)
         for p in np.unique(odd_pairs).tolist():
             rows = odd_rows[odd_pairs == p]
-            e_cos, e_ratio, e_rel, e_max, e_sq, e_nb = _exact_rows(
+            e_cos, e_ratio, e_rel, e_max, e_sq, e_nb = exact_row_stats(
                 to_float32(craw[rows], self.cdt).reshape(-1, kc, size)[:, self.seg_c[p]],
                 to_float32(rraw[rows], self.rdt).reshape(-1, kr, size)[:, self.seg_r[p]],
             )
@@ -638,68 +469,6 @@ def _inverse(scale: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.float32(1.0) / np.asarray(scale, dtype=np.float32))
 
 
-def _norms(x: np.ndarray, out: np.ndarray) -> None:
-    """The L2 norms of ``x`` along its last axis into ``out`` (float32 sums of squares)."""
-    _dot(x, x, out)
-    np.sqrt(out, out=out)
-
-
-def _dot(x: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
-    """Dot products along the last axis into ``out``: ``np.vecdot`` (numpy 2; a third of einsum's
-    time here), else einsum."""
-    if _VECDOT is not None:
-        _VECDOT(x, y, out=out)
-    else:
-        np.einsum("...h,...h->...", x, y, out=out)
-
-
-_VECDOT = getattr(np, "vecdot", None)
-
-
-def numpy_row_stats(c3: np.ndarray, r3: np.ndarray, xc: np.ndarray, xr: np.ndarray, pairs: Sequence[tuple],
-                    d: np.ndarray) -> None:
-    """The pass's per-row statistics of a sub-block (float32 rows ``c3`` [b, Kc, H], ``r3`` [b, Kr, H]),
-    eager numpy kernels into reused buffers (the reference implementation of
-    :func:`tracediff.kernels.fused_row_stats`): every segment's norm into ``xc`` / ``xr``, and per
-    pair ``(a, b, dn, mx, sn, sd, mean, inv_scale)`` (views of the two segments and of the outputs)
-    the norm and largest |value| of the difference and the norms of the standardised difference and
-    reference. ``d``: a [b, H] float32 scratch buffer."""
-    _norms(c3, xc)
-    _norms(r3, xr)
-    for a, b, dn, mx, sn, sd, mean, inv_scale in pairs:
-        np.subtract(a, b, out=d)
-        _norms(d, dn)
-        # |d| in place: the norms below square it, and the largest |d| is the max abs diff.
-        np.abs(d, out=d)
-        np.max(d, axis=1, out=mx)
-        # The decision metric: every dimension in units of the reference's robust scale.
-        np.multiply(d, inv_scale, out=d)
-        _norms(d, sn)
-        np.subtract(b, mean, out=d)
-        np.multiply(d, inv_scale, out=d)
-        _norms(d, sd)
-
-
-def _exact_rows(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, float]:
-    """Metrics of finite rows by the per-element formulas, for rows whose norms are not ordinary:
-    cosine, norm ratio, rel_diff, max abs diff per row; summed squared error and reference norm."""
-    tiny = np.float32(_TINY)
-    with np.errstate(all="ignore"):
-        na = (a * a).sum(axis=1)
-        nb = (b * b).sum(axis=1)
-        d = a - b
-        sq = (d * d).sum(axis=1)
-        max_abs = np.abs(d).max(axis=1)
-        # 1 - cos as half the squared distance of the unit vectors: exact near cos = 1 in fp32.
-        ua = a / np.maximum(np.sqrt(na), tiny)[:, None]
-        ub = b / np.maximum(np.sqrt(nb), tiny)[:, None]
-        one_minus_cos = np.float32(0.5) * ((ua - ub) ** 2).sum(axis=1)
-        cos = np.float32(1.0) - one_minus_cos
-        ratio = np.sqrt(na) / np.maximum(np.sqrt(nb), tiny)
-        rel = sq / np.maximum(na + nb, tiny)
-    return cos, ratio, rel, max_abs, float(sq.astype(np.float64).sum()), float(nb.astype(np.float64).sum())
-
-
 class BlockRunner(Protocol):
     """Runs the blocks of a pass somewhere else (:class:`tracediff.distributed.DaskRunner`): each
     spec through :func:`run_blocks` on ``plan``, each result handed to ``add`` (in any order) on the
@@ -713,7 +482,7 @@ class _Merger:
     in any order); its sums are added in block order whatever order blocks finish in, so the totals
     are the same bits as one thread adding block after block."""
 
-    def __init__(self, accs: list[_Accumulator], kc: int, kr: int, profiles: int, buckets: int, blocks: int,
+    def __init__(self, accs: list[Accumulator], kc: int, kr: int, profiles: int, buckets: int, blocks: int,
                  progress: Progress | None) -> None:
         self.accs, self.blocks, self.progress = accs, blocks, progress
         self.nf_c = np.zeros(kc, dtype=np.int64)
@@ -841,7 +610,7 @@ def stream_metrics(
     plan = pass_plan(pairs, reference, candidate, matches, segment_size, scales, profiles, block_bytes)
     kc, kr = plan.candidate_width // segment_size, plan.reference_width // segment_size
     accs = [
-        _Accumulator(i, j, *(np.full(n, np.nan, dtype=np.float32) for _ in range(5)))
+        Accumulator(i, j, *(np.full(n, np.nan, dtype=np.float32) for _ in range(5)))
         for i, j in matches
     ]
     if limits is None:
@@ -865,7 +634,7 @@ def stream_metrics(
         for res in run_blocks(plan, reference.streams, candidate.streams, lazy, workers):  # type: ignore[arg-type]
             merger.add(res)
     merger.check_complete()
-    metrics = [_finish(acc, pairs, reference, candidate, buckets, lim) for acc, lim in zip(accs, limits, strict=True)]
+    metrics = [finish_metrics(acc, pairs, reference, candidate, buckets, lim) for acc, lim in zip(accs, limits, strict=True)]
     nf_c, nf_r = merger.nf_c, merger.nf_r
     return StreamResult(
         metrics,
@@ -877,172 +646,6 @@ def stream_metrics(
         row_norm_ratios={(acc.cand_seg, acc.ref_seg): acc.ratio for acc in accs},
         limits={(acc.cand_seg, acc.ref_seg): lim for acc, lim in zip(accs, limits, strict=True)},
         buckets=buckets,
-        profiles=[_profile(r, merger.profile_sums[q], merger.profile_den[q], buckets) for q, r in enumerate(profiles)],
+        profiles=[profile_of(r, merger.profile_sums[q], merger.profile_den[q], buckets) for q, r in enumerate(profiles)],
     )
 
-
-def _profile(r: ProfileRequest, sums: np.ndarray, den: np.ndarray, buckets: PositionBuckets) -> SegmentProfile:
-    mean_den = den[0] / den[1] if den[1] else float("nan")
-    ok_den = math.isfinite(mean_den) and mean_den > 0
-
-    def total(k: int) -> float:
-        return float(sums[2 * k].sum() / sums[2 * k + 1].sum()) if sums[2 * k + 1].sum() else float("nan")
-
-    return SegmentProfile(
-        kind=r.kind, candidate=r.candidate, reference=r.reference, group=None, rows=int(sums[1].sum()),
-        cos_mean=total(0), std_cos_mean=total(1), norm_ratio_mean=total(2),
-        std_rel_error=math.sqrt(total(3) / mean_den) if ok_den else float("nan"),
-        numerics_budget=r.numerics_budget, drift_limit=r.drift_limit, same_tensor_cosine=r.same_tensor_cosine,
-        cos_by_position=buckets.series(sums[0], sums[1]),
-        std_cos_by_position=buckets.series(sums[2], sums[3]),
-        norm_ratio_by_position=buckets.series(sums[4], sums[5]),
-        std_error_by_position=buckets.series(sums[6], sums[7], mean_den, root=True) if ok_den else [],
-    )
-
-
-def with_subset_profiles(stream: StreamResult, subsets: dict[tuple[int, int], tuple[Any, Any]]) -> list[SegmentProfile]:
-    """The stream's profiles with each subset finding's row groups added (the group, then the other
-    rows, from the pass's per-row numbers), and without the wiring profiles a subset explains (the
-    findings report such a pair once, as the subset)."""
-    explained_c = {i for i, _ in subsets}
-    explained_r = {j for _, j in subsets}
-    out = [p for p in stream.profiles
-           if not (p.kind == "segment_missing" and p.reference in explained_r)
-           and not (p.kind == "segment_extra" and p.candidate in explained_c)]
-    buckets = stream.buckets
-    if buckets is None:
-        return out
-    for (i, j), (subset, _content) in sorted(subsets.items()):
-        cos, ratio, err = stream.row_cosines.get((i, j)), stream.row_norm_ratios.get((i, j)), stream.row_errors.get((i, j))
-        if cos is None or ratio is None or err is None:
-            continue
-        budget, drift = stream.limits.get((i, j), (float("nan"), float("nan")))
-        inside = np.zeros(cos.size, dtype=bool)
-        inside[subset.members] = True
-        for group, mask in ((subset.description, inside), ("the other rows", ~inside)):
-            series = []
-            for values, square in ((cos, False), (ratio, False), (err, True)):
-                keep = mask & np.isfinite(values)
-                v = values.astype(np.float64) ** 2 if square else values
-                series.append((*buckets.sums(buckets.index, v, keep), float(v[keep].sum(dtype=np.float64)),
-                               int(keep.sum())))
-            (cs, cn, ct, ck), (rs, rn, rt, rk), (es, en, et, ek) = series
-            out.append(SegmentProfile(
-                kind="segment_subset", candidate=i, reference=j, group=group, rows=int(mask.sum()),
-                cos_mean=ct / ck if ck else float("nan"), std_cos_mean=float("nan"),
-                norm_ratio_mean=rt / rk if rk else float("nan"),
-                std_rel_error=math.sqrt(et / ek) if ek else float("nan"),
-                numerics_budget=budget, drift_limit=drift, same_tensor_cosine=float("nan"),
-                cos_by_position=buckets.series(cs, cn), norm_ratio_by_position=buckets.series(rs, rn),
-                std_error_by_position=buckets.series(es, en, root=True),
-            ))
-    return out
-
-
-def row_ref(index: RowIndex, i: int) -> RowRef:
-    return RowRef(seq=index.group_keys[int(index.group[i])], position=int(index.position[i]),
-                  token_id=int(index.token_id[i]))
-
-
-def _quantiles(values: np.ndarray, *qs: float) -> list[float]:
-    """Quantiles of the finite values (NaN without any), one selection each: numpy's several-q call
-    rounds the float32 interpolation differently, and the reports stay bit-identical."""
-    finite = values[np.isfinite(values)]
-    if not finite.size:
-        return [float("nan")] * len(qs)
-    return [float(np.quantile(finite, q)) for q in qs]
-
-
-def _smallest(rank: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k smallest values of ``rank``, ties in index order: exactly
-    ``np.argsort(rank, kind="stable")[:k]``, without sorting every row."""
-    if rank.size <= 4 * k:
-        return np.argsort(rank, kind="stable")[:k]
-    kth = np.partition(rank, k - 1)[k - 1]
-    below = np.flatnonzero(rank < kth)
-    chosen = np.concatenate([below, np.flatnonzero(rank == kth)[: k - below.size]])
-    return chosen[np.lexsort((chosen, rank[chosen]))]
-
-
-def _finish(acc: _Accumulator, pairs: RowPairs, reference: RowIndex, candidate: RowIndex,
-            buckets: PositionBuckets | None = None, limits: tuple[float, float] = (float("nan"), float("nan")),
-            ) -> SegmentMetrics:
-    cos = acc.cos
-    finite = np.isfinite(cos)
-    rows = int(finite.sum())
-    # Per-row error relative to the pair's mean reference size: one bad row stands out whatever its
-    # own norm (a row near the mean would blow up a per-row ratio).
-    mean_den = acc.std_den / max(1, int(np.isfinite(acc.std_err).sum()))
-    # In place: the squared numerators become the per-row errors the localisation reads.
-    if mean_den > 0:
-        np.sqrt(acc.std_err / mean_den, out=acc.std_err)
-    else:
-        acc.std_err[:] = np.nan
-    row_err = acc.std_err
-    worst_rows = []
-    if rows:
-        rank = np.where(np.isfinite(row_err), -row_err, np.inf)
-        order = _smallest(rank, min(5, rows))
-        for k in order:
-            worst_rows.append(
-                {
-                    "cosine": float(cos[k]),
-                    "std_error": float(row_err[k]),
-                    "norm_ratio": float(acc.ratio[k]),
-                    "candidate": row_ref(candidate, pairs.candidate[k]).__dict__,
-                    "reference": row_ref(reference, pairs.reference[k]).__dict__,
-                }
-            )
-    max_abs_row = None
-    max_abs = float("nan")
-    if np.isfinite(acc.max_abs).any():
-        k = int(np.nanargmax(acc.max_abs))
-        max_abs = float(acc.max_abs[k])
-        max_abs_row = row_ref(candidate, pairs.candidate[k])
-    # Cosine and the decision metric by (reference) position, in the compare's position buckets.
-    if buckets is None:
-        buckets = PositionBuckets.of(reference.position[pairs.reference])
-    by_pos = buckets.series(*buckets.sums(buckets.index, cos, finite)) if rows else []
-    err_ok = np.isfinite(row_err)
-    err_by_pos = buckets.series(*buckets.sums(buckets.index, row_err.astype(np.float64) ** 2, err_ok), root=True)
-    ratios = acc.ratio[np.isfinite(acc.ratio) & (acc.ratio > 0)]
-    hist = {"edges": [], "counts": []}
-    if ratios.size:
-        logr = np.log2(ratios)
-        lo, hi = float(logr.min()), float(logr.max())
-        if hi - lo < 1e-3:
-            lo, hi = lo - 0.05, hi + 0.05
-        counts_h, edges_h = np.histogram(logr, bins=40, range=(lo, hi))
-        hist = {"edges": [float(e) for e in edges_h], "counts": [float(c) for c in counts_h]}
-    (cos_p1,) = _quantiles(cos, 0.01)
-    ratio_p1, ratio_p50, ratio_p99 = _quantiles(acc.ratio, 0.01, 0.5, 0.99)
-    err_p50, err_p99 = _quantiles(row_err, 0.5, 0.99)
-    return SegmentMetrics(
-        candidate=acc.cand_seg,
-        reference=acc.ref_seg,
-        rows=rows,
-        cos_mean=float(np.nanmean(cos)) if rows else float("nan"),
-        cos_p1=cos_p1,
-        cos_min=float(np.nanmin(cos)) if rows else float("nan"),
-        norm_ratio_mean=float(np.nanmean(acc.ratio)) if rows else float("nan"),
-        norm_ratio_p1=ratio_p1,
-        norm_ratio_p50=ratio_p50,
-        norm_ratio_p99=ratio_p99,
-        rel_l2=math.sqrt(acc.sq_err / acc.sq_ref) if acc.sq_ref > 0 else float("nan"),
-        rel_diff_mean=float(np.nanmean(acc.rel_diff)) if rows else float("nan"),
-        rel_diff_max=float(np.nanmax(acc.rel_diff)) if rows else float("nan"),
-        max_abs_diff=max_abs,
-        max_abs_diff_row=max_abs_row,
-        nonfinite_candidate=acc.nonfinite_c,
-        nonfinite_reference=acc.nonfinite_r,
-        worst_rows=worst_rows,
-        cos_by_position=by_pos,
-        norm_ratio_hist=hist,
-        std_rel_error=math.sqrt(acc.std_num / acc.std_den) if acc.std_den > 0 else float("nan"),
-        std_row_error_p50=err_p50,
-        std_row_error_p99=err_p99,
-        std_row_error_max=float(np.nanmax(row_err)) if np.isfinite(row_err).any() else float("nan"),
-        std_error_by_position=err_by_pos,
-        numerics_budget=float(limits[0]),
-        drift_limit=float(limits[1]),
-    )

@@ -27,8 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import Any
 
-
-from tracediff.diagnose import BlockSpec, BlockWorker, PassPlan, StreamLocation, BlockResult
+from tracediff.diagnose import BlockResult, BlockSpec, BlockWorker, PassPlan, StreamLocation
 from tracediff.errors import CompareError, StoreError, UsageError, first_line
 from tracediff.store import TraceStore, TraceStream
 from tracediff.storeset import open_side

@@ -8,8 +8,8 @@ from typing import Any
 
 from tracediff.adapters.conventions import AuxLayers, format_layers
 from tracediff.align import Alignment, RowPairs
-from tracediff.diagnose import StreamResult, row_ref
 from tracediff.metadata import PHYSICAL_FIELD, is_aux_key, readable_changes
+from tracediff.metrics import StreamResult, row_ref
 from tracediff.plan import SegmentPlan
 from tracediff.results import Finding, Report
 from tracediff.segment_findings import seg_name, segment_findings

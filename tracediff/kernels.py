@@ -21,6 +21,7 @@ import importlib.util
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -179,4 +180,71 @@ def fused_row_stats(craw: np.ndarray, rraw: np.ndarray, n: int, size: int, cdtyp
     return True
 
 
-__all__ = ["FUSED_DTYPES", "fused_available", "fused_kernel", "fused_row_stats", "preload_fused_kernel"]
+#: Norms are clamped to this before dividing (as the per-element formulas always did).
+TINY = 1e-30
+
+
+# ------------------------------------------------------------ the numpy kernels (the reference)
+def norms(x: np.ndarray, out: np.ndarray) -> None:
+    """The L2 norms of ``x`` along its last axis into ``out`` (float32 sums of squares)."""
+    dot(x, x, out)
+    np.sqrt(out, out=out)
+
+
+def dot(x: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
+    """Dot products along the last axis into ``out``: ``np.vecdot`` (numpy 2; a third of einsum's
+    time here), else einsum."""
+    if _VECDOT is not None:
+        _VECDOT(x, y, out=out)
+    else:
+        np.einsum("...h,...h->...", x, y, out=out)
+
+
+_VECDOT = getattr(np, "vecdot", None)
+
+
+def numpy_row_stats(c3: np.ndarray, r3: np.ndarray, xc: np.ndarray, xr: np.ndarray, pairs: Sequence[tuple],
+                    d: np.ndarray) -> None:
+    """The pass's per-row statistics of a sub-block (float32 rows ``c3`` [b, Kc, H], ``r3`` [b, Kr, H]),
+    eager numpy kernels into reused buffers (the reference implementation of
+    :func:`tracediff.kernels.fused_row_stats`): every segment's norm into ``xc`` / ``xr``, and per
+    pair ``(a, b, dn, mx, sn, sd, mean, inv_scale)`` (views of the two segments and of the outputs)
+    the norm and largest |value| of the difference and the norms of the standardised difference and
+    reference. ``d``: a [b, H] float32 scratch buffer."""
+    norms(c3, xc)
+    norms(r3, xr)
+    for a, b, dn, mx, sn, sd, mean, inv_scale in pairs:
+        np.subtract(a, b, out=d)
+        norms(d, dn)
+        # |d| in place: the norms below square it, and the largest |d| is the max abs diff.
+        np.abs(d, out=d)
+        np.max(d, axis=1, out=mx)
+        # The decision metric: every dimension in units of the reference's robust scale.
+        np.multiply(d, inv_scale, out=d)
+        norms(d, sn)
+        np.subtract(b, mean, out=d)
+        np.multiply(d, inv_scale, out=d)
+        norms(d, sd)
+
+
+def exact_row_stats(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, float]:
+    """Metrics of finite rows by the per-element formulas, for rows whose norms are not ordinary:
+    cosine, norm ratio, rel_diff, max abs diff per row; summed squared error and reference norm."""
+    tiny = np.float32(TINY)
+    with np.errstate(all="ignore"):
+        na = (a * a).sum(axis=1)
+        nb = (b * b).sum(axis=1)
+        d = a - b
+        sq = (d * d).sum(axis=1)
+        max_abs = np.abs(d).max(axis=1)
+        # 1 - cos as half the squared distance of the unit vectors: exact near cos = 1 in fp32.
+        ua = a / np.maximum(np.sqrt(na), tiny)[:, None]
+        ub = b / np.maximum(np.sqrt(nb), tiny)[:, None]
+        one_minus_cos = np.float32(0.5) * ((ua - ub) ** 2).sum(axis=1)
+        cos = np.float32(1.0) - one_minus_cos
+        ratio = np.sqrt(na) / np.maximum(np.sqrt(nb), tiny)
+        rel = sq / np.maximum(na + nb, tiny)
+    return cos, ratio, rel, max_abs, float(sq.astype(np.float64).sum()), float(nb.astype(np.float64).sum())
+
+
+__all__ = ["FUSED_DTYPES", "TINY", "dot", "exact_row_stats", "norms", "numpy_row_stats", "fused_available", "fused_kernel", "fused_row_stats", "preload_fused_kernel"]

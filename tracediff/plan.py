@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 
 from tracediff.align import Alignment, RowIndex, RowPairs, pair_rows
-from tracediff.diagnose import ChunkReader, ProfileRequest, aligned_empty
 from tracediff.errors import CompareError
+from tracediff.gather import ChunkReader, aligned_empty
+from tracediff.metrics import ProfileRequest
 from tracediff.noise import (
     ASSUMED_LIMIT_FACTOR,
     CALIBRATION_TAP,

@@ -12,8 +12,8 @@ import math
 from typing import Any
 
 from tracediff.adapters.conventions import AuxLayers, engine_of, format_layers
-from tracediff.diagnose import StreamResult
 from tracediff.metadata import is_aux_key, num_layers
+from tracediff.metrics import StreamResult
 from tracediff.noise import ASSUMED_LIMIT_FACTOR, CONSISTENT_FACTOR, OUTLIER_FACTOR
 from tracediff.plan import Relation, SegmentPlan
 from tracediff.remedy import Fix, propose_fix
@@ -308,10 +308,10 @@ def _pair_findings(report: Report, segplan: SegmentPlan, d: SegmentDecision, rel
             f"{label} matches {rlabel} within numerics (standardised relative error {err:.3g}, budget {budget:.2g}, "
             f"{_noise_text(segplan, d.reference)}), but a neighbouring layer may be as close as {noise.neighbour:.3g} "
             f"here (estimated from the reference's own layers): the data cannot tell this layer from its neighbour. "
-            + (f"The calibration rows drift this far themselves: compare with --bank (every layer of the target) to "
-               f"decide." if noise.source == "calibrated" else
-               f"Record calibration rows on the reference (tracediff calibrate REFERENCE --model TARGET_DIR) or compare "
-               f"with --bank to decide."),
+            + ("The calibration rows drift this far themselves: compare with --bank (every layer of the target) to "
+               "decide." if noise.source == "calibrated" else
+               "Record calibration rows on the reference (tracediff calibrate REFERENCE --model TARGET_DIR) or compare "
+               "with --bank to decide."),
             evidence,
         )]
     if math.isfinite(err) and err > budget:

@@ -1,0 +1,105 @@
+"""Reading aligned rows: any rows of a side's streams, in any order, into reused aligned buffers.
+
+Rows of uncompressed chunk files are read straight into the output (only the rows asked for, by
+``preadv``); other chunks are decoded whole, through a small LRU cache. Used by the plan (its samples)
+and by every block of the streaming pass (:mod:`tracediff.diagnose`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from tracediff.align import RowIndex
+from tracediff.store import ChunkFiles, TraceStream
+
+
+class ChunkReader:
+    """Gathers arbitrary rows of a list of streams: rows of uncompressed chunk files are read straight
+    into the output (only the rows asked for); other chunks are decoded whole, through a small LRU
+    cache. Not thread-safe: one per thread."""
+
+    def __init__(self, streams: Sequence[TraceStream], max_chunks: int = 64, max_files: int | None = None) -> None:
+        self.streams = list(streams)
+        self.cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self.max_chunks = max_chunks
+        self.bytes_read = 0
+        self.files = ChunkFiles(limit=max(8, max_chunks) if max_files is None else max_files)
+
+    def close(self) -> None:
+        self.files.close()
+        self.cache.clear()
+
+    def _chunk(self, stream: int, chunk: int) -> np.ndarray:
+        key = (stream, chunk)
+        data = self.cache.get(key)
+        if data is not None:
+            self.cache.move_to_end(key)
+            return data
+        data = self.streams[stream].read_chunk(chunk)
+        self.bytes_read += data.nbytes
+        self.cache[key] = data
+        if len(self.cache) > self.max_chunks:
+            self.cache.popitem(last=False)
+        return data
+
+    def gather(self, index: RowIndex, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Raw values of RowIndex entries ``rows`` into ``out[:len(rows)]``."""
+        rows = np.asarray(rows)
+        return self.gather_at(index.stream[rows], index.row[rows], out)
+
+    def gather_at(self, stream: np.ndarray, within: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Raw values of the rows ``within[k]`` of streams ``stream[k]`` into ``out[:len(stream)]``."""
+        n = stream.size
+        if n == 0:
+            return out[:0]
+        single = len(self.streams) == 1
+        for s in [0] if single else np.unique(stream).tolist():
+            sel = np.arange(n) if single else np.flatnonzero(stream == s)
+            st = self.streams[s]
+            cr = st.chunk_rows
+            w = within if single else within[sel]
+            if st.reads_rows_directly:
+                st.read_rows(w, out=out, dest=sel, files=self.files)
+                self.bytes_read += int(sel.size) * out.itemsize * out.shape[1]
+                continue
+            chunks = w // cr
+            for c in np.unique(chunks):
+                part = sel[chunks == c]
+                data = self._chunk(int(s), int(c))
+                out[part] = data[within[part] - c * cr]
+        return out[:n]
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS says, else the machine's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def reference_files() -> int:
+    """Open chunk files each streaming thread keeps for the reference: 512 where the process may
+    open many files (reopening a chunk file costs ~25 us, and engine-ordered rows revisit hundreds of
+    them), 64 under a low open-file limit."""
+    try:
+        import resource  # noqa: PLC0415  (POSIX only)
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 64
+    return 512 if soft == resource.RLIM_INFINITY or soft >= 8192 else 64
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An empty array whose start is 64-byte aligned: copies from the page cache into a buffer that is
+    not (numpy's large allocations start 16 bytes into a page) run several times slower."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + 64, dtype=np.uint8)
+    skip = -raw.ctypes.data % 64
+    return raw[skip : skip + nbytes].view(dtype).reshape(shape)

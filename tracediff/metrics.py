@@ -1,0 +1,274 @@
+"""What the streaming pass's numbers become: per matched segment pair its metrics (means, quantiles,
+worst rows, per-position series), per wrong segment its per-position profile, and the per-row
+arrays the subset localisation reads. Pure numpy over the pass's results; no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tracediff.align import RowIndex, RowPairs
+from tracediff.results import RowRef, SegmentMetrics, SegmentProfile
+
+
+@dataclass
+class Accumulator:
+    cand_seg: int
+    ref_seg: int
+    cos: np.ndarray
+    ratio: np.ndarray
+    rel_diff: np.ndarray
+    max_abs: np.ndarray
+    std_err: np.ndarray  # per row: squared standardised error |(c - r) / s|^2
+    sq_err: float = 0.0
+    std_num: float = 0.0  # sum over rows of |(c - r) / s|^2
+    std_den: float = 0.0  # sum over rows of |(r - mean) / s|^2
+    sq_ref: float = 0.0
+    nonfinite_c: int = 0
+    nonfinite_r: int = 0
+
+
+#: Per-position series have at most this many position buckets.
+POSITION_BUCKETS = 64
+
+
+@dataclass(frozen=True)
+class PositionBuckets:
+    """The aligned rows grouped by reference position into at most :data:`POSITION_BUCKETS` equal
+    buckets; every per-position series of a compare uses the same ones, so their buckets line up."""
+
+    edges: np.ndarray  # [buckets + 1] float64
+    index: np.ndarray  # per aligned row: its bucket (int16)
+
+    @classmethod
+    def of(cls, positions: np.ndarray) -> PositionBuckets:
+        top = int(positions.max()) + 1 if positions.size else 1
+        count = max(1, min(POSITION_BUCKETS, top))
+        edges = np.linspace(0, top, count + 1)
+        index = np.clip(np.searchsorted(edges, positions, side="right") - 1, 0, count - 1).astype(np.int16)
+        return cls(edges, index)
+
+    @property
+    def count(self) -> int:
+        return int(self.edges.size) - 1
+
+    def sums(self, index: np.ndarray, values: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per bucket: the sum of ``values`` where ``keep``, and how many rows that is."""
+        idx = index[keep]
+        return (np.bincount(idx, weights=values[keep].astype(np.float64), minlength=self.count),
+                np.bincount(idx, minlength=self.count).astype(np.float64))
+
+    def series(self, sums: np.ndarray, counts: np.ndarray, divide: float = 1.0, root: bool = False) -> list[list[float]]:
+        """``[[bucket start, sum / (rows x divide), rows], ...]`` (its square root if ``root``) for the
+        buckets with rows."""
+        out = []
+        for b in range(self.count):
+            if counts[b]:
+                v = float(sums[b] / (counts[b] * divide))
+                out.append([float(self.edges[b]), math.sqrt(v) if root and v >= 0 else v, int(counts[b])])
+        return out
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    """A segment pair the pass measures per position only (:func:`tracediff.plan.profile_requests`)."""
+
+    kind: str  # segment_missing | segment_extra | segment_duplicate
+    candidate: int
+    reference: int
+    cand_mean: np.ndarray  # the candidate segment's robust (mean, scale), as the plan's matrix used
+    cand_scale: np.ndarray
+    ref_mean: np.ndarray
+    ref_scale: np.ndarray
+    numerics_budget: float
+    drift_limit: float
+    same_tensor_cosine: float
+
+
+@dataclass
+class StreamResult:
+    metrics: list[SegmentMetrics]
+    nonfinite_candidate: dict[int, tuple[int, int | None]]  # segment -> (rows, first pair index)
+    nonfinite_reference: dict[int, tuple[int, int | None]]
+    bytes_read: int
+    # Per matched pair: each aligned row's standardised error over the pair's mean reference size
+    # (float32, NaN where not finite), for localising the rows that differ.
+    row_errors: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    # Per matched pair, each aligned row's raw cosine and norm ratio (the same arrays the metrics came
+    # from), for the per-position profiles of a subset's row groups.
+    row_cosines: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    row_norm_ratios: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    limits: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (budget, drift limit)
+    buckets: PositionBuckets | None = None
+    profiles: list[SegmentProfile] = field(default_factory=list)
+
+
+def profile_of(r: ProfileRequest, sums: np.ndarray, den: np.ndarray, buckets: PositionBuckets) -> SegmentProfile:
+    mean_den = den[0] / den[1] if den[1] else float("nan")
+    ok_den = math.isfinite(mean_den) and mean_den > 0
+
+    def total(k: int) -> float:
+        return float(sums[2 * k].sum() / sums[2 * k + 1].sum()) if sums[2 * k + 1].sum() else float("nan")
+
+    return SegmentProfile(
+        kind=r.kind, candidate=r.candidate, reference=r.reference, group=None, rows=int(sums[1].sum()),
+        cos_mean=total(0), std_cos_mean=total(1), norm_ratio_mean=total(2),
+        std_rel_error=math.sqrt(total(3) / mean_den) if ok_den else float("nan"),
+        numerics_budget=r.numerics_budget, drift_limit=r.drift_limit, same_tensor_cosine=r.same_tensor_cosine,
+        cos_by_position=buckets.series(sums[0], sums[1]),
+        std_cos_by_position=buckets.series(sums[2], sums[3]),
+        norm_ratio_by_position=buckets.series(sums[4], sums[5]),
+        std_error_by_position=buckets.series(sums[6], sums[7], mean_den, root=True) if ok_den else [],
+    )
+
+
+def with_subset_profiles(stream: StreamResult, subsets: dict[tuple[int, int], tuple[Any, Any]]) -> list[SegmentProfile]:
+    """The stream's profiles with each subset finding's row groups added (the group, then the other
+    rows, from the pass's per-row numbers), and without the wiring profiles a subset explains (the
+    findings report such a pair once, as the subset)."""
+    explained_c = {i for i, _ in subsets}
+    explained_r = {j for _, j in subsets}
+    out = [p for p in stream.profiles
+           if not (p.kind == "segment_missing" and p.reference in explained_r)
+           and not (p.kind == "segment_extra" and p.candidate in explained_c)]
+    buckets = stream.buckets
+    if buckets is None:
+        return out
+    for (i, j), (subset, _content) in sorted(subsets.items()):
+        cos, ratio, err = stream.row_cosines.get((i, j)), stream.row_norm_ratios.get((i, j)), stream.row_errors.get((i, j))
+        if cos is None or ratio is None or err is None:
+            continue
+        budget, drift = stream.limits.get((i, j), (float("nan"), float("nan")))
+        inside = np.zeros(cos.size, dtype=bool)
+        inside[subset.members] = True
+        for group, mask in ((subset.description, inside), ("the other rows", ~inside)):
+            series = []
+            for values, square in ((cos, False), (ratio, False), (err, True)):
+                keep = mask & np.isfinite(values)
+                v = values.astype(np.float64) ** 2 if square else values
+                series.append((*buckets.sums(buckets.index, v, keep), float(v[keep].sum(dtype=np.float64)),
+                               int(keep.sum())))
+            (cs, cn, ct, ck), (rs, rn, rt, rk), (es, en, et, ek) = series
+            out.append(SegmentProfile(
+                kind="segment_subset", candidate=i, reference=j, group=group, rows=int(mask.sum()),
+                cos_mean=ct / ck if ck else float("nan"), std_cos_mean=float("nan"),
+                norm_ratio_mean=rt / rk if rk else float("nan"),
+                std_rel_error=math.sqrt(et / ek) if ek else float("nan"),
+                numerics_budget=budget, drift_limit=drift, same_tensor_cosine=float("nan"),
+                cos_by_position=buckets.series(cs, cn), norm_ratio_by_position=buckets.series(rs, rn),
+                std_error_by_position=buckets.series(es, en, root=True),
+            ))
+    return out
+
+
+def row_ref(index: RowIndex, i: int) -> RowRef:
+    return RowRef(seq=index.group_keys[int(index.group[i])], position=int(index.position[i]),
+                  token_id=int(index.token_id[i]))
+
+
+def _quantiles(values: np.ndarray, *qs: float) -> list[float]:
+    """Quantiles of the finite values (NaN without any), one selection each: numpy's several-q call
+    rounds the float32 interpolation differently, and the reports stay bit-identical."""
+    finite = values[np.isfinite(values)]
+    if not finite.size:
+        return [float("nan")] * len(qs)
+    return [float(np.quantile(finite, q)) for q in qs]
+
+
+def _smallest(rank: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k smallest values of ``rank``, ties in index order: exactly
+    ``np.argsort(rank, kind="stable")[:k]``, without sorting every row."""
+    if rank.size <= 4 * k:
+        return np.argsort(rank, kind="stable")[:k]
+    kth = np.partition(rank, k - 1)[k - 1]
+    below = np.flatnonzero(rank < kth)
+    chosen = np.concatenate([below, np.flatnonzero(rank == kth)[: k - below.size]])
+    return chosen[np.lexsort((chosen, rank[chosen]))]
+
+
+def finish_metrics(acc: Accumulator, pairs: RowPairs, reference: RowIndex, candidate: RowIndex,
+            buckets: PositionBuckets | None = None, limits: tuple[float, float] = (float("nan"), float("nan")),
+            ) -> SegmentMetrics:
+    cos = acc.cos
+    finite = np.isfinite(cos)
+    rows = int(finite.sum())
+    # Per-row error relative to the pair's mean reference size: one bad row stands out whatever its
+    # own norm (a row near the mean would blow up a per-row ratio).
+    mean_den = acc.std_den / max(1, int(np.isfinite(acc.std_err).sum()))
+    # In place: the squared numerators become the per-row errors the localisation reads.
+    if mean_den > 0:
+        np.sqrt(acc.std_err / mean_den, out=acc.std_err)
+    else:
+        acc.std_err[:] = np.nan
+    row_err = acc.std_err
+    worst_rows = []
+    if rows:
+        rank = np.where(np.isfinite(row_err), -row_err, np.inf)
+        order = _smallest(rank, min(5, rows))
+        for k in order:
+            worst_rows.append(
+                {
+                    "cosine": float(cos[k]),
+                    "std_error": float(row_err[k]),
+                    "norm_ratio": float(acc.ratio[k]),
+                    "candidate": row_ref(candidate, pairs.candidate[k]).__dict__,
+                    "reference": row_ref(reference, pairs.reference[k]).__dict__,
+                }
+            )
+    max_abs_row = None
+    max_abs = float("nan")
+    if np.isfinite(acc.max_abs).any():
+        k = int(np.nanargmax(acc.max_abs))
+        max_abs = float(acc.max_abs[k])
+        max_abs_row = row_ref(candidate, pairs.candidate[k])
+    # Cosine and the decision metric by (reference) position, in the compare's position buckets.
+    if buckets is None:
+        buckets = PositionBuckets.of(reference.position[pairs.reference])
+    by_pos = buckets.series(*buckets.sums(buckets.index, cos, finite)) if rows else []
+    err_ok = np.isfinite(row_err)
+    err_by_pos = buckets.series(*buckets.sums(buckets.index, row_err.astype(np.float64) ** 2, err_ok), root=True)
+    ratios = acc.ratio[np.isfinite(acc.ratio) & (acc.ratio > 0)]
+    hist = {"edges": [], "counts": []}
+    if ratios.size:
+        logr = np.log2(ratios)
+        lo, hi = float(logr.min()), float(logr.max())
+        if hi - lo < 1e-3:
+            lo, hi = lo - 0.05, hi + 0.05
+        counts_h, edges_h = np.histogram(logr, bins=40, range=(lo, hi))
+        hist = {"edges": [float(e) for e in edges_h], "counts": [float(c) for c in counts_h]}
+    (cos_p1,) = _quantiles(cos, 0.01)
+    ratio_p1, ratio_p50, ratio_p99 = _quantiles(acc.ratio, 0.01, 0.5, 0.99)
+    err_p50, err_p99 = _quantiles(row_err, 0.5, 0.99)
+    return SegmentMetrics(
+        candidate=acc.cand_seg,
+        reference=acc.ref_seg,
+        rows=rows,
+        cos_mean=float(np.nanmean(cos)) if rows else float("nan"),
+        cos_p1=cos_p1,
+        cos_min=float(np.nanmin(cos)) if rows else float("nan"),
+        norm_ratio_mean=float(np.nanmean(acc.ratio)) if rows else float("nan"),
+        norm_ratio_p1=ratio_p1,
+        norm_ratio_p50=ratio_p50,
+        norm_ratio_p99=ratio_p99,
+        rel_l2=math.sqrt(acc.sq_err / acc.sq_ref) if acc.sq_ref > 0 else float("nan"),
+        rel_diff_mean=float(np.nanmean(acc.rel_diff)) if rows else float("nan"),
+        rel_diff_max=float(np.nanmax(acc.rel_diff)) if rows else float("nan"),
+        max_abs_diff=max_abs,
+        max_abs_diff_row=max_abs_row,
+        nonfinite_candidate=acc.nonfinite_c,
+        nonfinite_reference=acc.nonfinite_r,
+        worst_rows=worst_rows,
+        cos_by_position=by_pos,
+        norm_ratio_hist=hist,
+        std_rel_error=math.sqrt(acc.std_num / acc.std_den) if acc.std_den > 0 else float("nan"),
+        std_row_error_p50=err_p50,
+        std_row_error_p99=err_p99,
+        std_row_error_max=float(np.nanmax(row_err)) if np.isfinite(row_err).any() else float("nan"),
+        std_error_by_position=err_by_pos,
+        numerics_budget=float(limits[0]),
+        drift_limit=float(limits[1]),
+    )
