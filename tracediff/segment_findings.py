@@ -308,10 +308,10 @@ def _pair_findings(report: Report, segplan: SegmentPlan, d: SegmentDecision, rel
             f"{label} matches {rlabel} within numerics (standardised relative error {err:.3g}, budget {budget:.2g}, "
             f"{_noise_text(segplan, d.reference)}), but a neighbouring layer may be as close as {noise.neighbour:.3g} "
             f"here (estimated from the reference's own layers): the data cannot tell this layer from its neighbour. "
-            + (f"The calibration rows drift this far themselves: compare with --bank (every layer of the target) to "
-               f"decide." if noise.source == "calibrated" else
-               f"Record calibration rows on the reference (tracediff calibrate REFERENCE --model TARGET_DIR) or compare "
-               f"with --bank to decide."),
+            + ("The calibration rows drift this far themselves: compare with --bank (every layer of the target) to "
+               "decide." if noise.source == "calibrated" else
+               "Record calibration rows on the reference (tracediff calibrate REFERENCE --model TARGET_DIR) or compare "
+               "with --bank to decide."),
             evidence,
         )]
     if math.isfinite(err) and err > budget:
