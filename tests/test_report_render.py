@@ -736,7 +736,7 @@ def test_heatmap_shows_the_standardised_cosine_decisions_use_with_the_raw_one_on
     ([0, 50, 100, 150], ["0", "50", "100", "150"]),
 ])
 def test_tick_labels_use_the_fewest_decimals_that_tell_ticks_apart(ticks, labels):
-    from tracediff.report.html import tick_labels
+    from tracediff.report.ticks import tick_labels
 
     assert tick_labels(ticks) == labels
 
@@ -744,7 +744,7 @@ def test_tick_labels_use_the_fewest_decimals_that_tell_ticks_apart(ticks, labels
 @pytest.mark.parametrize(("lo", "hi"), [(0.9999981, 1.0), (0.3, 0.99936), (0.99585, 1.00429), (0.0, 187.0),
                                          (1e-9, 3e-9), (-0.2, 0.0)])
 def test_nice_ticks_are_round_and_at_least_three(lo, hi):
-    from tracediff.report.html import nice_ticks, tick_labels
+    from tracediff.report.ticks import nice_ticks, tick_labels
 
     ticks = nice_ticks(lo, hi)
     assert 3 <= len(ticks) <= 11
