@@ -23,6 +23,7 @@ import sglang_harness as h  # noqa: E402
 import torch  # noqa: E402
 
 from tracediff.adapters import sglang as adapter  # noqa: E402
+from tracediff.adapters.sglang_labels import request_keys, wrap_init_new_for_rids  # noqa: E402
 from tracediff.recorder import Recorder  # noqa: E402
 from tracediff.store import open_store  # noqa: E402
 
@@ -331,10 +332,10 @@ def test_versions_without_forward_batch_rids_take_request_ids_from_the_schedule_
         def init_new(cls, batch, model_runner):
             return cls()
 
-    assert adapter.wrap_init_new_for_rids(OldForwardBatch)
+    assert wrap_init_new_for_rids(OldForwardBatch)
     made = OldForwardBatch.init_new(ScheduleBatch(), None)
     assert made._tracediff_rids == ["a", "b"]
-    assert adapter._request_keys(made) == ["a", "b"]
+    assert request_keys(made) == ["a", "b"]
 
 
 @pytest.mark.parametrize(("map_kind", "expected"), [("offsets", "offsets"), ("absolute", "absolute ids")])
