@@ -218,15 +218,16 @@ from scratch and writes the same values every time, then this README (`samples/m
   RMSNorm weights drawn in [0.5, 2] (unit weights would make pre- and post-norm states differ only
   in scale; trained models' do not);
 * 6 token sequences of 16 to 48 tokens (`make_sequences(..., seed=7)`);
-* the trainer (`run_trainer`) forwards each whole sequence without a cache and feeds the draft
-  stand-in's `fc` in bf16; the server (`run_engine`) packs ragged prefill batches, then decodes one
-  token per step with a per-request KV cache, up to 3 requests interleaved, rows in engine order and
-  request ids 1000+ (compare aligns by token content, never by ids);
+* the trainer (`tracediff.testing.pipelines.run_trainer`) forwards each whole sequence without a
+  cache and feeds the draft stand-in's `fc` in bf16; the server (`run_engine`) packs ragged prefill
+  batches, then decodes one token per step with a per-request KV cache, up to 3 requests
+  interleaved, rows in engine order and request ids 1000+ (compare aligns by token content, never
+  by ids);
 * the fc inputs are recorded with `tracediff.record` and a tap on `draft.fc`'s input, the bank with
   the `hf` adapter (`tracediff.adapters.hf.attach`) on full forwards of the same sequences;
 {storage}
 
-The "server" is a simulation (`tracediff.testing.tiny_llama.run_engine`), not SGLang: it
+The "server" is a simulation (`tracediff.testing.pipelines.run_engine`), not SGLang: it
 reproduces what matters here (packing, KV-cache decode numerics, engine row order, the aux-layer
 convention) and is labelled as such in each store's `meta.framework`.
 """

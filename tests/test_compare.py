@@ -20,13 +20,8 @@ import tracediff
 from tracediff.cli import main
 from tracediff.compare import CompareOptions, compare_stores
 from tracediff.errors import CompareError, NotATraceStoreError, StoreNotFoundError
-from tracediff.testing.tiny_llama import (
-    DraftHead,
-    build_tiny_llama,
-    make_sequences,
-    run_engine,
-    run_trainer,
-)
+from tracediff.testing.pipelines import run_engine, run_trainer
+from tracediff.testing.tiny_llama import DraftHead, build_tiny_llama, make_sequences
 
 REF = ["hs0", "hs3", "hs6"]
 

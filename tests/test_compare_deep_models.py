@@ -19,7 +19,8 @@ import torch
 import tracediff
 from tracediff.compare import compare_stores
 from tracediff.testing.models import ARCHITECTURES, DEEP_LAYERS, build_deep_model, server_model, sglang_default_layers
-from tracediff.testing.tiny_llama import DraftHead, make_sequences, run_engine, run_trainer
+from tracediff.testing.pipelines import run_engine, run_trainer
+from tracediff.testing.tiny_llama import DraftHead, make_sequences
 
 # Deep models (32-61 layers, four architectures): minutes on 2 cores; CI runs them.
 pytestmark = pytest.mark.slow

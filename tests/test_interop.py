@@ -29,7 +29,8 @@ from reliability_children import record_with_kill_point, stored_crash_rows
 import tracediff
 from tracediff.errors import CorruptStoreError, StoreNotFoundError, UsageError
 from tracediff.store import LABEL_FIELDS, TraceStore, decode_values, pack_store
-from tracediff.testing.tiny_llama import DraftHead, run_engine, run_trainer
+from tracediff.testing.pipelines import run_engine, run_trainer
+from tracediff.testing.tiny_llama import DraftHead
 
 if TYPE_CHECKING:
     import xarray as xr
