@@ -280,7 +280,7 @@ def test_internals_that_moved_are_a_logged_skip_and_the_output_is_unchanged(
     def moved(*args: object, **kwargs: object) -> None:
         raise AttributeError("'ForwardBatch' object has no attribute 'extend_seq_lens_cpu'")
 
-    monkeypatch.setattr(adapter, "_rows_per_request", moved)
+    monkeypatch.setattr(adapter, "rows_per_request", moved)
     store = tmp_path / "server.zarr"
     with caplog.at_level(logging.WARNING, logger="tracediff"), Recorder(store, role="server") as rec:
         assert adapter.attach(rec, target)
