@@ -53,6 +53,8 @@ from tracediff.report.wording import (
 from tracediff.results import SEVERITIES, Finding, Report, SegmentMetrics, Side
 
 WIDTH = 100
+#: The width of a box's text: the box draws ``  | `` before every line.
+BOX_TEXT = WIDTH - 4
 
 _SEVERITY_TAGS = {"error": "ERROR", "warning": "WARN", "info": "INFO"}
 
@@ -177,12 +179,12 @@ def _box_body(box: dict[str, Any], first: str | None, reasons: list[str]) -> lis
     inner = WIDTH - 5
     body: list[str] = []
     if first:
-        body += [("    " + line) for line in _wrap(clean(first), "", hang="    ") if line]
+        body += [line for line in _wrap(clean(first), "    ", hang="        ", width=BOX_TEXT) if line.strip()]
     for reason in reasons:
-        body += _wrap(clean(reason), "", hang="  ")
+        body += _wrap(clean(reason), "", hang="  ", width=BOX_TEXT)
     for text, commands in box_steps(box):
         if text:
-            body += _wrap(clean(text), "", hang="  ")
+            body += _wrap(clean(text), "", hang="  ", width=BOX_TEXT)
         for command in commands:
             body += _wrap_command(clean(command), "    ", inner)
     return body
@@ -218,7 +220,7 @@ def _brief_finding(f: Finding, paint: _Painter, indent: str, hang: str | None = 
     lines = _finding_line(f, paint, indent=indent, hang=hang)
     table = group_table(f)
     if table is not None:
-        lines += _table(*table, indent=hang + "  ")
+        lines += _table(*table, indent=hang + "  ", text_last=True)
     # The diff of a warning or error; an info finding's message names its fields (--verbose has them all).
     changes = change_lines(f) if f.severity != "info" else []
     for change in changes[:CHANGES_SHOWN]:
@@ -278,10 +280,10 @@ def render_summary(report: Report, color: bool = False) -> str:
     return "\n".join(_summary(report, _Painter(color))).rstrip("\n") + "\n"
 
 
-def _wrap(text: str, indent: str = "", hang: str | None = None) -> list[str]:
+def _wrap(text: str, indent: str = "", hang: str | None = None, width: int = WIDTH) -> list[str]:
     return textwrap.wrap(
         text,
-        width=WIDTH,
+        width=width,
         initial_indent=indent,
         subsequent_indent=indent + "    " if hang is None else hang,
         break_on_hyphens=False,
@@ -368,7 +370,7 @@ def _full_finding(f: Finding, paint: _Painter, indent: str, hang: str | None = N
     lines = _finding_line(f, paint, indent=indent, hang=hang)
     table = group_table(f)
     if table is not None:
-        lines += _table(*table, indent=hang)
+        lines += _table(*table, indent=hang, text_last=True)
     changes = change_lines(f)
     for change in changes:
         lines += _wrap(clean(change), hang, hang=hang + "    ")
@@ -427,11 +429,24 @@ def _fit(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(1, width - 2)] + ".."
 
 
-def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+def _table(headers: list[str], rows: list[list[str]], indent: str = "  ", *, text_last: bool = False) -> list[str]:
+    """A name column, then numbers right-aligned; with ``text_last`` the last column is text:
+    left-aligned and wrapped so that the table stays within :data:`WIDTH`."""
     widths = [max(len(h), *(len(r[k]) for r in rows)) for k, h in enumerate(headers)]
-    fmt = indent + "  ".join(f"{{:{'<' if k == 0 else '>'}{w}}}" for k, w in enumerate(widths))
-    out = [fmt.format(*headers), indent + "  ".join("-" * w for w in widths)]
-    out += [fmt.format(*r) for r in rows]
+    last = len(widths) - 1
+    if text_last:
+        room = WIDTH - len(indent) - sum(w + 2 for w in widths[:last])
+        widths[last] = max(min(widths[last], room), len(headers[last]), 16)
+    fmt = indent + "  ".join(f"{{:{'<' if k == 0 or (text_last and k == last) else '>'}{w}}}"
+                             for k, w in enumerate(widths))
+    out = [fmt.format(*headers).rstrip(), indent + "  ".join("-" * w for w in widths)]
+    for r in rows:
+        if not text_last:
+            out.append(fmt.format(*r))
+            continue
+        parts = textwrap.wrap(r[last], widths[last], break_on_hyphens=False) or [""]
+        out.append(fmt.format(*r[:last], parts[0]).rstrip())
+        out += [indent + " " * sum(w + 2 for w in widths[:last]) + part for part in parts[1:]]
     return out
 
 
