@@ -73,7 +73,7 @@ except Exception as _exc:  # noqa: BLE001
             )
         else:
             _sys.stderr.write(f"tracediff: shim could not activate recording in pid {_os.getpid()}: {_exc}\n")
-    try:
+    try:  # noqa: SIM105  (standard library only, imported at every start-up: no contextlib)
         _note_for_record(f"{type(_exc).__name__}: {_exc}", _missing)
     except Exception:  # noqa: BLE001, S110  (a note for the parent must never break the host's start-up)
         pass

@@ -72,7 +72,7 @@ def facts(samples: Path = HERE) -> dict[str, Any]:
     """What the README says, measured on the stores in ``samples``."""
     from tracediff.compare import compare_stores  # noqa: PLC0415
     from tracediff.identify import identify_segments  # noqa: PLC0415
-    from tracediff.report.text import fix_assignment, root_cause_sentence  # noqa: PLC0415
+    from tracediff.report.wording import fix_assignment, root_cause_sentence  # noqa: PLC0415
     from tracediff.store import open_store  # noqa: PLC0415
 
     out: dict[str, Any] = {"stores": {}}
@@ -83,7 +83,7 @@ def facts(samples: Path = HERE) -> dict[str, Any]:
             out["stores"][name] = {"rows": sum(s.rows for s in store.tap_streams(tap)), "width": stream.width,
                                    "dtype": stream.dtype, "labels": stream.segment_labels or []}
     disk = 0
-    values: dict[str, list[int]] = {}  # dtype -> [compressed bytes, raw bytes of the chunks stored]
+    values: dict[str, list[int]] = {}  # dtype -> [compressed bytes, raw bytes of the rows they hold]
     labels: set[tuple[int, str]] = set()
     git = 0
     for name in STORES:
@@ -95,8 +95,9 @@ def facts(samples: Path = HERE) -> dict[str, Any]:
             chunk_rows = doc["chunk_grid"]["configuration"]["chunk_shape"][0]
             if folder.name == "values":
                 itemsize = 2 if doc["data_type"] in ("uint16", "float16") else 4
-                chunks = -(-doc["shape"][0] // chunk_rows)
-                raw = chunks * chunk_rows * doc["shape"][1] * itemsize
+                # The committed rows, not the whole chunks: a last chunk is padded to its full rows with
+                # zeros that compress to nothing, and would make the codec look better than it is.
+                raw = doc["shape"][0] * doc["shape"][1] * itemsize
                 dtype = "fp32" if itemsize == 4 else "bf16"
                 got = values.setdefault(dtype, [0, 0, 0])
                 got[0] += _chunk_bytes(folder)
@@ -155,8 +156,8 @@ def render(samples: Path = HERE, measured: dict[str, Any] | None = None) -> str:
         f"the next layer's input) is true of SGLang; the simulated server here has no such limit.",
     ))
     storage = _bullet(
-        f"values are stored in {saved['bf16']['chunk_rows']}-row chunks with the {f['values_codec']} codec, which "
-        f"makes the value chunks {_pct(saved['bf16']['saved'])} smaller for the bf16 stores and "
+        f"values are stored in {saved['bf16']['chunk_rows']}-row chunks with the {f['values_codec']} codec, whose "
+        f"chunk files are {_pct(saved['bf16']['saved'])} smaller than the rows they hold for the bf16 stores and "
         f"{_pct(saved['fp32']['saved'])} for the fp32 bank; the label arrays are {f['label_codec']}-compressed in "
         f"{f['label_rows']}-row chunks (format 1). The four stores' files take {_mb(f['disk'])} (more in filesystem "
         f"blocks: `du` counts whole blocks), {_mb(f['git'])} zlib-compressed as git stores them.")
@@ -218,15 +219,16 @@ from scratch and writes the same values every time, then this README (`samples/m
   RMSNorm weights drawn in [0.5, 2] (unit weights would make pre- and post-norm states differ only
   in scale; trained models' do not);
 * 6 token sequences of 16 to 48 tokens (`make_sequences(..., seed=7)`);
-* the trainer (`run_trainer`) forwards each whole sequence without a cache and feeds the draft
-  stand-in's `fc` in bf16; the server (`run_engine`) packs ragged prefill batches, then decodes one
-  token per step with a per-request KV cache, up to 3 requests interleaved, rows in engine order and
-  request ids 1000+ (compare aligns by token content, never by ids);
+* the trainer (`tracediff.testing.pipelines.run_trainer`) forwards each whole sequence without a
+  cache and feeds the draft stand-in's `fc` in bf16; the server (`run_engine`) packs ragged prefill
+  batches, then decodes one token per step with a per-request KV cache, up to 3 requests
+  interleaved, rows in engine order and request ids 1000+ (compare aligns by token content, never
+  by ids);
 * the fc inputs are recorded with `tracediff.record` and a tap on `draft.fc`'s input, the bank with
   the `hf` adapter (`tracediff.adapters.hf.attach`) on full forwards of the same sequences;
 {storage}
 
-The "server" is a simulation (`tracediff.testing.tiny_llama.run_engine`), not SGLang: it
+The "server" is a simulation (`tracediff.testing.pipelines.run_engine`), not SGLang: it
 reproduces what matters here (packing, KV-cache decode numerics, engine row order, the aux-layer
 convention) and is labelled as such in each store's `meta.framework`.
 """

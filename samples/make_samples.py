@@ -29,14 +29,8 @@ import torch
 
 import tracediff
 from tracediff.adapters import hf
-from tracediff.testing.tiny_llama import (
-    DraftHead,
-    build_tiny_llama,
-    layer_states,
-    make_sequences,
-    run_engine,
-    run_trainer,
-)
+from tracediff.testing.pipelines import run_engine, run_trainer
+from tracediff.testing.tiny_llama import DraftHead, build_tiny_llama, layer_states, make_sequences
 
 HERE = Path(__file__).resolve().parent
 HIDDEN, LAYERS, VOCAB, SEED = 64, 8, 512, 0
@@ -61,7 +55,7 @@ def trainer_meta() -> dict[str, Any]:
     return {**_common_meta(),
             # The canonical aux_layers block (docs/format.md): ids in the trainer's own numbering.
             "aux_layers": {"ids": [0, 3, 6], "convention": "hf", "source": "trainer config"},
-            "framework": "simulated EAGLE-3 trainer (tracediff.testing.tiny_llama.run_trainer)"}
+            "framework": "simulated EAGLE-3 trainer (tracediff.testing.pipelines.run_trainer)"}
 
 
 def server_meta(sglang_ids: list[int]) -> dict[str, Any]:
@@ -69,7 +63,7 @@ def server_meta(sglang_ids: list[int]) -> dict[str, Any]:
             "aux_layers": {"ids": sglang_ids, "convention": "sglang", "framework": "sglang",
                            "field": "eagle_config.eagle_aux_hidden_state_layer_ids",
                            "source": "draft config eagle_config (nested)"},
-            "framework": "simulated SGLang-style server (tracediff.testing.tiny_llama.run_engine)",
+            "framework": "simulated SGLang-style server (tracediff.testing.pipelines.run_engine)",
             "server_args": {"speculative_algorithm": "EAGLE3", "max_running_requests": 3,
                             "dtype": "bfloat16"}}
 

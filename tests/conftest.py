@@ -448,16 +448,6 @@ class _ReportSchemaPlugin:
             self.patched[(module_name, attr)] = real
             setattr(module, attr, recording)
 
-    #: Test modules whose reports are built by hand for the renderers, in shapes no producer writes
-    #: (evidence keys of an earlier draft, an empty token_pairing): not validated. Remove a module
-    #: here once its reports are producer-shaped, or once it says @report_schema("off") itself.
-    HAND_BUILT = ("test_report_render.py",)
-
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        for item in items:
-            if item.path.name in self.HAND_BUILT and item.get_closest_marker("report_schema") is None:
-                item.add_marker(pytest.mark.report_schema("off"))
-
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:  # noqa: ARG002  (before any fixture)
         self.install()

@@ -10,7 +10,8 @@ import torch
 
 import tracediff
 from tracediff.testing.models import build_tiny_model, server_model
-from tracediff.testing.tiny_llama import DraftHead, make_sequences, run_engine, run_trainer
+from tracediff.testing.pipelines import run_engine, run_trainer
+from tracediff.testing.tiny_llama import DraftHead, make_sequences
 
 LAYERS = ["hs2", "hs4", "hs6"]
 HIDDEN = 64

@@ -20,13 +20,8 @@ import tracediff
 from tracediff.cli import main
 from tracediff.compare import CompareOptions, compare_stores
 from tracediff.errors import CompareError, NotATraceStoreError, StoreNotFoundError
-from tracediff.testing.tiny_llama import (
-    DraftHead,
-    build_tiny_llama,
-    make_sequences,
-    run_engine,
-    run_trainer,
-)
+from tracediff.testing.pipelines import run_engine, run_trainer
+from tracediff.testing.tiny_llama import DraftHead, build_tiny_llama, make_sequences
 
 REF = ["hs0", "hs3", "hs6"]
 
@@ -37,7 +32,7 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("traces")
     tl = build_tiny_llama(hidden_size=64, num_layers=8)
     seqs = make_sequences(n_seqs=4, min_len=12, max_len=30, seed=1)
-    h, L = tl.hidden_size, tl.num_layers
+    h, n_layers = tl.hidden_size, tl.num_layers
     out: dict[str, Path] = {}
 
     def record(name: str, runner, layers, dtype=torch.bfloat16, **kw) -> None:
@@ -74,7 +69,7 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     record("prefix", run_engine, REF, prefix_tokens=[7, 8, 9, 10, 11])
     record("scaled", run_engine, REF, transform=scale_middle)
     record("ref_pre_norm", run_trainer, ["hs0", "hs3", "pre_norm"])
-    record("post_norm", run_engine, ["hs0", "hs3", f"hs{L}"])
+    record("post_norm", run_engine, ["hs0", "hs3", f"hs{n_layers}"])
     record("nan", run_engine, REF, transform=nan_rows)
     record("nan_segment", run_engine, REF, transform=nan_segment)
     record("two", run_engine, ["hs3", "hs6"])

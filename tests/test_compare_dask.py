@@ -68,7 +68,8 @@ def llama_pair(tmp_path_factory) -> tuple[Path, Path]:
     import torch  # noqa: PLC0415
 
     from tracediff.testing.models import build_tiny_model, server_model  # noqa: PLC0415
-    from tracediff.testing.tiny_llama import DraftHead, make_sequences, run_engine, run_trainer  # noqa: PLC0415
+    from tracediff.testing.pipelines import run_engine, run_trainer  # noqa: PLC0415
+    from tracediff.testing.tiny_llama import DraftHead, make_sequences  # noqa: PLC0415
 
     root = tmp_path_factory.mktemp("llama-pair")
     trainer = build_tiny_model("llama", hidden_size=64, num_layers=8)

@@ -18,8 +18,9 @@ import torch
 
 import tracediff
 from tracediff.compare import compare_stores
-from tracediff.testing.models import ARCHITECTURES, DEEP_LAYERS, build_deep_model, sglang_default_layers, server_model
-from tracediff.testing.tiny_llama import DraftHead, make_sequences, run_engine, run_trainer
+from tracediff.testing.models import ARCHITECTURES, DEEP_LAYERS, build_deep_model, server_model, sglang_default_layers
+from tracediff.testing.pipelines import run_engine, run_trainer
+from tracediff.testing.tiny_llama import DraftHead, make_sequences
 
 # Deep models (32-61 layers, four architectures): minutes on 2 cores; CI runs them.
 pytestmark = pytest.mark.slow
@@ -98,9 +99,7 @@ def wrong_slots(report) -> set[int]:
     for f in report.findings:
         if f.severity != "error":
             continue
-        if f.kind == "segment_value":
-            out.add(f.evidence["candidate_segment"])
-        elif f.kind == "segment_extra":
+        if f.kind == "segment_value" or f.kind == "segment_extra":
             out.add(f.evidence["candidate_segment"])
         elif f.kind == "segment_missing":
             out.add(f.evidence["reference_segment"])
@@ -167,7 +166,7 @@ def test_calibration_rows_measure_the_drift_and_keep_the_verdicts(deep, tmp_path
         assert [n["source"] for n in report.plan.noise] == ["calibrated"] * 3
         assert report.plan.calibration is not None and report.plan.calibration["sequences"] == 2
         for n, drift in zip(report.plan.noise, report.plan.calibration["drift"], strict=True):
-            assert n["drift"] == drift and 0 < drift
+            assert n["drift"] == drift and drift > 0
     clean = compare_stores(ref, deep["clean"])
     assert kinds(clean, "warning") == set(), messages(clean)
     # The measured drift of a correct bf16 run is what the clean engine shows, within 2x.

@@ -18,7 +18,8 @@ import torch
 import tracediff
 from tracediff.compare import compare_stores
 from tracediff.testing.models import ARCHITECTURES, build_tiny_model, server_model
-from tracediff.testing.tiny_llama import DraftHead, make_sequences, run_engine, run_trainer
+from tracediff.testing.pipelines import run_engine, run_trainer
+from tracediff.testing.tiny_llama import DraftHead, make_sequences
 
 # Slow (-m "not slow" leaves it out; CI runs it): four architectures' recordings: 3-5 min of fixtures on two cores.
 pytestmark = pytest.mark.slow

@@ -27,15 +27,8 @@ import tracediff
 from tracediff.compare import compare_stores
 from tracediff.importers import import_speculators
 from tracediff.testing.models import build_tiny_model, server_model
-from tracediff.testing.tiny_llama import (
-    DraftHead,
-    layer_states,
-    make_sequences,
-    run_engine,
-    run_packed_trainer,
-    run_trainer,
-    select,
-)
+from tracediff.testing.pipelines import run_engine, run_packed_trainer, run_trainer
+from tracediff.testing.tiny_llama import DraftHead, layer_states, make_sequences, select
 
 # Slow (-m "not slow" leaves it out; CI runs it): packed, multi-turn and imported layouts recorded: 1+ min of fixture on two cores.
 pytestmark = pytest.mark.slow

@@ -19,14 +19,8 @@ import tracediff
 from tracediff.adapters import hf
 from tracediff.demo import default_samples_dir
 from tracediff.identify import identify_segments, render_identification
-from tracediff.testing.tiny_llama import (
-    DraftHead,
-    build_tiny_llama,
-    layer_states,
-    make_sequences,
-    run_engine,
-    run_trainer,
-)
+from tracediff.testing.pipelines import run_engine, run_trainer
+from tracediff.testing.tiny_llama import DraftHead, build_tiny_llama, layer_states, make_sequences
 
 SAMPLES = default_samples_dir()
 H, L, SEED = 32, 6, 3  # the fresh model: smaller than the samples' (64, 8), so its bank differs in size too

@@ -29,7 +29,8 @@ from reliability_children import record_with_kill_point, stored_crash_rows
 import tracediff
 from tracediff.errors import CorruptStoreError, StoreNotFoundError, UsageError
 from tracediff.store import LABEL_FIELDS, TraceStore, decode_values, pack_store
-from tracediff.testing.tiny_llama import DraftHead, run_engine, run_trainer
+from tracediff.testing.pipelines import run_engine, run_trainer
+from tracediff.testing.tiny_llama import DraftHead
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -152,6 +153,34 @@ def test_xarray_opens_the_whole_store_as_a_datatree(recorded: Recorded) -> None:
             assert set(node.dataset.coords) == set(LABEL_FIELDS)
             assert node.attrs["rank"] == WRITERS.index(stream.writer)
             assert_bits_equal(node["values"].values, stream.read())
+
+
+SAMPLES = Path(__file__).resolve().parents[1] / "samples"
+
+
+@pytest.mark.parametrize("name", ["train", "server_broken", "server_fixed", "bank"])
+def test_xarray_opens_every_shipped_sample_with_its_dimensions_and_coordinates(name: str) -> None:
+    # The samples are written by samples/make_samples.py with the writer of the day: what docs/format.md
+    # promises of a store (dimension names, the labels as CF coordinates) holds for the shipped ones too.
+    import xarray as xr  # noqa: PLC0415
+
+    store = SAMPLES / f"{name}.zarr"
+    with TraceStore(store) as opened:
+        streams = [stream for tap in opened.taps for stream in opened.streams[tap]]
+        assert streams
+        for stream in streams:
+            ds = xr.open_zarr(store, group=f"{stream.tap}/{stream.writer}", consolidated=False)
+            assert ds["values"].dims == ("row", "feature")
+            assert ds.sizes == {"row": stream.rows, "feature": stream.width}
+            assert list(ds.data_vars) == ["values"] and set(ds.coords) == set(LABEL_FIELDS)
+            assert all(ds[label].dims == ("row",) for label in LABEL_FIELDS)
+            assert ds["values"].attrs["dtype"] == stream.dtype
+            assert_bits_equal(ds["values"].values, stream.read())
+            for label, column in stream.labels().items():
+                assert np.array_equal(ds[label].values, column), label
+        taps = opened.taps
+    tree = xr.open_datatree(store, engine="zarr", consolidated=False)
+    assert sorted(tree.children) == taps
 
 
 # --------------------------------------------------------------------------------------- dask

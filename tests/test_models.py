@@ -22,16 +22,8 @@ from tracediff.testing.models import (
     build_tiny_model,
     server_model,
 )
-from tracediff.testing.tiny_llama import (
-    ENGINE_RID_BASE,
-    Batch,
-    DraftHead,
-    build_tiny_llama,
-    layer_states,
-    make_sequences,
-    run_engine,
-    run_trainer,
-)
+from tracediff.testing.pipelines import ENGINE_RID_BASE, Batch, run_engine, run_trainer
+from tracediff.testing.tiny_llama import DraftHead, build_tiny_llama, layer_states, make_sequences
 
 LAYERS = 8
 # Cached/packed vs full-sequence forwards differ by fp32 summation order only (observed ~1e-7).

@@ -37,7 +37,8 @@ from conftest import (
 import tracediff
 from tracediff.recorder import Limits
 from tracediff.store import TraceStore, TraceWriter
-from tracediff.testing.tiny_llama import DraftHead, run_engine, run_trainer
+from tracediff.testing.pipelines import run_engine, run_trainer
+from tracediff.testing.tiny_llama import DraftHead
 
 FC_LAYERS = ["hs1", "hs3", "pre_norm"]  # an EAGLE-3 style choice of low, middle and last states
 # The engine decodes the last 3 tokens of each sequence: packed prefills and interleaved decode

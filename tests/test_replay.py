@@ -23,7 +23,8 @@ import torch
 import tracediff as td
 from tracediff.testing.eagle3 import greedy_sequences, train_eagle3_draft, with_absolute_d2t
 from tracediff.testing.models import build_tiny_model, server_model
-from tracediff.testing.tiny_llama import DraftHead, run_trainer
+from tracediff.testing.pipelines import run_trainer
+from tracediff.testing.tiny_llama import DraftHead
 
 # Slow (-m "not slow" leaves it out; CI runs it): an EAGLE-3 draft trained on a tiny target: 1-2 min of fixture on two cores.
 pytestmark = pytest.mark.slow

@@ -183,13 +183,8 @@ def unlabelled(tmp_path_factory: pytest.TempPathFactory):
     import torch  # noqa: PLC0415
 
     import tracediff  # noqa: PLC0415
-    from tracediff.testing.tiny_llama import (  # noqa: PLC0415
-        DraftHead,
-        build_tiny_llama,
-        make_sequences,
-        run_engine,
-        run_trainer,
-    )
+    from tracediff.testing.pipelines import run_engine, run_trainer  # noqa: PLC0415
+    from tracediff.testing.tiny_llama import DraftHead, build_tiny_llama, make_sequences  # noqa: PLC0415
 
     root = tmp_path_factory.mktemp("unlabelled")
     tl = build_tiny_llama(hidden_size=32, num_layers=6, seed=0)

@@ -151,7 +151,8 @@ def replay_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     import tracediff  # noqa: PLC0415
     from tracediff.testing.eagle3 import with_absolute_d2t, write_eagle3_draft  # noqa: PLC0415
-    from tracediff.testing.tiny_llama import DraftHead, build_tiny_llama, make_sequences, run_trainer  # noqa: PLC0415
+    from tracediff.testing.pipelines import run_trainer  # noqa: PLC0415
+    from tracediff.testing.tiny_llama import DraftHead, build_tiny_llama, make_sequences  # noqa: PLC0415
 
     root = tmp_path_factory.mktemp("schema_replay")
     h, vocab = 32, 128

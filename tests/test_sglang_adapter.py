@@ -23,6 +23,7 @@ import sglang_harness as h  # noqa: E402
 import torch  # noqa: E402
 
 from tracediff.adapters import sglang as adapter  # noqa: E402
+from tracediff.adapters.sglang_labels import request_keys, wrap_init_new_for_rids  # noqa: E402
 from tracediff.recorder import Recorder  # noqa: E402
 from tracediff.store import open_store  # noqa: E402
 
@@ -279,7 +280,7 @@ def test_internals_that_moved_are_a_logged_skip_and_the_output_is_unchanged(
     def moved(*args: object, **kwargs: object) -> None:
         raise AttributeError("'ForwardBatch' object has no attribute 'extend_seq_lens_cpu'")
 
-    monkeypatch.setattr(adapter, "_rows_per_request", moved)
+    monkeypatch.setattr(adapter, "rows_per_request", moved)
     store = tmp_path / "server.zarr"
     with caplog.at_level(logging.WARNING, logger="tracediff"), Recorder(store, role="server") as rec:
         assert adapter.attach(rec, target)
@@ -331,10 +332,10 @@ def test_versions_without_forward_batch_rids_take_request_ids_from_the_schedule_
         def init_new(cls, batch, model_runner):
             return cls()
 
-    assert adapter.wrap_init_new_for_rids(OldForwardBatch)
+    assert wrap_init_new_for_rids(OldForwardBatch)
     made = OldForwardBatch.init_new(ScheduleBatch(), None)
     assert made._tracediff_rids == ["a", "b"]
-    assert adapter._request_keys(made) == ["a", "b"]
+    assert request_keys(made) == ["a", "b"]
 
 
 @pytest.mark.parametrize(("map_kind", "expected"), [("offsets", "offsets"), ("absolute", "absolute ids")])

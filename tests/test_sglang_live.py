@@ -43,7 +43,8 @@ def tracediff(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[s
 
 def record_trainer(path: Path, layers: list[str]) -> None:
     import tracediff as td
-    from tracediff.testing.tiny_llama import DraftHead, build_tiny_llama, make_sequences, run_trainer
+    from tracediff.testing.pipelines import run_trainer
+    from tracediff.testing.tiny_llama import DraftHead, build_tiny_llama, make_sequences
 
     tl = build_tiny_llama(hidden_size=HIDDEN, num_layers=LAYERS, vocab_size=VOCAB, seed=0)
     draft = DraftHead(HIDDEN, len(layers))

@@ -14,16 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from tracediff.testing.pipelines import ENGINE_RID_BASE, Batch, run_engine, run_trainer
 from tracediff.testing.tiny_llama import (
-    ENGINE_RID_BASE,
-    Batch,
     DraftHead,
     TinyLlama,
     build_tiny_llama,
     layer_states,
     make_sequences,
-    run_engine,
-    run_trainer,
     select,
     state_names,
 )

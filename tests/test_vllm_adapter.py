@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from tracediff.adapters import vllm as adapter
+from tracediff.adapters.vllm_labels import client_request_id
+from tracediff.adapters.vllm_provenance import canonical_aux_layers
 from tracediff.drafts import d2t_facts
 
 HERE = Path(__file__).resolve().parent
@@ -25,7 +27,7 @@ HERE = Path(__file__).resolve().parent
     ("my-id", "my-id"),                        # VLLM_DISABLE_REQUEST_ID_RANDOMIZATION
 ])
 def test_the_client_request_id_is_recovered_from_vllms_engine_id(engine_id: str, client: str) -> None:
-    assert adapter.client_request_id(engine_id) == client
+    assert client_request_id(engine_id) == client
 
 
 def test_d2t_as_offsets_and_as_absolute_ids_are_told_apart() -> None:
@@ -48,16 +50,16 @@ def test_d2t_as_offsets_and_as_absolute_ids_are_told_apart() -> None:
 
 def test_canonical_aux_layers_follow_what_vllm_resolved() -> None:
     meta = {"aux_hidden_state_layers": [1, 3, 4], "draft": {"aux_layer_ids": [4, 1, 3, 3]}}
-    assert adapter.canonical_aux_layers(meta) == {"ids": [4, 1, 3, 3], "convention": "vllm", "framework": "vllm",
-                                                  "field": "eagle_aux_hidden_state_layer_ids", "resolved": [1, 3, 4]}
-    raw = adapter.canonical_aux_layers({"aux_hidden_state_layers": [5, 2], "draft": {"aux_layer_ids": [5, 2]}})
+    assert canonical_aux_layers(meta) == {"ids": [4, 1, 3, 3], "convention": "vllm", "framework": "vllm",
+                                          "field": "eagle_aux_hidden_state_layer_ids", "resolved": [1, 3, 4]}
+    raw = canonical_aux_layers({"aux_hidden_state_layers": [5, 2], "draft": {"aux_layer_ids": [5, 2]}})
     assert raw is not None and raw["convention"] == "capture" and raw["ids"] == [5, 2]  # a raw-order path
 
 
 def test_the_resolved_order_is_what_compare_reads_as_physical_layers() -> None:
     from tracediff.adapters.conventions import aux_layers_from_meta
 
-    meta = {"aux_layers": adapter.canonical_aux_layers(
+    meta = {"aux_layers": canonical_aux_layers(
         {"aux_hidden_state_layers": [1, 3, 4], "draft": {"aux_layer_ids": [4, 1, 3, 3]}})}
     found = aux_layers_from_meta(meta)
     assert found is not None and found.physical == [1, 3, 4] and found.framework == "vllm"

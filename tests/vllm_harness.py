@@ -110,7 +110,8 @@ def serve_command(python: Path, target: Path, draft: Path, port: int, *, k: int 
 def record_trainer(path: Path, tl: Any, layers: list[str], seqs: Any) -> None:
     """A trainer trace of ``tl``: fc input = cat of HF hidden_states[k] for ``layers`` (hs<k>)."""
     import tracediff as td
-    from tracediff.testing.tiny_llama import DraftHead, run_trainer
+    from tracediff.testing.pipelines import run_trainer
+    from tracediff.testing.tiny_llama import DraftHead
 
     draft = DraftHead(HIDDEN, len(layers))
     ids = [int(name[2:]) for name in layers]

@@ -421,7 +421,7 @@ def _calibration_rows(store: Side_, tap: str, index: RowIndex, width: int, compu
                       notes: list[str]) -> CalibrationRows | None:
     """The reference store's calibration rows (tap ``calibration``, ``tracediff calibrate``) paired
     with its own rows of the same tokens; None when it has none that fit."""
-    if CALIBRATION_TAP == tap or CALIBRATION_TAP not in store.taps or not store.rows(CALIBRATION_TAP):
+    if tap == CALIBRATION_TAP or CALIBRATION_TAP not in store.taps or not store.rows(CALIBRATION_TAP):
         return None
     layout = stream_layout(store, CALIBRATION_TAP)
     calibrates = layout.attrs.get("calibrates")

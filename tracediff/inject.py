@@ -18,6 +18,7 @@ tracediff). :func:`recording_problems` reads them back: a run that lost rows fai
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -108,9 +109,9 @@ class _Context:
                     attach_label_source(self.recorder(), module)
             for name in self.adapters:
                 adapter = load_adapter(name)
-                if any(_class_named(base, w) for w in adapter.WATCH for base in klass.__mro__):
-                    if adapter.attach(self.recorder(), module):
-                        self.attached.append(f"{name} <- {klass.__qualname__}")
+                watched = any(_class_named(base, w) for w in adapter.WATCH for base in klass.__mro__)
+                if watched and adapter.attach(self.recorder(), module):
+                    self.attached.append(f"{name} <- {klass.__qualname__}")
         except Exception as exc:  # noqa: BLE001
             self.failed = True
             log.error("tracediff: cannot attach taps in pid %d (recording off, the program goes on): %s: %s",
@@ -168,14 +169,14 @@ def _wrap_class(klass: type, names: set[str]) -> None:
         return
     original = klass.__init__
 
-    @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    @functools.wraps(original)  # the wrapper takes the name __init__ from the original
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         # Only the most derived class's wrapper acts: by then the instance is fully built.
         if type(self) is klass and _context is not None:
             _context.on_constructed(self)
 
-    klass.__init__ = __init__  # type: ignore[misc]
+    klass.__init__ = init  # type: ignore[misc]
     klass._tracediff_wrapped = True  # type: ignore[attr-defined]
 
 
@@ -235,10 +236,8 @@ class _TorchImportWatcher:
             try:
                 original(module)
             finally:
-                try:
+                with contextlib.suppress(AttributeError):
                     del loader.exec_module  # back to the class's method
-                except AttributeError:
-                    pass
             _remove_watcher()
             _on_torch_imported()
 
@@ -250,10 +249,8 @@ _watcher = _TorchImportWatcher()
 
 
 def _remove_watcher() -> None:
-    try:
+    with contextlib.suppress(ValueError):
         sys.meta_path.remove(_watcher)
-    except ValueError:
-        pass
 
 
 def activate(config: dict[str, Any]) -> None:

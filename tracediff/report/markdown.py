@@ -12,7 +12,7 @@ import html
 import re
 from typing import Any
 
-from tracediff.report.text import (
+from tracediff.report.wording import (
     CHANGE_EVIDENCE,
     CHANGES_SHOWN,
     EVIDENCE_CHARS,

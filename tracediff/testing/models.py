@@ -27,8 +27,8 @@ as training would adapt them, so that the massive dimensions do not drown the ot
 :func:`build_tiny_model` builds Llama, Qwen3 (q/k norms), Mistral (GQA 4:1, sliding-window KV
 cache) and DeepSeek-V3 (multi-head latent attention, group-limited routed mixture of experts) from
 their real transformers classes into a :class:`TinyModel`, a
-:class:`~tracediff.testing.tiny_llama.TinyLlama`, so ``layer_states``, ``run_trainer`` and
-``run_engine`` work on all of them unchanged. No download, CPU only; the global torch RNG is never
+:class:`~tracediff.testing.tiny_llama.TinyLlama`, so ``layer_states`` and the pipelines of
+:mod:`tracediff.testing.pipelines` (``run_trainer``, ``run_engine``) work on all of them unchanged. No download, CPU only; the global torch RNG is never
 touched.
 """
 

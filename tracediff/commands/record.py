@@ -1,0 +1,297 @@
+"""`tracediff record -- COMMAND`: run a command with recording injected into each of its Python
+processes (through the start-up shim in hooks/), forward signals to it, then summarise the store and
+fail a run that lost rows."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tracediff.commands.options import STORE, parse_size, storage_options
+from tracediff.errors import TracediffError, UsageError
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@storage_options
+@click.option("-o", "--output", "output", required=True, type=STORE, help="Store to create.")
+@click.option("--adapter", "adapters", multiple=True, help="Framework adapter: sglang, vllm, speculators, specforge, hf (a bank of every layer), generic; repeatable.")
+@click.option("--tap", "taps", multiple=True,
+              help="Tap spec [NAME=]CLASS[.ATTR.PATH][:input|:output][@ARG] (grammar below); repeatable.")
+@click.option("--labels-from", "labels_from", multiple=True,
+              help="Class whose forward's input_ids/position_ids label the rows captured after it.")
+@click.option("--segment-size", type=int, help="Width of one segment of the tapped rows (e.g. hidden size).")
+@click.option("--segment-labels", help="Comma-separated segment names, e.g. hs0,hs3,hs6.")
+@click.option("--role", default="", help="What this recording is (trainer, server, bank...).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing store.")
+@click.option("--append", "join", is_flag=True,
+              help="Add this run's writer groups to the store if it exists already (several nodes recording into one "
+                   "store, e.g. -o s3://bucket/server.zarr on each).")
+@click.option("--max-rows", type=int, help="Rows to record at most, per tap and process.")
+@click.option("--max-bytes", help="Bytes to record at most, per tap and process (e.g. 4GiB).")
+@click.option("--every-n-steps", type=int, default=1, show_default=True, help="Record one step in N.")
+@click.option("--first-n-steps", type=int, help="Record only steps 0..N-1.")
+@click.option("--phases", help="Comma-separated phases to record (train, prefill, draft_extend, decode...).")
+@click.option("--on-full", type=click.Choice(["drop", "block"]), default="drop", show_default=True,
+              help="When the writer falls behind: drop and count the batch, or wait (bounded) for it.")
+@click.option("--queue-bytes", default="1GiB", show_default=True, help="Host memory the queue may hold.")
+@click.option("--compressor", type=click.Choice(["none", "lz4", "zstd"]), default="none", show_default=True,
+              help="Compress value chunks (none is the fastest to write and to compare; zstd the smallest).")
+@click.option("--chunk-rows", type=int, default=1024, show_default=True,  # tracediff.store.DEFAULT_CHUNK_ROWS
+              help="Rows per chunk file: larger chunks mean fewer files, smaller ones less lost on a kill.")
+@click.option("--durable", is_flag=True, help="fsync each batch before committing it.")
+@click.option("--all-ranks", is_flag=True,
+              help="Record every tensor-parallel rank (sglang: default is attention-TP rank 0 only).")
+@click.option("--commit", "commit", type=click.Choice(["step", "background"]), default="step", show_default=True,
+              help="vllm: step = each drafter call's rows are committed before vLLM returns its tokens (survives a "
+                   "SIGKILL of the worker); background = writes overlap serving (faster, the last rows may be lost).")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+def record(
+    output: Path,
+    adapters: tuple[str, ...],
+    taps: tuple[str, ...],
+    labels_from: tuple[str, ...],
+    segment_size: int | None,
+    segment_labels: str | None,
+    role: str,
+    overwrite: bool,
+    join: bool,
+    max_rows: int | None,
+    max_bytes: str | None,
+    every_n_steps: int,
+    first_n_steps: int | None,
+    phases: str | None,
+    on_full: str,
+    queue_bytes: str,
+    compressor: str,
+    chunk_rows: int,
+    durable: bool,
+    all_ranks: bool,
+    commit: str,
+    command: tuple[str, ...],
+) -> None:
+    """Run COMMAND with recording injected into each of its Python processes.
+
+    Example: tracediff record --tap Eagle3DraftModel.fc:input -o train.zarr -- python train.py
+
+    -o may be an fsspec URL (s3://bucket/server.zarr): the rows are uploaded as they are committed.
+
+    \b
+    Tap spec grammar: [NAME=]CLASS[.ATTR.PATH][:input|:output][@ARG]
+      NAME=       the tap's name in the store (default: the last attribute + _in or _out, e.g. fc_in)
+      CLASS       a class name, qualified name or module.qualname; subclasses match too
+      .ATTR.PATH  the module below each instance of CLASS (.fc, .model.fc, .layers.0.fc)
+      :input      record the module's input (the default; :in works too)
+      :output     record its output (:out; the first tensor of a tuple)
+      @ARG        which input: a position (@0, the default) or a keyword (@hidden_states)
+    Examples: Eagle3DraftModel.fc:input, fc_in=LlamaForCausalLMEagle3.model.fc, MyDraft.layers.0.fc:output
+
+    A run that records no row leaves no store behind (with --append the store stays: other nodes may
+    be recording into it). Exit code: the command's; 2 when the command exited 0 but a process lost
+    rows (a writer error, an interpreter that cannot import tracediff): never 0 having lost rows.
+    """
+    from tracediff.adapters import adapter_info, check_installed  # noqa: PLC0415
+    from tracediff.limits import Limits  # noqa: PLC0415
+    from tracediff.store import create_store, default_source, open_store  # noqa: PLC0415
+    from tracediff.tapspec import TapSpec  # noqa: PLC0415
+
+    specs = [TapSpec.parse(t) for t in taps]
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise UsageError(f"two --tap specs share a tap name ({', '.join(names)}); name them with NAME=SPEC")
+    for name in adapters:
+        adapter_info(name)
+        check_installed(name)
+    if not specs and not adapters:
+        raise UsageError("nothing to record: give --tap SPEC and/or --adapter NAME")
+    if segment_size is not None and segment_size <= 0:
+        raise UsageError(f"--segment-size must be positive, got {segment_size}")
+    if chunk_rows <= 0:
+        raise UsageError(f"--chunk-rows must be positive, got {chunk_rows}")
+    limits = Limits(
+        max_rows=max_rows,
+        max_bytes=parse_size(max_bytes, "--max-bytes"),
+        every_n_steps=every_n_steps,
+        first_n_steps=first_n_steps,
+        phases=frozenset(p.strip() for p in phases.split(",") if p.strip()) if phases else None,
+    )
+    queue_limit = parse_size(queue_bytes, "--queue-bytes") or 0
+    if queue_limit <= 0:
+        raise UsageError("--queue-bytes must be positive")
+    command = tuple(c for c in command if c != "--") if command[:1] == ("--",) else command
+    if not command:
+        raise UsageError("no command to run after --")
+    if shutil.which(command[0]) is None:  # checked before the store exists: nothing is left behind
+        raise UsageError(f"cannot run {command[0]!r}: no such command (check its name, path and the PATH)")
+    if join and overwrite:
+        raise UsageError("--append adds to the store and --overwrite replaces it: give one of them")
+
+    from tracediff.store.location import Location  # noqa: PLC0415
+
+    location = Location.of(output)
+    config = {
+        "store": location.url if location.remote else str(Path(output).resolve()),
+        "role": role,
+        "taps": [s.text for s in specs],
+        "adapters": list(adapters),
+        "labels_from": list(labels_from),
+        "segment_size": segment_size,
+        "segment_labels": [x.strip() for x in segment_labels.split(",")] if segment_labels else None,
+        "limits": limits.as_dict(),
+        "on_full": on_full,
+        "max_queue_bytes": queue_limit,
+        "compressor": compressor,
+        "chunk_rows": chunk_rows,
+        "durable": durable,
+        "all_ranks": all_ranks,
+        "commit": commit,
+    }
+    source = default_source(role)
+    source["argv"] = list(command)
+    source["recorded_by"] = ["tracediff", "record", *sys.argv[2:]] if len(sys.argv) > 1 else ["tracediff", "record"]
+    create_store(location if location.remote else output, role=role, source=source, overwrite=overwrite, join=join,
+                 meta={"record": {k: v for k, v in config.items() if k != "store"}})
+    if location.remote and location.storage_options:
+        # The children write with the same options (never stored in the store's meta: credentials).
+        config["storage_options"] = location.storage_options
+
+    from tracediff.inject import ENV_REPORT_DIR, read_notes, recording_problems  # noqa: PLC0415
+
+    env = dict(os.environ)
+    hooks_dir = _hooks_dir()
+    env["PYTHONPATH"] = os.pathsep.join([hooks_dir, *filter(None, [env.get("PYTHONPATH")])])
+    env["TRACEDIFF_CONFIG"] = json.dumps(config)
+    # Where the command's processes tell this one how they recorded (on this machine, whatever -o
+    # is): the store alone cannot say that a process never recorded (an interpreter without
+    # tracediff), nor which of a shared store's groups are this run's.
+    notes_dir = tempfile.mkdtemp(prefix="tracediff-record-")
+    env[ENV_REPORT_DIR] = notes_dir
+    try:
+        try:
+            returncode = _run_forwarding_signals(list(command), env)
+        except UsageError:
+            if not join:  # the command never started: leave no empty store (with --append: others' store)
+                _discard_store(location)
+            raise
+        problems = recording_problems(read_notes(notes_dir))
+    finally:
+        shutil.rmtree(notes_dir, ignore_errors=True)
+
+    store = open_store(location)
+    try:
+        from tracediff.describe import describe_store, warnings_for  # noqa: PLC0415
+
+        desc = describe_store(store)
+    finally:
+        store.close()
+    click.echo(_record_summary(desc, returncode), err=True)
+    warnings = warnings_for(desc, expected_taps=names) + _adapter_warnings(adapters, command, desc)
+    if problems:  # "never fired: check the class name" would send the user the wrong way
+        warnings = [w for w in warnings if "never fired" not in w]
+    for warning in warnings:
+        click.echo(f"tracediff: warning: {warning}", err=True)
+    for problem in problems:
+        click.echo(f"tracediff: error: {problem}", err=True)
+    if not join and not any(info["rows"] for info in desc["taps"].values()):
+        # A store without one row only blocks the rerun (it would need --overwrite): leave nothing.
+        # Never with --append: other nodes may be recording into that store right now.
+        from tracediff.store import remove_store  # noqa: PLC0415
+
+        remove_store(location if location.remote else output)
+        click.echo(f"tracediff: removed {output}: it held no rows (rerun with the same -o; no --overwrite needed)",
+                   err=True)
+    if problems:
+        # Never 0 having lost rows; a command that failed keeps its own code.
+        code = returncode or 2
+        click.echo(f"tracediff: error: recording lost rows (above); exit code {code}, the command itself "
+                   f"exited with code {returncode}", err=True)
+        sys.exit(code)
+    sys.exit(returncode)
+
+
+def _discard_store(location: Any) -> None:
+    if location.remote:
+        from tracediff.store import remove_store  # noqa: PLC0415
+
+        with contextlib.suppress(TracediffError):
+            remove_store(location)
+    else:
+        shutil.rmtree(location.local, ignore_errors=True)
+
+
+def _adapter_warnings(adapters: tuple[str, ...], command: tuple[str, ...], desc: dict[str, Any]) -> list[str]:
+    """What each adapter knows about a run that recorded less than it should (capture points that
+    never fired and the flag to add); an adapter without ``record_warnings`` has nothing to say."""
+    from tracediff.adapters import load_adapter  # noqa: PLC0415
+
+    out: list[str] = []
+    for name in adapters:
+        try:
+            fn = getattr(load_adapter(name), "record_warnings", None)
+            out.extend(fn(list(command), desc) if fn is not None else [])
+        except Exception as exc:  # noqa: BLE001  (a summary must not turn a finished run into an error)
+            out.append(f"adapter {name!r} could not check the run: {type(exc).__name__}: {exc}")
+    return out
+
+
+def _hooks_dir() -> str:
+    """The folder of the start-up shim that goes with the tracediff running here: the top-level
+    hooks/ of the source tree it was imported from, else the installed package tracediff.hooks.
+    (An editable install maps tracediff.hooks to its own checkout: a second checkout on PYTHONPATH
+    would otherwise hand its children the first one's shim.)"""
+    import tracediff  # noqa: PLC0415
+
+    tree = Path(tracediff.__file__).resolve().parent.parent
+    if (tree / "hooks" / "sitecustomize.py").is_file() and (tree / "pyproject.toml").is_file():
+        return str(tree / "hooks")
+    import tracediff.hooks  # noqa: PLC0415  (the top-level hooks/ folder, installed as tracediff.hooks)
+
+    return str(Path(tracediff.hooks.__file__).resolve().parent)
+
+
+def _run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
+    """Run the child; forward SIGTERM/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 to it; return its exit code
+    (128+N when a signal N ended it). SIGINT from a terminal reaches the child directly (same
+    process group), so it is not forwarded twice."""
+    try:
+        child = subprocess.Popen(command, env=env)
+    except OSError as exc:
+        raise UsageError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from exc
+    forwarded = [signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2]
+    previous = {}
+
+    def forward(signum: int, frame: Any) -> None:
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    for sig in forwarded:
+        previous[sig] = signal.signal(sig, forward)
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        returncode = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _record_summary(desc: dict[str, Any], returncode: int) -> str:
+    lines = [f"tracediff: command exited with code {returncode}; store {desc['path']}"]
+    if not desc["taps"]:
+        lines.append("tracediff: no rows were recorded")
+    for tap, info in desc["taps"].items():
+        for w in info["writers"]:
+            lines.append(
+                f"tracediff:   {tap}/{w['writer']}: {w['rows']} rows, width {w['width']} {w['dtype']}, "
+                f"{w['batches']} batches, dropped {w['dropped_rows']}, skipped {w['skipped_rows']}, {w['status']}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""`tracediff replay`: the draft replayed on both sides' rows (what a mismatch costs), and the
+replay step `compare --draft` runs after its compare."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tracediff.commands.options import STORE, replay_options, say_written, stage_progress, storage_options
+from tracediff.errors import UsageError
+
+
+def replay_draft(report: Any, draft: Path, target: Path | None, server_draft: Path | None, send_report: Path | None,
+                 steps: int, max_sequences: int | None, score_rows: int, multi_step_starts: int,
+                 replay_dtype: str) -> Any:
+    """Replay the draft on both sides' rows of a finished compare and attach the result to ``report``."""
+    from tracediff.replay import ReplayOptions, attach_replay  # noqa: PLC0415
+
+    if max_sequences is not None and max_sequences <= 0:
+        raise UsageError(f"--max-sequences must be positive, got {max_sequences}")
+    return attach_replay(report, ReplayOptions(
+        draft=str(draft), target=str(target) if target else None, server_draft=str(server_draft) if server_draft else None,
+        send_report=str(send_report) if send_report else None, steps=steps, max_sequences=max_sequences,
+        score_rows=score_rows, multi_step_starts=multi_step_starts, dtype=replay_dtype))
+
+
+@click.command()
+@storage_options
+@click.argument("reference", type=STORE)
+@click.argument("candidate", type=STORE)
+@click.option("--tap", help="Tap to replay on both sides (default: as compare picks it).")
+@click.option("--ref-tap", help="Tap of the reference, when the names differ.")
+@click.option("--cand-tap", help="Tap of the candidate, when the names differ.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the JSON report (compare + replay).")
+@click.option("--markdown", "markdown_path", type=click.Path(path_type=Path), help="Write a Markdown report here.")
+@click.option("--html", "html_path", type=click.Path(path_type=Path), help="Write a self-contained HTML report here.")
+@replay_options
+def replay(reference: Path, candidate: Path, tap: str | None, ref_tap: str | None, cand_tap: str | None,
+           json_path: Path | None, markdown_path: Path | None, html_path: Path | None, draft: Path | None,
+           target: Path | None, server_draft: Path | None, send_report: Path | None, steps: int,
+           max_sequences: int | None, score_rows: int, multi_step_starts: int, replay_dtype: str) -> None:
+    """What a mismatch costs: run the EAGLE-3 draft (--draft DIR: config.json + safetensors) teacher-forced
+    on REFERENCE's (trainer's) and CANDIDATE's (server's) recorded fc rows: step-0 and multi-step accuracy
+    and accept length, (a) on the reference's rows, (b) on the candidate's, (c) on the candidate's with
+    compare's proposed fix, next to (d) the accept length the engine reported (--send-report from
+    `tracediff send --report`).
+
+    Exit code: 0 nothing found, 1 compare or replay found a problem, 2 usage or input error.
+    """
+    from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
+    from tracediff.report import write_report  # noqa: PLC0415
+    from tracediff.report.text import render_replay  # noqa: PLC0415
+
+    if draft is None:
+        raise UsageError("replay needs --draft DIR (the draft checkpoint folder: config.json + *.safetensors)")
+    for out in (json_path, markdown_path, html_path):
+        if out is not None and not out.parent.resolve().is_dir():
+            raise UsageError(f"{out}: its folder does not exist")
+    if send_report is not None:
+        from tracediff.replay import read_send_report  # noqa: PLC0415
+
+        read_send_report(send_report)
+    with stage_progress("replay", None) as prog:
+        report = compare_stores(reference, candidate, CompareOptions(tap=tap, reference_tap=ref_tap,
+                                                                     candidate_tap=cand_tap, stage=prog.stage))
+        prog.stage("replaying the draft")
+        replay_draft(report, draft, target, server_draft, send_report, steps, max_sequences, score_rows, multi_step_starts,
+                replay_dtype)
+        prog.stage("writing reports")
+        write_report(report, json_path=json_path, markdown_path=markdown_path, html_path=html_path)
+    click.echo(render_replay(report))
+    say_written("replay", json_path, markdown_path, html_path)
+    sys.exit(report.exit_code("error"))
