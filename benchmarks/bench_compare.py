@@ -243,7 +243,7 @@ def child_compare(ref: str, cand: str) -> dict:
     import torch  # noqa: PLC0415, F401
     import zarr  # noqa: PLC0415, F401
 
-    import tracediff.findings  # noqa: PLC0415, F401
+    import tracediff.compare.findings  # noqa: PLC0415, F401
     from tracediff.compare import compare_stores  # noqa: PLC0415
 
     try:  # what the tracediff program sets for itself (trees before it have no such module)

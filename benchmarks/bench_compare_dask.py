@@ -110,7 +110,7 @@ def run(ref: str, cand: str, value_bytes: int, worker_counts: list[int], repeat:
     import distributed  # noqa: PLC0415
 
     from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
-    from tracediff.distributed import DaskRunner  # noqa: PLC0415
+    from tracediff.compare.cluster import DaskRunner  # noqa: PLC0415
 
     stages: dict[str, float] = {}
 

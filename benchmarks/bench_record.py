@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 import tracediff
-from tracediff.recorder import Recorder
+from tracediff.record.recorder import Recorder
 from tracediff.store import (
     DEFAULT_CHUNK_ROWS,
     DEFAULT_COMPRESSOR,

@@ -41,7 +41,7 @@ LLAMA3_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_head
 def build(work: Path, rows: int, seq_len: int) -> dict:
     import torch  # noqa: PLC0415
 
-    from tracediff.recorder import Recorder  # noqa: PLC0415
+    from tracediff.record.recorder import Recorder  # noqa: PLC0415
     from tracediff.testing.eagle3 import write_eagle3_draft  # noqa: PLC0415
 
     t0 = time.perf_counter()

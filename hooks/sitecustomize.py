@@ -59,7 +59,7 @@ def _note_for_record(error, missing):
 
 
 try:
-    from tracediff.inject import activate_from_env as _activate
+    from tracediff.record.inject import activate_from_env as _activate
 
     _activate()
 except Exception as _exc:  # noqa: BLE001

@@ -214,7 +214,7 @@ def forkserver() -> Iterator[multiprocessing.context.BaseContext]:
     """Processes forked from a server that has torch and tracediff imported already: a real process
     per run (it can be SIGKILLed) without paying the torch import each time."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "zarr", "numcodecs", "tracediff.recorder"])
+    ctx.set_forkserver_preload(["torch", "zarr", "numcodecs", "tracediff.record.recorder"])
     yield ctx
 
 
@@ -345,8 +345,8 @@ def schema_problems(document: Any, name: str, *, strict: bool = True, limit: int
 
 
 def _finite_json(document: Any) -> Any:
-    """``document`` as its JSON file holds it: non-finite floats as null (tracediff.results._finite)."""
-    from tracediff.results import _finite  # noqa: PLC0415
+    """``document`` as its JSON file holds it: non-finite floats as null (tracediff.compare.results._finite)."""
+    from tracediff.compare.results import _finite  # noqa: PLC0415
 
     return json.loads(json.dumps(_finite(document), allow_nan=False, default=str))
 
@@ -427,7 +427,7 @@ class _ReportSchemaPlugin:
     """Records what compare and identify return in this process, and counts what was validated."""
 
     #: (module, function, schema): the functions every in-process compare / identify goes through.
-    PRODUCERS = (("tracediff.compare", "_compare", "compare"), ("tracediff.identify", "_identify", "identify"))
+    PRODUCERS = (("tracediff.compare", "_compare", "compare"), ("tracediff.compare.identify", "_identify", "identify"))
 
     def __init__(self) -> None:
         self.patched: dict[tuple[str, str], Any] = {}

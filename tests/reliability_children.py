@@ -165,7 +165,7 @@ class KillSwitch:
     def install(self) -> None:
         import zarr.storage._local as local  # noqa: PLC0415
 
-        import tracediff.recorder  # noqa: PLC0415
+        import tracediff.record.recorder  # noqa: PLC0415
         import tracediff.store.writer as writer_module  # noqa: PLC0415
         from tracediff.store import TraceWriter  # noqa: PLC0415
 
@@ -238,7 +238,7 @@ class KillSwitch:
         for name, section in self.SECTIONS.items():
             framed(name, section)
 
-        create_store = tracediff.recorder.create_store
+        create_store = tracediff.record.recorder.create_store
 
         def watched_create_store(*args: Any, **kwargs: Any) -> Any:
             switch.section = "create_store"
@@ -248,7 +248,7 @@ class KillSwitch:
                 switch.section = "idle"
                 switch.mark("idle")
 
-        tracediff.recorder.create_store = watched_create_store
+        tracediff.record.recorder.create_store = watched_create_store
 
 
 def _write_json(path: str, obj: Any) -> None:

@@ -31,11 +31,11 @@ from conftest import no_hang
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tracediff.align import RowIndex, align_sequences, pair_rows
 from tracediff.compare import CompareOptions, compare_stores
+from tracediff.compare.align import RowIndex, align_sequences, pair_rows
+from tracediff.compare.identify import identify_segments
 from tracediff.describe import describe_store
 from tracediff.errors import TracediffError
-from tracediff.identify import identify_segments
 from tracediff.store import ChunkFiles, TraceStore, open_store
 from tracediff.testing.stores import write_small_store
 

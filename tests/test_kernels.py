@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tracediff.compare import compare_stores
-from tracediff.kernels import fused_kernel, fused_row_stats
+from tracediff.compare.kernels import fused_kernel, fused_row_stats
 
 pytestmark = pytest.mark.skipif(fused_kernel() is None, reason="numba is not installed")
 

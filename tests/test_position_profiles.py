@@ -68,7 +68,7 @@ def test_matched_pairs_carry_the_decision_metric_by_position_and_the_verdicts_th
     assert report.metrics
     for m in report.metrics:
         assert m.numerics_budget == pytest.approx(report.plan.numerics_budgets[m.reference])
-        # The limit is the noise model's (tracediff.noise), never below the budget.
+        # The limit is the noise model's (tracediff.compare.noise), never below the budget.
         assert m.drift_limit == pytest.approx(report.plan.drift_limits[m.reference])
         assert m.drift_limit >= m.numerics_budget
         assert m.noise_source in ("assumed", "calibrated") and m.limit_source

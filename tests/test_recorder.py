@@ -35,7 +35,7 @@ from conftest import (
 )
 
 import tracediff
-from tracediff.recorder import Limits
+from tracediff.record.recorder import Limits
 from tracediff.store import TraceStore, TraceWriter
 from tracediff.testing.pipelines import run_engine, run_trainer
 from tracediff.testing.tiny_llama import DraftHead

@@ -27,10 +27,10 @@ from conftest import schema_problems
 
 import tracediff
 from tracediff.compare import compare_stores
+from tracediff.compare.results import REPORT_SCHEMA_VERSION, Report
 from tracediff.demo import default_samples_dir
 from tracediff.report import ReportWriteError, render_html, render_markdown, render_text, write_report
 from tracediff.report.wording import WORST_ROWS_SHOWN, fmt_cos, fmt_num, fmt_row, signed_text
-from tracediff.results import REPORT_SCHEMA_VERSION, Report
 from tracediff.testing.pipelines import run_engine, run_trainer
 from tracediff.testing.tiny_llama import DraftHead, build_tiny_llama, make_sequences
 
@@ -501,7 +501,7 @@ def test_write_report_refuses_the_same_path_twice(reports, tmp_path):
 
 
 def test_schema_doc_names_every_field_and_finding_kind(reports):
-    from tracediff.results import FINDING_KINDS, SEVERITIES
+    from tracediff.compare.results import FINDING_KINDS, SEVERITIES
 
     doc = (Path(__file__).parents[1] / "docs" / "report-schema.md").read_text()
     data = reports["seed"].to_dict()

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from conftest import REPO, run_tracediff, schema_problems, strict_json_problems, strict_schema
 
+from tracediff.compare.results import FINDING_KINDS, SEVERITIES
 from tracediff.demo import default_samples_dir
-from tracediff.results import FINDING_KINDS, SEVERITIES
 from tracediff.schemas import SCHEMAS, load_schema
 
 SAMPLES = default_samples_dir()
@@ -100,7 +100,7 @@ def test_a_non_editable_install_ships_the_schemas(tmp_path: Path) -> None:
 
 
 def test_the_vocabularies_cover_the_code() -> None:
-    from tracediff.transforms import KINDS  # noqa: PLC0415
+    from tracediff.compare.transforms import KINDS  # noqa: PLC0415
 
     defs = load_schema("compare")["$defs"]
 
@@ -346,5 +346,5 @@ def test_the_conftest_hook_fails_a_test_whose_report_breaks_its_schema(reports, 
                       "test_an_in_process_report_broken_after_compare"}, out
     assert "broken.json: not a valid compare report at $: 'verdict' is a required property" in out
     assert "nan.json: not a valid compare report at the file: bare NaN" in out
-    assert "tracediff.compare._compare() result: not a valid compare report at $.plan.pairs: -5 is less than" in out
+    assert "tracediff.compare.run._compare() result: not a valid compare report at $.plan.pairs: -5 is less than" in out
     assert "tracediff report schemas: validated" in out

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from tracediff.adapters import sglang as adapter  # noqa: E402
 from tracediff.adapters.sglang_labels import request_keys, wrap_init_new_for_rids  # noqa: E402
-from tracediff.recorder import Recorder  # noqa: E402
+from tracediff.record.recorder import Recorder  # noqa: E402
 from tracediff.store import open_store  # noqa: E402
 
 LAYER_IDS = [1, 3, 4]  # SGLang Llama config ids -> capture indices 2, 4, 5 = HF hidden_states[2], [4], [5]
@@ -247,7 +247,7 @@ def test_sglang_loads_the_plugin_entry_point_gated_by_its_variable(tmp_path: Pat
 
     store = tmp_path / "server.zarr"
     code = ("from sglang.srt.plugins import load_plugins; load_plugins(); "
-            "from tracediff.inject import current_config; print(current_config()['adapters'])")
+            "from tracediff.record.inject import current_config; print(current_config()['adapters'])")
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRACEDIFF_CONFIG"}
     env.update(TRACEDIFF_SGLANG_STORE=str(store), SGLANG_PLUGINS="tracediff")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env,

@@ -73,7 +73,7 @@ def test_all_ranks_reaches_every_recorded_process(tmp_path: Path) -> None:
 
 def _plugin(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     code = ("from tracediff.adapters.sglang import sglang_plugin; sglang_plugin(); "
-            "from tracediff.inject import current_config; import json; print(json.dumps(current_config()))")
+            "from tracediff.record.inject import current_config; import json; print(json.dumps(current_config()))")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env=cli_env(**env), cwd=tmp_path)
 

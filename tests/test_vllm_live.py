@@ -251,7 +251,7 @@ def sglang_store(models) -> Path:
     import torch
 
     from tracediff.adapters import sglang as sglang_adapter
-    from tracediff.recorder import Recorder
+    from tracediff.record.recorder import Recorder
     from tracediff.send import sequences_from_trace
 
     sh.init_sglang()

@@ -23,37 +23,23 @@ from typing import Any
 __version__ = "0.1.0"
 
 
-def record(*args: Any, **kwargs: Any) -> Any:
-    """Start a :class:`tracediff.recorder.Recorder` (see its docstring); use as a context manager.
+def __getattr__(name: str) -> Any:
+    """``tracediff.record`` is the recording package (:mod:`tracediff.record`), callable as the
+    function it always was: ``with tracediff.record("train.zarr", role="trainer") as rec``. Imported
+    on first use, so that importing tracediff stays cheap."""
+    if name in ("record", "compare"):
+        import importlib  # noqa: PLC0415
 
-    ``adapter="speculators"`` (or any adapter name, comma-separated for several) also attaches that
-    framework adapter to the models of this process: those alive now and those built while recording
-    (see :func:`tracediff.adapters.attach_in_process`). An unknown adapter or one whose framework is
-    not installed raises before the store is created.
-    """
-    from tracediff.recorder import Recorder  # noqa: PLC0415
-
-    adapter = kwargs.get("adapter")
-    if adapter:
-        from tracediff.adapters import adapter_names, attach_in_process  # noqa: PLC0415
-
-        adapter_names(adapter)
-    rec = Recorder(*args, **kwargs)
-    if adapter:
-        try:
-            attach_in_process(rec, adapter)
-        except BaseException:
-            rec.close()
-            raise
-    return rec
+        return importlib.import_module(f"tracediff.{name}")
+    raise AttributeError(f"module 'tracediff' has no attribute {name!r}")
 
 
 def calibrate(store: Any, model: Any, **kwargs: Any) -> Any:
     """Append calibration rows to a trainer's store: some of its sequences recomputed by ``model``
     (the target, the trainer's weights) in the server's compute dtype (``dtype="bfloat16"``), so that
     compare measures the drift of a correct low-precision run instead of assuming it
-    (:func:`tracediff.calibration.calibrate`)."""
-    from tracediff.calibration import calibrate as _calibrate  # noqa: PLC0415
+    (:func:`tracediff.record.calibration.calibrate`)."""
+    from tracediff.record.calibration import calibrate as _calibrate  # noqa: PLC0415
 
     return _calibrate(store, model, **kwargs)
 
@@ -85,9 +71,9 @@ def current() -> Any:
     """The recorder active in this process (in-process or injected by `tracediff record`), or None."""
     import sys  # noqa: PLC0415
 
-    if "tracediff.recorder" not in sys.modules:
+    if "tracediff.record.recorder" not in sys.modules:
         return None
-    return sys.modules["tracediff.recorder"].active_recorder()
+    return sys.modules["tracediff.record.recorder"].active_recorder()
 
 
 def labels(**fields: Any) -> None:

@@ -58,7 +58,7 @@ def run() -> None:
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     # A recorder in this process (the start-up shim injects one into every Python process of a
     # recorded command, this one too) closes at exit: let it.
-    if others or "tracediff.recorder" in sys.modules:
+    if others or "tracediff.record.recorder" in sys.modules:
         sys.exit(code)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tracediff.compare import CompareOptions, compare_stores
+from tracediff.compare.identify import Identification, identify_segments, render_identification
+from tracediff.compare.results import Report
 from tracediff.errors import ReportWriteError, UsageError
-from tracediff.identify import Identification, identify_segments, render_identification
 from tracediff.report import write_json, write_report
 from tracediff.report.text import fix_lines, render_summary
-from tracediff.results import Report
 from tracediff.store import open_store
 
 #: The stores the demo needs, by role, as ``samples/make_samples.py`` names them.

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tracediff.recorder import Recorder
+from tracediff.record.recorder import Recorder
 
 
 def framework_version(distribution: str) -> str:

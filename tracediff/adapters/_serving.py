@@ -44,7 +44,7 @@ class CaptureState:
 def all_ranks_requested(env_name: str) -> bool:
     """``tracediff record --all-ranks`` (this process's activation config) or ``env_name`` set."""
     try:
-        from tracediff.inject import current_config  # noqa: PLC0415
+        from tracediff.record.inject import current_config  # noqa: PLC0415
 
         if current_config().get("all_ranks"):
             return True
@@ -87,7 +87,7 @@ def activate_from_plugin(adapter: str, framework: str, version: str, store_env: 
         return
     try:
         from tracediff.errors import StoreExistsError  # noqa: PLC0415
-        from tracediff.inject import activate  # noqa: PLC0415
+        from tracediff.record.inject import activate  # noqa: PLC0415
         from tracediff.store import create_store, default_source  # noqa: PLC0415
         from tracediff.store.location import is_url  # noqa: PLC0415
 

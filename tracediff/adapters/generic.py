@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from tracediff.recorder import Recorder
-from tracediff.tapspec import TapSpec
+from tracediff.record.recorder import Recorder
+from tracediff.record.tapspec import TapSpec
 
 WATCH: tuple[str, ...] = ()
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from tracediff.adapters.generic import attach_label_source
-from tracediff.recorder import Recorder, _pick_output
+from tracediff.record.recorder import Recorder, _pick_output
 
 WATCH: tuple[str, ...] = ("PreTrainedModel",)
 

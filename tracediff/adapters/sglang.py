@@ -78,7 +78,7 @@ from tracediff.adapters.sglang_provenance import (
     sglang_version,
     target_provenance,
 )
-from tracediff.recorder import Recorder
+from tracediff.record.recorder import Recorder
 
 log = logging.getLogger("tracediff")
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tracediff.drafts import d2t_facts
-from tracediff.recorder import Recorder
+from tracediff.record.recorder import Recorder
 
 
 def target_provenance(owner: torch.nn.Module | None) -> dict[str, Any]:

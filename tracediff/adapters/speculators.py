@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from tracediff.adapters._fc import argument, framework_version, hf_labels, previous_in_row, tap_fc_input
-from tracediff.recorder import Recorder
+from tracediff.record.recorder import Recorder
 
 FRAMEWORK = "speculators"
 TAP = "fc_in"

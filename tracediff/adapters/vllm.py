@@ -76,7 +76,7 @@ from tracediff.adapters._serving import (
 )
 from tracediff.adapters.vllm_labels import batch_labels
 from tracediff.adapters.vllm_provenance import canonical_aux_layers, draft_config_facts, provenance, vllm_version
-from tracediff.recorder import Recorder
+from tracediff.record.recorder import Recorder
 
 log = logging.getLogger("tracediff")
 
@@ -460,7 +460,7 @@ def commit_mode() -> str:
     worker is lost. From ``tracediff record --commit`` or ``TRACEDIFF_VLLM_COMMIT``."""
     mode = ""
     with contextlib.suppress(Exception):
-        from tracediff.inject import current_config  # noqa: PLC0415
+        from tracediff.record.inject import current_config  # noqa: PLC0415
 
         mode = str(current_config().get("commit") or "")
     mode = mode or os.environ.get(ENV_COMMIT, "")

@@ -92,7 +92,7 @@ def compare(
     from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
     from tracediff.report import render_text, write_report  # noqa: PLC0415
     from tracediff.report.text import render_verdict_line  # noqa: PLC0415
-    from tracediff.storeset import expand_stores  # noqa: PLC0415
+    from tracediff.store.storeset import expand_stores  # noqa: PLC0415
 
     if sample_rows <= 0:
         raise UsageError(f"--sample-rows must be positive, got {sample_rows}")
@@ -107,7 +107,7 @@ def compare(
         raise UsageError("--draft replays one store per side; compare several stores without --draft")
     runner = None
     if dask_target is not None:
-        from tracediff.distributed import DaskRunner  # noqa: PLC0415
+        from tracediff.compare.cluster import DaskRunner  # noqa: PLC0415
         from tracediff.store.location import current_storage_options  # noqa: PLC0415
 
         # Workers have no --storage-option of their own: the command's go with every task.
@@ -160,7 +160,7 @@ def identify(store: Path, bank: Path, tap: str | None, bank_tap: str | None, seg
 
     Exit code: 0 when every segment is identified, 1 when one is not, 2 on bad input.
     """
-    from tracediff.identify import identify_segments, render_identification  # noqa: PLC0415
+    from tracediff.compare.identify import identify_segments, render_identification  # noqa: PLC0415
     from tracediff.report import write_json  # noqa: PLC0415
 
     if json_path is not None and not json_path.parent.resolve().is_dir():
@@ -189,7 +189,7 @@ def calibrate(store: Path, model_dir: Path, dtype: str, sequences: int, tap: str
     """Append calibration rows to a trainer's STORE: some of its sequences recomputed by the target in
     the server's compute dtype, so that compare measures what a correct run drifts at every segment
     instead of assuming it."""
-    from tracediff.calibration import calibrate as run_calibrate  # noqa: PLC0415
+    from tracediff.record.calibration import calibrate as run_calibrate  # noqa: PLC0415
 
     if not (store / "zarr.json").is_file():
         raise UsageError(f"{store}: not a trace store (no zarr.json)")

@@ -100,9 +100,9 @@ def record(
     rows (a writer error, an interpreter that cannot import tracediff): never 0 having lost rows.
     """
     from tracediff.adapters import adapter_info, check_installed  # noqa: PLC0415
-    from tracediff.limits import Limits  # noqa: PLC0415
+    from tracediff.record.limits import Limits  # noqa: PLC0415
+    from tracediff.record.tapspec import TapSpec  # noqa: PLC0415
     from tracediff.store import create_store, default_source, open_store  # noqa: PLC0415
-    from tracediff.tapspec import TapSpec  # noqa: PLC0415
 
     specs = [TapSpec.parse(t) for t in taps]
     names = [s.name for s in specs]
@@ -164,7 +164,7 @@ def record(
         # The children write with the same options (never stored in the store's meta: credentials).
         config["storage_options"] = location.storage_options
 
-    from tracediff.inject import ENV_REPORT_DIR, read_notes, recording_problems  # noqa: PLC0415
+    from tracediff.record.inject import ENV_REPORT_DIR, read_notes, recording_problems  # noqa: PLC0415
 
     env = dict(os.environ)
     hooks_dir = _hooks_dir()

@@ -30,12 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from tracediff.compare.results import Finding, Report
 from tracediff.drafts import compare_provenance
 from tracediff.errors import UsageError
 from tracediff.replay.draft import Eagle3Draft
 from tracediff.replay.rows import SideRows, SideSequence
 from tracediff.replay.score import Tally, draft_sequence
-from tracediff.results import Finding, Report
 from tracediff.store import open_store
 
 RAW_TAPS = ("aux_hidden", "fc_in_raw")

@@ -1,6 +1,6 @@
 """Renderers of a compare report: they format findings, they never compute.
 
-Each renderer reads a :class:`tracediff.results.Report` and returns a string:
+Each renderer reads a :class:`tracediff.compare.results.Report` and returns a string:
 :func:`render_text` (terminal), :func:`render_markdown` (pull request or issue) and
 :func:`render_html` (one self-contained file). :func:`write_report` writes the JSON, Markdown and
 HTML files a user asked for, each atomically: a reader never sees half a report, and a failed write
@@ -15,11 +15,11 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
+from tracediff.compare.results import Report
 from tracediff.errors import ReportWriteError, UsageError
 from tracediff.report.html import render_html
 from tracediff.report.markdown import render_markdown
 from tracediff.report.text import render_text
-from tracediff.results import Report
 
 
 def write_report(
@@ -71,7 +71,7 @@ def write_json(path: str | os.PathLike[str], document: object) -> Path:
     target = Path(path)
     if not target.parent.is_dir():
         raise ReportWriteError(f"cannot write {target}: folder {target.parent} does not exist; create it first")
-    from tracediff.results import _finite  # noqa: PLC0415
+    from tracediff.compare.results import _finite  # noqa: PLC0415
 
     _write_atomic(target, json.dumps(_finite(document), indent=2, allow_nan=False, default=str) + "\n")
     return target

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+from tracediff.compare.results import Finding, Report, SegmentMetrics, SegmentProfile
 from tracediff.report.ticks import decade_label, nice_step, nice_ticks, tick_labels
 from tracediff.report.wording import (
     candidate_labels,
@@ -27,7 +28,6 @@ from tracediff.report.wording import (
     reference_labels,
     signed_text,
 )
-from tracediff.results import Finding, Report, SegmentMetrics, SegmentProfile
 
 # A sequential blue ramp for cosines in [0, 1]; negative cosines clamp to the first stop.
 _RAMP = (

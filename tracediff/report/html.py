@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tracediff.compare.results import SEVERITIES, Finding, Report, SegmentProfile
 from tracediff.report.charts import (
     cosine_chart,
     error_chart,
@@ -56,7 +57,6 @@ from tracediff.report.wording import (
     side_items,
     verdict_sentence,
 )
-from tracediff.results import SEVERITIES, Finding, Report, SegmentProfile
 
 _CSS = """
 :root { --err:#c62828; --warn:#b26a00; --info:#1565c0; --ok:#2e7d32; --line:#d0d7de; --muted:#57606a; }

@@ -2,7 +2,7 @@
 
 Same content as the terminal report, as GitHub-flavoured Markdown tables; the long parts (plan,
 config diff, worst rows) fold into ``<details>`` so the summary fits one screen. Formats only:
-every number comes from the :class:`tracediff.results.Report`. User text (paths, labels, messages)
+every number comes from the :class:`tracediff.compare.results.Report`. User text (paths, labels, messages)
 is escaped so it can neither break a table nor inject HTML.
 """
 
@@ -12,6 +12,7 @@ import html
 import re
 from typing import Any
 
+from tracediff.compare.results import SEVERITIES, Finding, Report
 from tracediff.report.wording import (
     CHANGE_EVIDENCE,
     CHANGES_SHOWN,
@@ -47,7 +48,6 @@ from tracediff.report.wording import (
     side_items,
     verdict_sentence,
 )
-from tracediff.results import SEVERITIES, Finding, Report
 
 # CommonMark lets any ASCII punctuation be backslash-escaped; these are the ones that can start
 # emphasis, links, code, HTML or a table cell.

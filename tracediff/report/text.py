@@ -1,6 +1,6 @@
 """Terminal rendering of a compare report: fits 100 columns, readable without colour.
 
-Formats a :class:`tracediff.results.Report`; never computes a metric or a decision. The words it
+Formats a :class:`tracediff.compare.results.Report`; never computes a metric or a decision. The words it
 shares with the Markdown and HTML renderers (numbers, names, sentences) are in
 :mod:`tracediff.report.wording`; this module lays them out: the Fix boxes, the cause tree, the
 findings with or without their evidence, the segment map and its matrix, the tables.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from tracediff.compare.results import SEVERITIES, Finding, Report, SegmentMetrics, Side
 from tracediff.report.wording import (
     CHANGE_EVIDENCE,
     CHANGES_SHOWN,
@@ -50,7 +51,6 @@ from tracediff.report.wording import (
     segments_text,
     verdict_sentence,
 )
-from tracediff.results import SEVERITIES, Finding, Report, SegmentMetrics, Side
 
 WIDTH = 100
 #: The width of a box's text: the box draws ``  | `` before every line.

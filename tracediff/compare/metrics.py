@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.align import RowIndex, RowPairs
-from tracediff.results import RowRef, SegmentMetrics, SegmentProfile
+from tracediff.compare.align import RowIndex, RowPairs
+from tracediff.compare.results import RowRef, SegmentMetrics, SegmentProfile
 
 
 @dataclass
@@ -75,7 +75,7 @@ class PositionBuckets:
 
 @dataclass(frozen=True)
 class ProfileRequest:
-    """A segment pair the pass measures per position only (:func:`tracediff.plan.profile_requests`)."""
+    """A segment pair the pass measures per position only (:func:`tracediff.compare.plan.profile_requests`)."""
 
     kind: str  # segment_missing | segment_extra | segment_duplicate
     candidate: int

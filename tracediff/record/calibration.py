@@ -4,7 +4,7 @@ The "double benchmark" of accuracy tooling (Ascend's msprobe judges a candidate'
 to a trusted low-precision run's error against the same golden): a few sequences of a trainer's
 store are run again through the target model, cast to the server's compute dtype (bf16 by default)
 with the same weights, and their fc-input rows (the same layers, concatenated the same way) are
-appended to the store as tap :data:`tracediff.noise.CALIBRATION_TAP`. ``compare`` then measures
+appended to the store as tap :data:`tracediff.compare.noise.CALIBRATION_TAP`. ``compare`` then measures
 exactly how far a correct low-precision run drifts from the trainer's rows at every segment, and
 holds the server to that instead of an assumed budget (``plan.noise[j].source == "calibrated"``).
 
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from tracediff.adapters.conventions import FINAL_NORM
+from tracediff.compare.noise import CALIBRATION_TAP, canonical_dtype
 from tracediff.errors import StoreExistsError, UsageError
-from tracediff.noise import CALIBRATION_TAP, canonical_dtype
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -43,8 +43,8 @@ def _layers_of(store: Any, tap: str, layers: list[Any] | None) -> list[Any]:
             except (TypeError, ValueError):
                 raise UsageError(f"layers: {value!r} is neither an HF hidden_states index nor 'pre_norm'") from None
         return out
-    from tracediff.metadata import side_aux_layers  # noqa: PLC0415
-    from tracediff.plan import collect_meta  # noqa: PLC0415
+    from tracediff.compare.metadata import side_aux_layers  # noqa: PLC0415
+    from tracediff.compare.plan import collect_meta  # noqa: PLC0415
 
     aux = side_aux_layers(collect_meta(store, tap))
     if aux is None or aux.physical is None:
@@ -109,8 +109,8 @@ def calibrate(store: str | Path, model: Any, *, dtype: str = "bfloat16", sequenc
     it from with :func:`load_model`, loaded once the store is checked) cast to ``dtype``, the
     segments built from ``layers`` (HF hidden_states indices or "pre_norm"; default: the layers the
     store records). Returns what was written."""
-    from tracediff.plan import stream_layout  # noqa: PLC0415
-    from tracediff.recorder import Recorder  # noqa: PLC0415
+    from tracediff.compare.plan import stream_layout  # noqa: PLC0415
+    from tracediff.record.recorder import Recorder  # noqa: PLC0415
     from tracediff.store import open_store  # noqa: PLC0415
 
     compute = canonical_dtype(str(dtype))

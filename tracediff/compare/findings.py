@@ -7,12 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from tracediff.adapters.conventions import AuxLayers, format_layers
-from tracediff.align import Alignment, RowPairs
-from tracediff.metadata import PHYSICAL_FIELD, is_aux_key, readable_changes
-from tracediff.metrics import StreamResult, row_ref
-from tracediff.plan import SegmentPlan
-from tracediff.results import Finding, Report
-from tracediff.segment_findings import seg_name, segment_findings
+from tracediff.compare.align import Alignment, RowPairs
+from tracediff.compare.metadata import PHYSICAL_FIELD, is_aux_key, readable_changes
+from tracediff.compare.metrics import StreamResult, row_ref
+from tracediff.compare.plan import SegmentPlan
+from tracediff.compare.results import Finding, Report
+from tracediff.compare.segment_findings import seg_name, segment_findings
 
 
 def build_findings(

@@ -12,10 +12,10 @@ A block of row pairs is the unit of work everywhere: :class:`_Pass` computes one
 :class:`PassPlan` and the block's :class:`BlockSpec` (which stored rows each side reads) alone, into
 a :class:`BlockResult` of sums, counts, first indices, per-position sums and the block's per-row
 metrics; :class:`_Merger` adds results in block order whatever order they finish in. So threads of
-this process and tasks on a cluster (:mod:`tracediff.distributed`) give the same bits.
+this process and tasks on a cluster (:mod:`tracediff.compare.cluster`) give the same bits.
 
 Besides the matched pairs, the pass measures each segment the plan calls wrong against its closest
-counterpart (:func:`tracediff.plan.profile_requests`), in per-position buckets only: a handful of float64 sums per
+counterpart (:func:`tracediff.compare.plan.profile_requests`), in per-position buckets only: a handful of float64 sums per
 bucket, never a per-row array.
 """
 
@@ -31,10 +31,9 @@ from typing import Protocol
 
 import numpy as np
 
-from tracediff.align import RowIndex, RowPairs
-from tracediff.errors import CompareError
-from tracediff.gather import ChunkReader, aligned_empty, reference_files, usable_cpus
-from tracediff.kernels import (
+from tracediff.compare.align import RowIndex, RowPairs
+from tracediff.compare.gather import ChunkReader, aligned_empty, reference_files, usable_cpus
+from tracediff.compare.kernels import (
     dot,
     exact_row_stats,
     fused_available,
@@ -43,7 +42,7 @@ from tracediff.kernels import (
     numpy_row_stats,
     preload_fused_kernel,
 )
-from tracediff.metrics import (
+from tracediff.compare.metrics import (
     Accumulator,
     PositionBuckets,
     ProfileRequest,
@@ -51,7 +50,8 @@ from tracediff.metrics import (
     finish_metrics,
     profile_of,
 )
-from tracediff.segments import to_float32
+from tracediff.compare.segments import to_float32
+from tracediff.errors import CompareError
 from tracediff.store import VALUE_DTYPES, TraceStream
 
 Progress = Callable[[int], None]
@@ -140,7 +140,7 @@ class PassPlan:
     reference_dtype: str
     candidate_streams: tuple[StreamLocation, ...] = ()
     reference_streams: tuple[StreamLocation, ...] = ()
-    # Whether blocks use the fused kernel (tracediff.kernels) where it runs.
+    # Whether blocks use the fused kernel (tracediff.compare.kernels) where it runs.
     fused: bool = False
 
 
@@ -244,7 +244,7 @@ def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches
 
 class _Pass:
     """The per-block work of :func:`stream_metrics`: a function of (plan, the block's rows) alone,
-    run by threads of this process or by tasks of a cluster (:mod:`tracediff.distributed`)."""
+    run by threads of this process or by tasks of a cluster (:mod:`tracediff.compare.cluster`)."""
 
     def __init__(self, plan: PassPlan, reference: Sequence[TraceStream], candidate: Sequence[TraceStream]) -> None:
         self.plan = plan
@@ -340,7 +340,7 @@ class _Pass:
         craw = w.cand.gather_at(spec.cand_stream, spec.cand_row, w.craw)
         rraw = w.ref.gather_at(spec.ref_stream, spec.ref_row, w.rraw)
         # The norms of every segment and, per matched pair, of the difference: one fused loop that
-        # reads each stored value once (tracediff.kernels), where it runs; else (and for the
+        # reads each stored value once (tracediff.compare.kernels), where it runs; else (and for the
         # profiles) numpy kernels a sub-block at a time (its float32 rows stay in cache).
         fused = self.plan.fused and fused_row_stats(craw, rraw, m, size, self.cdt, self.rdt, self.seg_c, self.seg_r,
                                                     self.np_means, self.np_invs, w.xc, w.xr, w.dn, w.mx, w.sn, w.sd)
@@ -470,7 +470,7 @@ def _inverse(scale: np.ndarray) -> np.ndarray:
 
 
 class BlockRunner(Protocol):
-    """Runs the blocks of a pass somewhere else (:class:`tracediff.distributed.DaskRunner`): each
+    """Runs the blocks of a pass somewhere else (:class:`tracediff.compare.cluster.DaskRunner`): each
     spec through :func:`run_blocks` on ``plan``, each result handed to ``add`` (in any order) on the
     calling thread. Raises :class:`tracediff.errors.CompareError` when a block cannot be run."""
 
@@ -596,10 +596,10 @@ def stream_metrics(
     """One pass over every aligned row pair: per matched segment pair, every metric of the report.
 
     ``scales`` holds, per match, the reference segment's robust (mean, scale) from the plan sample
-    (:class:`tracediff.segments.SegmentScales`); without it, every dimension counts at scale 1.
+    (:class:`tracediff.compare.segments.SegmentScales`); without it, every dimension counts at scale 1.
     ``limits``, per match, the (numerics budget, drift limit) the findings hold it to
-    (:func:`tracediff.plan.pair_limits`), carried into its metrics. ``profiles`` are pairs measured per position only
-    (:func:`tracediff.plan.profile_requests`).
+    (:func:`tracediff.compare.plan.pair_limits`), carried into its metrics. ``profiles`` are pairs measured per position only
+    (:func:`tracediff.compare.plan.profile_requests`).
 
     ``workers`` threads (default: the CPUs this process may run on) each take whole blocks; for compressed
     stores, one (they share a cache of decoded chunks). With ``runner``, the blocks run there (a

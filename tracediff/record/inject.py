@@ -10,7 +10,7 @@ Nothing here may raise into the host: failures are logged and recording stays of
 
 Each process also leaves the ``record`` command a note in the folder ``TRACEDIFF_REPORT_DIR`` names
 (on the command's machine, whatever the store's location), one small JSON file per process and kind,
-``<pid>-<kind>.json``: ``recorder`` (its :meth:`~tracediff.recorder.Recorder.outcome`, at close),
+``<pid>-<kind>.json``: ``recorder`` (its :meth:`~tracediff.record.recorder.Recorder.outcome`, at close),
 ``inject`` (why recording could not start or stopped: the store unreachable, a tap that could not
 attach), ``shim`` (written by ``hooks/sitecustomize.py`` in an interpreter that cannot import
 tracediff). :func:`recording_problems` reads them back: a run that lost rows fails, never exits 0.
@@ -40,7 +40,7 @@ class _Context:
     """What one process records, from the JSON config the launcher put in the environment."""
 
     def __init__(self, config: dict[str, Any]) -> None:
-        from tracediff.tapspec import TapSpec  # noqa: PLC0415
+        from tracediff.record.tapspec import TapSpec  # noqa: PLC0415
 
         self.config = config
         self.specs = [TapSpec.parse(s) for s in config.get("taps", [])]
@@ -60,7 +60,7 @@ class _Context:
 
     def recorder(self) -> Any:
         if self.recorder_obj is None and not self.failed:
-            from tracediff.recorder import Limits, Recorder  # noqa: PLC0415
+            from tracediff.record.recorder import Limits, Recorder  # noqa: PLC0415
             from tracediff.store import DEFAULT_CHUNK_ROWS  # noqa: PLC0415
 
             cfg = self.config

@@ -3,7 +3,7 @@
 For a block of row pairs the pass needs, per row, the norm of every segment of both sides and, per
 matched segment pair, the norm and the largest absolute value of the difference, the norm of the
 difference in units of the reference segment's robust scale, and the norm of the standardised
-reference. The reference implementation (:meth:`tracediff.diagnose._Pass.block_metrics`' numpy
+reference. The reference implementation (:meth:`tracediff.compare.stream._Pass.block_metrics`' numpy
 path) runs about eight eager kernels per pair over float32 copies of the rows: some ten reads and
 six writes of every value. :func:`fused_row_stats` widens each stored value (bf16 bits or float32)
 once, in a compiled loop whose float32 sums LLVM vectorises: the same numbers up to float32
@@ -129,7 +129,7 @@ def _build() -> Any:
 
 def fused_kernel() -> Any:
     """The compiled kernel, or None where numba is missing (or ``TRACEDIFF_KERNEL=numpy``; which
-    passes use it at all: :func:`tracediff.diagnose.use_fused_kernel`)."""
+    passes use it at all: :func:`tracediff.compare.stream.use_fused_kernel`)."""
     if os.environ.get("TRACEDIFF_KERNEL", "").lower() == "numpy":
         return None
     with _LOCK:  # one compile or cache load, also while preload_fused_kernel's thread is at it
@@ -207,7 +207,7 @@ def numpy_row_stats(c3: np.ndarray, r3: np.ndarray, xc: np.ndarray, xr: np.ndarr
                     d: np.ndarray) -> None:
     """The pass's per-row statistics of a sub-block (float32 rows ``c3`` [b, Kc, H], ``r3`` [b, Kr, H]),
     eager numpy kernels into reused buffers (the reference implementation of
-    :func:`tracediff.kernels.fused_row_stats`): every segment's norm into ``xc`` / ``xr``, and per
+    :func:`tracediff.compare.kernels.fused_row_stats`): every segment's norm into ``xc`` / ``xr``, and per
     pair ``(a, b, dn, mx, sn, sd, mean, inv_scale)`` (views of the two segments and of the outputs)
     the norm and largest |value| of the difference and the norms of the standardised difference and
     reference. ``d``: a [b, H] float32 scratch buffer."""

@@ -5,7 +5,7 @@ segment size (shapes first: two hidden sizes are a ``shape`` error, never re-cut
 segments), sequence alignment by token content, the label-offset search, the plan sample, and the
 segment decisions: which reference segment each candidate segment comes from (standardised cosines,
 ranked against the runner-up and the data's own noise floor) and how the two relate (fitted
-transforms, :mod:`tracediff.transforms`). The result is a frozen :class:`SegmentPlan` that the
+transforms, :mod:`tracediff.compare.transforms`). The result is a frozen :class:`SegmentPlan` that the
 streaming pass and the findings read; nothing here reads more than the sample.
 """
 
@@ -18,11 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.align import Alignment, RowIndex, RowPairs, pair_rows
-from tracediff.errors import CompareError
-from tracediff.gather import ChunkReader, aligned_empty
-from tracediff.metrics import ProfileRequest
-from tracediff.noise import (
+from tracediff.compare.align import Alignment, RowIndex, RowPairs, pair_rows
+from tracediff.compare.gather import ChunkReader, aligned_empty
+from tracediff.compare.metrics import ProfileRequest
+from tracediff.compare.noise import (
     ASSUMED_LIMIT_FACTOR,
     CALIBRATION_TAP,
     DEFAULT_DEPTH,
@@ -37,7 +36,7 @@ from tracediff.noise import (
     segment_noise,
     with_limits,
 )
-from tracediff.segments import (
+from tracediff.compare.segments import (
     NoiseFloor,
     SegmentDecision,
     SegmentScales,
@@ -56,8 +55,9 @@ from tracediff.segments import (
     standardised_cosine_matrix,
     to_float32,
 )
+from tracediff.compare.transforms import TransformFit, best_transform, fit_transforms
+from tracediff.errors import CompareError
 from tracediff.store import VALUE_DTYPES, TraceStore
-from tracediff.transforms import TransformFit, best_transform, fit_transforms
 
 OFFSETS = (-2, -1, 0, 1, 2)
 
@@ -66,7 +66,7 @@ OFFSETS = (-2, -1, 0, 1, 2)
 FC_INPUT_EQUIVALENTS = (("fc_in", "aux_hidden"), ("aux_hidden", "fc_in"), ("fc_in", "fc_in_raw"), ("fc_in_raw", "fc_in"))
 
 #: A pair this many times beyond its budget is no longer drift of the same tensor but other data,
-#: when the data gives no limit of its own (:mod:`tracediff.noise`).
+#: when the data gives no limit of its own (:mod:`tracediff.compare.noise`).
 DRIFT_FACTOR = ASSUMED_LIMIT_FACTOR
 
 
@@ -85,7 +85,7 @@ class CompareOptions:
     stage: Callable[[str], None] | None = None
     bank: str | None = None
     extra_notes: list[str] = field(default_factory=list)
-    #: Where the streaming pass runs its blocks (:class:`tracediff.distributed.DaskRunner`); None:
+    #: Where the streaming pass runs its blocks (:class:`tracediff.compare.cluster.DaskRunner`); None:
     #: threads of this process.
     runner: Any = None
     #: Raw rows of both sides one block of the streaming pass reads (rows of a block: 64..8192): what
@@ -380,7 +380,7 @@ def numerics_budget(floor_error: float, compute_dtype: str, depth: int) -> float
     """The squared standardised relative error numerics alone explain for one segment with no
     calibration and no other segment to learn from (``tracediff identify``): twice the storage
     rounding measured on the sample (``floor_error``), or the assumed drift of ``compute_dtype`` at
-    ``depth`` (:func:`tracediff.noise.prior_drift`), twice over."""
+    ``depth`` (:func:`tracediff.compare.noise.prior_drift`), twice over."""
     return max(2.0 * math.sqrt(max(floor_error, 0.0)), 2.0 * prior_drift(compute_dtype, depth), 1e-6) ** 2
 
 
@@ -391,8 +391,8 @@ def plan_segments(cand: np.ndarray, ref: np.ndarray, size: int, dtype_ref: str, 
 
     ``depths``: per reference segment, how many decoder layers deep it is (its physical layer), where
     a side records it; the prior assumes ``assumed_depth`` (the model's depth, else
-    :data:`tracediff.noise.DEFAULT_DEPTH`) for the others. ``compute``: the compute dtype of the
-    compare (:func:`tracediff.noise.decide_compute_dtype`; None: assumed bfloat16). ``calibration``:
+    :data:`tracediff.compare.noise.DEFAULT_DEPTH`) for the others. ``compute``: the compute dtype of the
+    compare (:func:`tracediff.compare.noise.decide_compute_dtype`; None: assumed bfloat16). ``calibration``:
     the measured drift of calibration rows, per reference segment.
     """
     compute = compute or decide_compute_dtype({}, {})
@@ -479,9 +479,9 @@ def _measure_calibration(cal: CalibrationRows, size: int, scales: SegmentScales)
 # ----------------------------------------------------------- what the streaming pass measures
 def pair_limits(segplan: SegmentPlan, matches: list[tuple[int, int]]) -> list[tuple[float, float]]:
     """Per (candidate, reference) pair: the numerics budget the findings hold its standardised
-    relative error to (``tracediff.segment_findings``: beyond it a ``precision`` warning), and the
-    drift limit (the noise model's limit, :mod:`tracediff.noise`: beyond it other data, and a row
-    beyond it is "off" for :mod:`tracediff.subsets`)."""
+    relative error to (``tracediff.compare.segment_findings``: beyond it a ``precision`` warning), and the
+    drift limit (the noise model's limit, :mod:`tracediff.compare.noise`: beyond it other data, and a row
+    beyond it is "off" for :mod:`tracediff.compare.subsets`)."""
     out = []
     for _, j in matches:
         ok = 0 <= j < len(segplan.budgets)
@@ -492,7 +492,7 @@ def pair_limits(segplan: SegmentPlan, matches: list[tuple[int, int]]) -> list[tu
 
 def profile_requests(segplan: SegmentPlan) -> list[ProfileRequest]:
     """The pairs to profile per position: every segment the wiring findings call wrong against its
-    closest counterpart (:func:`tracediff.segments.closest_counterparts`), each side standardised by
+    closest counterpart (:func:`tracediff.compare.segments.closest_counterparts`), each side standardised by
     its own robust scales as the plan's matrix was."""
     same = 1.0 - exact_distance(segplan.floor.distance)
     out = []

@@ -17,11 +17,10 @@ from typing import Any
 import numpy as np
 
 from tracediff.adapters.conventions import FINAL_NORM, layer_text
-from tracediff.align import RowIndex, align_sequences
-from tracediff.errors import CompareError
-from tracediff.metadata import num_layers, side_aux_layers
-from tracediff.noise import DEFAULT_DEPTH, decide_compute_dtype
-from tracediff.plan import (
+from tracediff.compare.align import RowIndex, align_sequences
+from tracediff.compare.metadata import num_layers, side_aux_layers
+from tracediff.compare.noise import DEFAULT_DEPTH, decide_compute_dtype
+from tracediff.compare.plan import (
     CompareOptions,
     collect_meta,
     numerics_budget,
@@ -31,7 +30,7 @@ from tracediff.plan import (
     sample_pairs,
     tap_summary,
 )
-from tracediff.segments import (
+from tracediff.compare.segments import (
     lower_median,
     noise_floor,
     relative_error,
@@ -41,8 +40,9 @@ from tracediff.segments import (
     standardised_cosine_matrix,
     tier_of,
 )
+from tracediff.compare.transforms import best_transform, fit_transforms
+from tracediff.errors import CompareError
 from tracediff.store import TraceStore, open_store
-from tracediff.transforms import best_transform, fit_transforms
 
 IDENTIFY_SCHEMA_VERSION = 1
 

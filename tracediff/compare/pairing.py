@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.align import RowIndex, RowPairs
+from tracediff.compare.align import RowIndex, RowPairs
 from tracediff.store import PHASES
 
 #: A pattern names the mismatched rows when at least this share of them has it.

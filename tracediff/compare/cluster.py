@@ -1,15 +1,15 @@
 """The streaming pass of a compare as dask.distributed tasks: ``compare --dask ADDRESS|local:N``.
 
-The plan and the findings stay on the client. The pass's small inputs (:class:`~tracediff.diagnose.PassPlan`:
+The plan and the findings stay on the client. The pass's small inputs (:class:`~tracediff.compare.stream.PassPlan`:
 segment pairs, scales, profile requests, and where each writer group's rows are) go to every worker
 once; each task then carries a few consecutive blocks of row pairs as
-:class:`~tracediff.diagnose.BlockSpec` (per pair, the stream and stored row of each side: never the
+:class:`~tracediff.compare.stream.BlockSpec` (per pair, the stream and stored row of each side: never the
 whole row index), opens the stores itself by location through :func:`tracediff.store.open_store`,
 reads only those rows and returns the blocks' partial results. The client merges them with the same
 code, in the same block order, as the threaded pass: the report is the same bits.
 
 A worker holds one block of raw rows of both sides (about 16 MiB), the float32 sub-block buffers of
-:mod:`tracediff.diagnose`, and the per-row metrics of the task it runs: never the trace. Tasks carry
+:mod:`tracediff.compare.stream`, and the per-row metrics of the task it runs: never the trace. Tasks carry
 only numbers and strings the client made; nothing read from a store is unpickled anywhere.
 
 This module imports ``distributed`` only when a runner starts (``pip install 'tracediff[dask]'``).
@@ -27,10 +27,10 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import Any
 
-from tracediff.diagnose import BlockResult, BlockSpec, BlockWorker, PassPlan, StreamLocation
+from tracediff.compare.stream import BlockResult, BlockSpec, BlockWorker, PassPlan, StreamLocation
 from tracediff.errors import CompareError, StoreError, UsageError, first_line
 from tracediff.store import TraceStore, TraceStream
-from tracediff.storeset import open_side
+from tracediff.store.storeset import open_side
 
 __all__ = ["DaskRunner", "parse_dask_target"]
 
@@ -55,7 +55,7 @@ def parse_dask_target(text: str) -> tuple[str, int | str]:
 
 
 class DaskRunner:
-    """Runs a pass's blocks on a dask.distributed cluster (a :class:`tracediff.diagnose.BlockRunner`).
+    """Runs a pass's blocks on a dask.distributed cluster (a :class:`tracediff.compare.stream.BlockRunner`).
 
     ``target`` is ``local:N`` (a LocalCluster of N single-threaded worker processes on 127.0.0.1,
     no dashboard, started when the pass begins and closed with the runner) or a scheduler address.

@@ -22,7 +22,7 @@ from tracediff.adapters.conventions import (
     format_layers,
     from_physical,
 )
-from tracediff.segments import SegmentDecision
+from tracediff.compare.segments import SegmentDecision
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Rows of uncompressed chunk files are read straight into the output (only the rows asked for, by
 ``preadv``); other chunks are decoded whole, through a small LRU cache. Used by the plan (its samples)
-and by every block of the streaming pass (:mod:`tracediff.diagnose`).
+and by every block of the streaming pass (:mod:`tracediff.compare.stream`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tracediff.align import RowIndex
+from tracediff.compare.align import RowIndex
 from tracediff.store import ChunkFiles, TraceStream
 
 

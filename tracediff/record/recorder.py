@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from tracediff.errors import StoreExistsError, UsageError
-from tracediff.limits import Limits
+from tracediff.record.limits import Limits
 from tracediff.store import (
     DEFAULT_CHUNK_ROWS,
     DEFAULT_COMPRESSOR,

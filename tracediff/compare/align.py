@@ -20,7 +20,7 @@ from tracediff.errors import CompareError, UsageError
 from tracediff.store import TraceStore, TraceStream
 
 if TYPE_CHECKING:
-    from tracediff.storeset import StoreSet
+    from tracediff.store.storeset import StoreSet
 
 _NGRAM = 4
 _MAX_HASH_REPEAT = 64  # an n-gram seen more often than this in the reference (padding...) casts no vote

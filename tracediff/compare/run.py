@@ -1,7 +1,7 @@
 """Compare two traces: plan from metadata and a sample, then one streaming pass, then findings.
 
 The first store is the reference (what the draft learned: usually the trainer), the second the
-candidate (usually the server). :func:`compare_stores` returns a :class:`tracediff.results.Report`;
+candidate (usually the server). :func:`compare_stores` returns a :class:`tracediff.compare.results.Report`;
 it raises :class:`tracediff.errors.CompareError` (exit 2) when the stores cannot be compared at all.
 """
 
@@ -18,16 +18,13 @@ import numpy as np
 
 from tracediff import __version__
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
-from tracediff.align import RowIndex, align_sequences, pair_rows, stream_names
-from tracediff.diagnose import prepare_kernel, stream_metrics
-from tracediff.drafts import recorded_d2t_problems
-from tracediff.errors import CompareError, UsageError
-from tracediff.findings import build_findings
-from tracediff.metadata import aux_config, config_diff, num_layers, same_recording, side_aux_layers
-from tracediff.metrics import StreamResult, with_subset_profiles
-from tracediff.noise import CALIBRATION_TAP, CalibrationRows, canonical_dtype, decide_compute_dtype
-from tracediff.pairing import check_token_pairing
-from tracediff.plan import (
+from tracediff.compare.align import RowIndex, align_sequences, pair_rows, stream_names
+from tracediff.compare.findings import build_findings
+from tracediff.compare.metadata import aux_config, config_diff, num_layers, same_recording, side_aux_layers
+from tracediff.compare.metrics import StreamResult, with_subset_profiles
+from tracediff.compare.noise import CALIBRATION_TAP, CalibrationRows, canonical_dtype, decide_compute_dtype
+from tracediff.compare.pairing import check_token_pairing
+from tracediff.compare.plan import (
     CompareOptions,
     SegmentPlan,
     collect_meta,
@@ -43,12 +40,15 @@ from tracediff.plan import (
     stream_layout,
     tap_summary,
 )
-from tracediff.remedy import attach_next_steps
-from tracediff.results import Finding, Plan, Report, SegmentMatch, Side
-from tracediff.segments import SegmentDecision
+from tracediff.compare.remedy import attach_next_steps
+from tracediff.compare.results import Finding, Plan, Report, SegmentMatch, Side
+from tracediff.compare.segments import SegmentDecision
+from tracediff.compare.stream import prepare_kernel, stream_metrics
+from tracediff.compare.subsets import describe_subset, find_subset, might_hold_subset, subset_labels
+from tracediff.drafts import recorded_d2t_problems
+from tracediff.errors import CompareError, UsageError
 from tracediff.store import TraceStore
-from tracediff.storeset import StoreSet, open_side
-from tracediff.subsets import describe_subset, find_subset, might_hold_subset, subset_labels
+from tracediff.store.storeset import StoreSet, open_side
 
 __all__ = ["CompareOptions", "compare_stores", "tap_summary"]
 
@@ -58,7 +58,7 @@ Locations = str | Path | Sequence[str | Path]
 
 def compare_stores(reference_path: Locations, candidate_path: Locations, opts: CompareOptions | None = None) -> Report:
     """Compare the reference with the candidate. Either side may be several stores (a sequence of
-    locations: one per node or replica), read as one trace (:class:`tracediff.storeset.StoreSet`)."""
+    locations: one per node or replica), read as one trace (:class:`tracediff.store.storeset.StoreSet`)."""
     opts = opts or CompareOptions()
     ref_store = open_side(reference_path, opts.storage_options)
     try:
@@ -447,7 +447,7 @@ def _calibration_rows(store: Side_, tap: str, index: RowIndex, width: int, compu
 
 def _identify_with_bank(ref_store: TraceStore, cand_store: TraceStore, report: Report, opts: CompareOptions) -> Any:
     """Both sides' segments named against the bank (``compare --bank``)."""
-    from tracediff.identify import identify_segments  # noqa: PLC0415
+    from tracediff.compare.identify import identify_segments  # noqa: PLC0415
 
     size = report.plan.segment_size
     ref_id = identify_segments(ref_store.path, opts.bank or "", tap=report.plan.tap_reference, segment_size=size)

@@ -1,0 +1,60 @@
+"""The recording side: what runs inside a trainer or a server and writes its fc-input rows to a store.
+
+* :mod:`tracediff.record.recorder`: the :class:`~tracediff.record.recorder.Recorder` (forward hooks,
+  the capture path, the bounded queue and the writer thread, its outcome);
+* :mod:`tracediff.record.tapspec`: ``--tap CLASS.ATTR:input|output`` specifications;
+* :mod:`tracediff.record.inject`: ``tracediff record -- CMD`` (the start-up shim's side: environment,
+  child processes, their reports);
+* :mod:`tracediff.record.limits`: the recorder's bounds (queue bytes, rows, disk);
+* :mod:`tracediff.record.calibration`: calibration rows recomputed by the target in the server's
+  compute dtype (``tracediff calibrate``).
+
+Framework knowledge stays in :mod:`tracediff.adapters`; the store format in :mod:`tracediff.store`.
+
+This package is also callable, as ``tracediff.record`` always was: ``tracediff.record(path, ...)`` is
+:func:`start`. Importing it imports neither torch nor numpy (the shim imports tracediff in every
+process of a recorded command); :func:`start` does.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+
+def start(*args: Any, **kwargs: Any) -> Any:
+    """Start a :class:`tracediff.record.recorder.Recorder` (see its docstring); use as a context manager.
+
+    ``adapter="speculators"`` (or any adapter name, comma-separated for several) also attaches that
+    framework adapter to the models of this process: those alive now and those built while recording
+    (see :func:`tracediff.adapters.attach_in_process`). An unknown adapter or one whose framework is
+    not installed raises before the store is created.
+    """
+    from tracediff.record.recorder import Recorder  # noqa: PLC0415
+
+    adapter = kwargs.get("adapter")
+    if adapter:
+        from tracediff.adapters import adapter_names, attach_in_process  # noqa: PLC0415
+
+        adapter_names(adapter)
+    rec = Recorder(*args, **kwargs)
+    if adapter:
+        try:
+            attach_in_process(rec, adapter)
+        except BaseException:
+            rec.close()
+            raise
+    return rec
+
+
+class _CallableModule(types.ModuleType):
+    """``tracediff.record(...)`` calls :func:`start`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return start(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+__all__ = ["start"]
