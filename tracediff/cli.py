@@ -157,6 +157,9 @@ def _replay_options(func: Any) -> Any:
 @click.option("--chunk-rows", type=int, default=1024, show_default=True,  # tracediff.store.DEFAULT_CHUNK_ROWS
               help="Rows per chunk file: larger chunks mean fewer files, smaller ones less lost on a kill.")
 @click.option("--durable", is_flag=True, help="fsync each batch before committing it.")
+@click.option("--retry-seconds", type=float, default=60.0, show_default=True,  # remote_writer.DEFAULT_RETRY_SECONDS
+              help="At a URL: how long a batch whose upload failed on the way (endpoint unreachable, connection "
+                   "reset, timeout) is sent again before recording stops and the rest is counted as lost.")
 @click.option("--all-ranks", is_flag=True,
               help="Record every tensor-parallel rank (sglang: default is attention-TP rank 0 only).")
 @click.option("--commit", "commit", type=click.Choice(["step", "background"]), default="step", show_default=True,
@@ -183,6 +186,7 @@ def record(
     compressor: str,
     chunk_rows: int,
     durable: bool,
+    retry_seconds: float,
     all_ranks: bool,
     commit: str,
     command: tuple[str, ...],
@@ -225,6 +229,8 @@ def record(
         raise UsageError(f"--segment-size must be positive, got {segment_size}")
     if chunk_rows <= 0:
         raise UsageError(f"--chunk-rows must be positive, got {chunk_rows}")
+    if not 0 <= retry_seconds < float("inf"):
+        raise UsageError(f"--retry-seconds must be a number of seconds, 0 or more, got {retry_seconds}")
     limits = Limits(
         max_rows=max_rows,
         max_bytes=parse_size(max_bytes, "--max-bytes"),
@@ -260,6 +266,7 @@ def record(
         "compressor": compressor,
         "chunk_rows": chunk_rows,
         "durable": durable,
+        "retry_seconds": retry_seconds,
         "all_ranks": all_ranks,
         "commit": commit,
     }
@@ -294,13 +301,22 @@ def record(
     finally:
         shutil.rmtree(notes_dir, ignore_errors=True)
 
-    store = open_store(location)
-    try:
-        from tracediff.describe import describe_store, warnings_for  # noqa: PLC0415
+    from tracediff.describe import describe_store, warnings_for  # noqa: PLC0415
 
-        desc = describe_store(store)
-    finally:
-        store.close()
+    try:
+        with open_store(location) as store:
+            desc = describe_store(store)
+    except TracediffError as exc:
+        # The store cannot be read now (its endpoint gone for good, say): what the command's
+        # processes said about their recording is all there is, and it is said.
+        click.echo(f"tracediff: command exited with code {returncode}; store {location.display}", err=True)
+        for problem in problems:
+            click.echo(f"tracediff: error: {problem}", err=True)
+        code = returncode or 2
+        click.echo(f"tracediff: error: no summary of the store after the run: {exc}", err=True)
+        click.echo(f"tracediff: error: {'recording lost rows (above)' if problems else 'the store cannot be read'}; "
+                   f"exit code {code}, the command itself exited with code {returncode}", err=True)
+        sys.exit(code)
     click.echo(_record_summary(desc, returncode), err=True)
     warnings = warnings_for(desc, expected_taps=names) + _adapter_warnings(adapters, command, desc)
     if problems:  # "never fired: check the class name" would send the user the wrong way
@@ -406,10 +422,10 @@ def _record_summary(desc: dict[str, Any], returncode: int) -> str:
 
 
 # ---------------------------------------------------------------------------------- compare
-def _progress(command: str, flag: bool | None) -> Any:
+def _progress(command: str, flag: bool | None, **counting: Any) -> Any:
     from tracediff.progress import Progress, progress_mode  # noqa: PLC0415
 
-    return Progress(command, progress_mode(flag))
+    return Progress(command, progress_mode(flag), **counting)
 
 
 @main.command()
@@ -861,7 +877,10 @@ def pack(store: Path | str, dest: Path | None, output: Path | None, overwrite: b
 @click.argument("local", type=click.Path(path_type=Path))
 @click.argument("url")
 @click.option("--overwrite", is_flag=True, help="Replace another store already at URL.")
-def push(local: Path, url: str, overwrite: bool) -> None:
+@click.option("--progress/--no-progress", default=None,
+              help="Progress on stderr (bytes, objects, rate): a live line on a terminal, a status line every few "
+                   "seconds in a log (default); --no-progress prints none.")
+def push(local: Path, url: str, overwrite: bool, progress: bool | None) -> None:
     """Upload the committed rows of store folder LOCAL to URL (s3://bucket/train.zarr, gs://...).
 
     The root's zarr.json first (it names the recording, so a rerun resumes), then the chunk
@@ -874,7 +893,9 @@ def push(local: Path, url: str, overwrite: bool) -> None:
 
     if not is_url(url) or url.startswith("file://"):
         raise UsageError(f"push URL {url!r}: give an object-store URL such as s3://bucket/train.zarr")
-    result = push_store(local, url, overwrite=overwrite)
+    with _progress("push", progress, unit="bytes", items="objects") as prog:
+        prog.stage("opening the local store")
+        result = push_store(local, url, overwrite=overwrite, progress=prog.advance, stage=prog.stage)
     click.echo(f"tracediff: {result.summary()}")
 
 
