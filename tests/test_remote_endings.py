@@ -115,13 +115,13 @@ def test_a_recording_that_ends_normally_has_committed_every_row_it_was_given(
 ) -> None:
     url = f"s3://{object_store.bucket()}/normal.zarr"
     (tmp_path / "last").touch()
-    err = _finish(_record(tmp_path, url, 0, 0, 40))
+    err = _finish(_record(tmp_path, url, 0, 0, 24))
     assert "tracediff: command exited with code 0" in err and "tracediff: error" not in err, err
-    assert _lines(tmp_path / "fed.log") == 40
+    assert _lines(tmp_path / "fed.log") == 24
     stream = _committed(url)
-    assert stream.commit["batches"] == 40 and stream.commit["status"] == "closed"
+    assert stream.commit["batches"] == 24 and stream.commit["status"] == "closed"
     assert stream.commit["dropped_rows"] == 0
-    assert _summary_rows(err, stream.writer) == stream.rows == _fed_rows(40)
+    assert _summary_rows(err, stream.writer) == stream.rows == _fed_rows(24)
 
 
 @pytest.mark.slow

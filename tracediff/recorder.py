@@ -941,8 +941,9 @@ class Recorder:
                     # likely out of reach, and the error was said when it happened.
                     self._open_writer(state, retry_seconds=0.0)
                 except Exception as exc:  # noqa: BLE001
-                    say = log.warning if self.error else log.error
-                    say("tracediff: cannot record the drop counts of tap %r in the store: %s", name, _one_line(exc))
+                    self._close_errors[name] = _one_line(exc)
+                    if not (state.error or self.error):  # else said below, with the count
+                        log.error("tracediff: cannot record the drop counts of tap %r: %s", name, exc)
         for name, writer in self._writers.items():
             try:
                 self._sync_counts(writer, name)
@@ -956,16 +957,16 @@ class Recorder:
         self._report()
 
     def _log_losses(self) -> None:
-        """After an error stopped recording (logged once, when it happened): one line per tap with
-        what it cost, rows committed and rows lost (a warning: the error itself was the one error)."""
+        """After an error stopped recording (logged once, when it happened) and the store could not
+        be reached for the final commit record either (so the store cannot say it): one line per tap
+        with what it cost, rows committed and rows lost (a warning: the error was the one error)."""
         for name, info in self.outcome()["taps"].items():
-            if not info["error"] or not (info["group"] or info["dropped_rows"]):
-                continue
-            where = f"{self.location.display}/{info['group'] or name}"
             close_error = self._close_errors.get(name)
-            tail = f"; its final commit record was not written either ({close_error})" if close_error else ""
-            log.warning("tracediff: %s: %d rows committed, %d rows lost after the error%s", where, info["rows"],
-                        info["dropped_rows"], tail)
+            if not close_error or not (self._taps[name].error or self.error):
+                continue
+            log.warning("tracediff: %s/%s: %d rows committed, %d rows lost after the error; the final commit "
+                        "record could not be written either (%s)", self.location.display, info["group"] or name,
+                        info["rows"], info["dropped_rows"], close_error)
 
     def _report(self) -> None:
         """Call ``on_close`` once, whichever thread gets here first (the writer when it is done, or
