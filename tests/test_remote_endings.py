@@ -108,10 +108,15 @@ def _fed_rows(batches: int) -> int:
     return sum(ending_batch_rows(i) for i in range(batches))
 
 
+def _report(reliability_report: dict[str, Any], ending: str, **counts: Any) -> None:
+    """What one ending left, for the reliability counts (docs/reliability.md quotes them)."""
+    reliability_report.setdefault("remote_endings", {})[ending] = counts
+
+
 # ----------------------------------------------------------------------------- the endings
 @pytest.mark.slow
 def test_a_recording_that_ends_normally_has_committed_every_row_it_was_given(
-    object_store: ObjectStore, tmp_path: Path
+    object_store: ObjectStore, tmp_path: Path, reliability_report: dict[str, Any]
 ) -> None:
     url = f"s3://{object_store.bucket()}/normal.zarr"
     (tmp_path / "last").touch()
@@ -122,11 +127,13 @@ def test_a_recording_that_ends_normally_has_committed_every_row_it_was_given(
     assert stream.commit["batches"] == 24 and stream.commit["status"] == "closed"
     assert stream.commit["dropped_rows"] == 0
     assert _summary_rows(err, stream.writer) == stream.rows == _fed_rows(24)
+    _report(reliability_report, "normal_exit", rows_fed=_fed_rows(24), rows_committed=stream.rows, rows_lost=0,
+            exit_code=0)
 
 
 @pytest.mark.slow
 def test_sigterm_commits_what_was_queued_and_the_exit_code_says_sigterm(
-    object_store: ObjectStore, tmp_path: Path
+    object_store: ObjectStore, tmp_path: Path, reliability_report: dict[str, Any]
 ) -> None:
     """SIGTERM to `tracediff record` (a scheduler's stop) is forwarded to the command, whose
     recorder writes what is queued and closes its group before the signal ends the process."""
@@ -144,11 +151,13 @@ def test_sigterm_commits_what_was_queued_and_the_exit_code_says_sigterm(
     assert fed <= stream.commit["batches"] <= fed + 1
     assert stream.commit["status"] == "closed" and stream.commit["dropped_rows"] == 0
     assert _summary_rows(err, stream.writer) == stream.rows
+    _report(reliability_report, "sigterm", batches_fed_before_the_signal=fed, batches_committed=stream.commit["batches"],
+            rows_committed=stream.rows, rows_lost=0, exit_code=proc.returncode)
 
 
 @pytest.mark.slow
 def test_sigkill_mid_upload_keeps_every_batch_reported_committed_and_record_says_so(
-    object_store: ObjectStore, tmp_path: Path
+    object_store: ObjectStore, tmp_path: Path, reliability_report: dict[str, Any]
 ) -> None:
     """The command's process SIGKILLed (the OOM killer) while it uploads: `tracediff record` lives
     on, exits 128 + 9, and names the group that was never closed; the store holds every batch the
@@ -165,10 +174,15 @@ def test_sigkill_mid_upload_keeps_every_batch_reported_committed_and_record_says
     assert stream.commit["status"] == "recording"
     assert _summary_rows(err, stream.writer) == stream.rows
     assert f"fc_in/{stream.writer}: the process did not close its writer (killed?)" in err
+    _report(reliability_report, "sigkill_mid_upload", batches_seen_committed=logged,
+            batches_committed=stream.commit["batches"], batches_fed=_lines(tmp_path / "fed.log"),
+            exit_code=proc.returncode)
 
 
 @pytest.mark.slow
-def test_an_endpoint_gone_for_seconds_costs_no_row(object_store: ObjectStore, tmp_path: Path) -> None:
+def test_an_endpoint_gone_for_seconds_costs_no_row(
+    object_store: ObjectStore, tmp_path: Path, reliability_report: dict[str, Any]
+) -> None:
     """The endpoint goes away for 4 s while the command records, then comes back: the writer sends
     the failed batch again until it goes through, the rows fed meanwhile wait in the queue, and
     every row is committed; two warnings say it (retrying, went through), no error, exit 0."""
@@ -195,11 +209,15 @@ def test_an_endpoint_gone_for_seconds_costs_no_row(object_store: ObjectStore, tm
     assert stream.commit["batches"] == fed and stream.commit["status"] == "closed"
     assert stream.commit["dropped_rows"] == 0
     assert _summary_rows(err, stream.writer) == stream.rows == _fed_rows(fed)
+    retries = sum(int(re.search(r"after (\d+) retries", line).group(1)) for line in through)
+    _report(reliability_report, "endpoint_away_4s", batches_fed=fed, batches_fed_while_away=during,
+            rows_committed=stream.rows, rows_lost=0, outages_seen=len(retrying), retries=retries,
+            exit_code=proc.returncode)
 
 
 @pytest.mark.slow
 def test_an_endpoint_gone_for_good_is_one_error_the_host_goes_on_and_the_loss_is_counted(
-    object_store: ObjectStore, tmp_path: Path
+    object_store: ObjectStore, tmp_path: Path, reliability_report: dict[str, Any]
 ) -> None:
     """The endpoint goes away and never comes back. The writer retries for --retry-seconds, then
     stops: the command logs one error line and later the count, feeds every batch it meant to and
@@ -237,11 +255,14 @@ def test_an_endpoint_gone_for_good_is_one_error_the_host_goes_on_and_the_loss_is
     assert stream.commit["batches"] >= _lines(tmp_path / "committed.log") >= 8
     assert committed <= stream.rows <= committed + max(ending_batch_rows(i) for i in range(5))
     assert stream.commit["status"] == "recording"  # the final commit record never reached it
+    _report(reliability_report, "endpoint_gone_for_good", rows_fed=_fed_rows(40), rows_reported_committed=committed,
+            rows_reported_lost=lost, rows_in_the_store=stream.rows, error_lines_of_the_host=1,
+            exit_code=proc.returncode)
 
 
 @pytest.mark.slow
 def test_an_endpoint_that_stops_answering_cannot_stall_close_and_the_queued_rows_are_reported(
-    object_store: ObjectStore, tmp_path: Path
+    object_store: ObjectStore, tmp_path: Path, reliability_report: dict[str, Any]
 ) -> None:
     """A hung endpoint (connections accepted, never answered) holds the writer in a request far
     longer than any retry time: close(timeout) still returns, the rows it could not commit are
@@ -272,6 +293,8 @@ def test_an_endpoint_that_stops_answering_cannot_stall_close_and_the_queued_rows
     assert "had not finished when the recorder stopped waiting: " in tap["error"]
     stream = _committed(url)
     assert stream.rows == ending_batch_rows(0)
+    _report(reliability_report, "endpoint_hung", rows_committed=tap["rows"], rows_reported_lost=tap["dropped_rows"],
+            close_timeout_s=3, reports=len(reports))
 
 
 def test_a_bucket_whose_name_says_bucket_records_like_any_other(object_store: ObjectStore) -> None:
