@@ -1,6 +1,7 @@
 """An S3-compatible object store for the remote-store tests, on 127.0.0.1 only: moto's server mode
-(the one zarr's own tests use), a TCP proxy in front of it that drops connections on purpose, and
-the children that record into a bucket.
+(the one zarr's own tests use), a TCP proxy in front of it that drops connections on purpose, a
+relay in front of it that goes away (or stops answering) and comes back on the same port, and the
+children that record into a bucket.
 
 The server runs in a thread of the test process and is stopped by the fixture that started it;
 the proxy's threads are the test's own. Credentials are moto's dummies, set in this process's
@@ -193,7 +194,8 @@ class Endpoint:
     server) that can go away and come back on the same port: :meth:`go_away` closes the listening
     socket (new connections are refused, as by a server that stopped) and resets every open one
     (pooled keep-alive connections die too); :meth:`come_back` listens on the port again. The
-    buckets live on behind it, as on a real service whose front end restarts."""
+    buckets live on behind it, as on a real service whose front end restarts. :meth:`go_silent`:
+    the endpoint hangs instead."""
 
     def __init__(self, upstream: str) -> None:
         host, port = upstream.removeprefix("http://").split(":")
