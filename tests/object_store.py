@@ -1,6 +1,7 @@
 """An S3-compatible object store for the remote-store tests, on 127.0.0.1 only: moto's server mode
-(the one zarr's own tests use), a TCP proxy in front of it that drops connections on purpose, and
-the children that record into a bucket.
+(the one zarr's own tests use), a TCP proxy in front of it that drops connections on purpose, a
+relay in front of it that goes away (or stops answering) and comes back on the same port, and the
+children that record into a bucket.
 
 The server runs in a thread of the test process and is stopped by the fixture that started it;
 the proxy's threads are the test's own. Credentials are moto's dummies, set in this process's
@@ -188,6 +189,115 @@ class FaultProxy:
         done.wait(timeout=5)
 
 
+class Endpoint:
+    """The object store's endpoint as a TCP relay on 127.0.0.1 in front of ``upstream`` (the moto
+    server) that can go away and come back on the same port: :meth:`go_away` closes the listening
+    socket (new connections are refused, as by a server that stopped) and resets every open one
+    (pooled keep-alive connections die too); :meth:`come_back` listens on the port again. The
+    buckets live on behind it, as on a real service whose front end restarts. :meth:`go_silent`:
+    the endpoint hangs instead."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream = (host, int(port))
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._listener: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self.port = 0
+        self.silent = False
+        self.come_back()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def come_back(self) -> None:
+        listener = socket.create_server(("127.0.0.1", self.port))  # SO_REUSEADDR: the same port again
+        listener.settimeout(0.1)
+        self.port = listener.getsockname()[1]
+        with self._lock:
+            self._listener = listener
+        self._thread = threading.Thread(target=self._accept, args=(listener,), daemon=True)
+        self._thread.start()
+
+    def go_away(self) -> None:
+        with self._lock:
+            listener, self._listener = self._listener, None
+            held, self._open = self._open, set()
+        if listener is not None:
+            listener.close()
+            assert self._thread is not None
+            self._thread.join(timeout=5)
+        for sock in held:
+            FaultProxy._reset(sock)
+
+    def go_silent(self) -> None:
+        """The endpoint stops answering (a hung front end, a black-holed route): open connections
+        are reset, new ones are accepted and never answered."""
+        self.silent = True
+        with self._lock:
+            held, self._open = self._open, set()
+        for sock in held:
+            FaultProxy._reset(sock)
+
+    def close(self) -> None:
+        self.go_away()
+
+    def __enter__(self) -> Endpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            with self._lock:
+                if self._listener is not listener:
+                    return
+            try:
+                client, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            client.settimeout(None)
+            if self.silent:
+                with self._lock:
+                    self._open.add(client)  # read by nobody, answered never
+                continue
+            try:
+                upstream = socket.create_connection(self.upstream)
+            except OSError:
+                FaultProxy._reset(client)
+                continue
+            with self._lock:
+                if self._listener is not listener:  # went away meanwhile
+                    FaultProxy._reset(client)
+                    FaultProxy._reset(upstream)
+                    return
+                self._open |= {client, upstream}
+            ends: list[int] = []
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst, ends), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, ends: list[int]) -> None:
+        """Relay one direction; its end is passed on as an end (FIN: a response sent before the server
+        closed arrives whole), a failure as a reset; the second direction to finish closes both."""
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            FaultProxy._reset(src)
+            FaultProxy._reset(dst)
+        with self._lock:
+            ends.append(1)
+            last = len(ends) == 2  # the other direction is done too
+            if last:
+                self._open -= {src, dst}
+        if last:
+            src.close()
+            dst.close()
+
+
 # ------------------------------------------------------------------------- recording children
 KILL_WIDTH = 64
 
@@ -248,3 +358,92 @@ for step in range(3):
     fed.append(x.numpy())
 np.save(f"node{node}.npy", np.concatenate(fed))
 """
+
+
+ENDING_WIDTH = 32
+
+
+def ending_batch_rows(i: int) -> int:
+    """Rows of batch ``i`` of :data:`ENDING_SCRIPT` (3..7: batches straddle the 16-row chunks)."""
+    return 3 + i % 5
+
+
+ENDING_SCRIPT = """
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+import tracediff
+from tracediff.record.recorder import active_recorder
+
+
+class Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+# pace: seconds between batches; commit: 1 = wait until each batch is committed (flush) and log it
+# to committed.log; batches: how many to feed at least; then go on until the file "last" exists.
+pace, commit, batches = float(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
+head = Head()
+with open("pid.tmp", "w") as out:
+    out.write(str(os.getpid()))
+os.replace("pid.tmp", "pid")
+fed, committed = open("fed.log", "a"), open("committed.log", "a")
+i = 0
+while i < batches or not os.path.exists("last"):
+    n = 3 + i % 5
+    tracediff.labels(seq=i, position=np.arange(n), step=i)
+    head(torch.full((n, 32), float(i + 1)))
+    fed.write(f"{i}\\n")
+    fed.flush()
+    if commit:
+        rec = active_recorder()
+        if rec.flush(timeout=60) and rec.error is None:
+            committed.write(f"{i}\\n")
+            committed.flush()
+    i += 1
+    time.sleep(pace)
+"""
+
+
+def record_until_close_times_out(url: str, endpoint: str, folder: str) -> None:
+    """Record batch 0 of the ENDING_SCRIPT data through ``endpoint`` and, once it is committed, say
+    so (file ``committed``); when the file ``go`` appears (the endpoint has stopped answering), feed
+    batches 1..3 and close with a 3 s timeout. What ``on_close`` was given goes to reports.json."""
+    import json  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from tracediff.record.recorder import Recorder  # noqa: PLC0415
+
+    reports: list[dict] = []
+    layer = torch.nn.Linear(ENDING_WIDTH, 2)
+    rec = Recorder(url, storage_options={"endpoint_url": endpoint}, chunk_rows=16,
+                   on_close=lambda r: reports.append(r.outcome()))  # fmt: skip
+    rec.tap(layer, "fc_in")
+
+    def feed(i: int) -> None:
+        n = ending_batch_rows(i)
+        rec.labels(seq=i, position=np.arange(n), step=i)
+        layer(torch.full((n, ENDING_WIDTH), float(i + 1)))
+
+    feed(0)
+    if not rec.flush(timeout=60) or rec.error:
+        raise RuntimeError(f"batch 0 was not committed: {rec.error}")
+    Path(folder, "committed").touch()
+    deadline = time.monotonic() + 120
+    while not Path(folder, "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for i in range(1, 4):
+        feed(i)
+    rec.close(timeout=3)
+    Path(folder, "reports.json").write_text(json.dumps(reports))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -183,6 +184,30 @@ def test_push_uploads_committed_rows_only(object_store: ObjectStore, tmp_path: P
     assert values_doc["shape"] == [40, 12]
     assert len(object_store.fs.find(f"{root}/fc_in/rank0/values/c")) == 3  # rows 0..47: chunks 0, 1, 2
     assert np.array_equal(_stream_arrays(url)["values"], _stream_arrays(local)["values"])
+
+
+def test_push_prints_a_status_line_with_bytes_objects_and_rate_every_few_seconds_in_a_log(
+    object_store: ObjectStore, tmp_path: Path
+) -> None:
+    """The status line of compare's progress (tracediff/progress.py), in MiB and objects: every
+    TRACEDIFF_PROGRESS_SECONDS (5 s by default) while the objects go up, then "done"."""
+    local = _local_store(tmp_path, [200] * 4, chunk_rows=4)  # 200 values chunks, 300+ objects
+    url = f"s3://{object_store.bucket()}/progress.zarr"
+    proc = subprocess.run([sys.executable, "-m", "tracediff", "push", str(local), url], capture_output=True, text=True,
+                          env=cli_env(TRACEDIFF_PROGRESS_SECONDS="0.05"), timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines and all(line.startswith("tracediff push: ") for line in lines), proc.stderr
+    assert re.fullmatch(r"tracediff push: done in \d+ s", lines[-1])
+    status = r"uploading, ([\d.]+) of ([\d.]+) MiB \((\d+)%\), (\d+) of (\d+) objects, ([\d.]+) MiB/s, \d+ s"
+    uploading = [m for m in (re.fullmatch(f"tracediff push: {status}", line) for line in lines) if m]
+    assert uploading, proc.stderr
+    uploaded = re.search(r": (\d+) objects \(([\d.]+) MiB\) uploaded, 0 already there", proc.stdout)
+    assert uploaded, proc.stdout
+    for m in uploading:  # the totals are what the push uploads; the counts never pass them
+        assert int(m.group(5)) == int(uploaded.group(1)) and int(m.group(4)) <= int(m.group(5))
+        assert float(m.group(1)) <= float(m.group(2)) and abs(float(m.group(2)) - float(uploaded.group(2))) < 0.1
+    assert int(uploading[-1].group(4)) > 0
 
 
 def test_push_refuses_to_replace_another_store_without_overwrite(object_store: ObjectStore, tmp_path: Path) -> None:

@@ -7,6 +7,10 @@ the states entering layers 2, 4, 5: the same tensors) under ``tracediff record -
 ``tracediff send`` replays the trainer's token ids; compare says ``match``, and ``mismatch`` naming
 the segments against a trainer that used other layers. The server listens on 127.0.0.1 only and is
 stopped through the pid of its ``tracediff record`` process, which forwards SIGTERM.
+
+A second server records through the SGLang plugin alone (``TRACEDIFF_SGLANG_STORE=s3://...``, no
+``tracediff record``) into a bucket of moto's S3 server on loopback (tests/object_store.py): the
+rows land in the bucket and compare against the trainer as the folder's do.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ skip_unless_installed("sglang", reason="SGLang is not installed: bash requiremen
 
 import servers  # noqa: E402
 import sglang_harness as h  # noqa: E402
+from object_store import ObjectStore, object_store  # noqa: E402
 
 pytestmark = pytest.mark.slow
+__all__ = ["object_store"]  # the fixture, used by name
 
 HIDDEN, LAYERS, VOCAB = 32, 6, 128
 RIGHT = ["hs2", "hs4", "hs5"]  # what --return-aux-hidden-state-layer-ids 1 3 4 captures
@@ -56,41 +62,57 @@ def record_trainer(path: Path, layers: list[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory):
-    """The recorded server: (store, trainer traces, the record process's result and stderr)."""
+def trainer(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny model on disk and the two trainer traces recorded from it."""
     from tracediff.testing.tiny_llama import build_tiny_llama
 
-    root = tmp_path_factory.mktemp("live")
-    model_dir = root / "model"
-    build_tiny_llama(hidden_size=HIDDEN, num_layers=LAYERS, vocab_size=VOCAB, seed=0).model.save_pretrained(model_dir)
-    traces = {"right": root / "train_right.zarr", "wrong": root / "train_wrong.zarr"}
+    root = tmp_path_factory.mktemp("trainer")
+    build_tiny_llama(hidden_size=HIDDEN, num_layers=LAYERS, vocab_size=VOCAB, seed=0).model.save_pretrained(
+        root / "model")
+    traces = {"model": root / "model", "right": root / "train_right.zarr", "wrong": root / "train_wrong.zarr"}
     record_trainer(traces["right"], RIGHT)
     record_trainer(traces["wrong"], WRONG)
+    return traces
 
-    store, port = root / "server.zarr", h.free_port()
+
+SERVER_ARGS = ["--device", "cpu", "--skip-tokenizer-init", "--max-total-tokens", "4096", "--host", "127.0.0.1",
+               "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
+               "--return-aux-hidden-state-layer-ids", "1", "3", "4", "--disable-radix-cache"]
+
+
+def serve_and_send(root: Path, launcher: list[str], trainer: dict[str, Path], **env_extra: str) -> dict:
+    """Start ``launcher`` + SGLang's server on a free port, replay the right trainer trace to it with
+    ``tracediff send``, stop it with SIGTERM: (send's result, exit code, log, url)."""
+    port = h.free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if k not in ("TRACEDIFF_CONFIG", *h._DIST_ENV)}
     # SGLang imports torchvision / vllm on CPU: tracediff's shim chains to this test-only stub.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(h.STUBS), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "2")
+    env.update(env_extra)
     log = (root / "server.log").open("w")
     proc = subprocess.Popen(
-        [str(BIN / "tracediff"), "record", "--adapter", "sglang", "-o", str(store), "--",
-         sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--device", "cpu",
-         "--skip-tokenizer-init", "--max-total-tokens", "4096", "--host", "127.0.0.1", "--port", str(port),
-         "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
-         "--return-aux-hidden-state-layer-ids", "1", "3", "4", "--disable-radix-cache"],
+        [*launcher, sys.executable, "-m", "sglang.launch_server", "--model-path", str(trainer["model"]),
+         "--port", str(port), *SERVER_ARGS],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )
     try:
         servers.wait_healthy(url, proc, root / "server.log")
-        sent = tracediff("send", traces["right"], "--url", url, "--concurrency", "2")
+        sent = tracediff("send", trainer["right"], "--url", url, "--concurrency", "2")
     finally:
-        servers.stop(proc)  # SIGTERM: tracediff record forwards it to the server
+        servers.stop(proc)  # SIGTERM (tracediff record forwards it to the server)
         log.close()
-    output = (root / "server.log").read_text()
-    yield {"store": store, "traces": traces, "sent": sent, "returncode": proc.returncode, "log": output,
-           "url": url}
+    return {"sent": sent, "returncode": proc.returncode, "log": (root / "server.log").read_text(), "url": url}
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory, trainer: dict[str, Path]):
+    """The recorded server: (store, trainer traces, the record process's result and stderr)."""
+    root = tmp_path_factory.mktemp("live")
+    store = root / "server.zarr"
+    run = serve_and_send(root, [str(BIN / "tracediff"), "record", "--adapter", "sglang", "-o", str(store), "--"],
+                         trainer)
+    yield {"store": store, "traces": trainer, **run}
 
 
 def test_send_replays_every_training_sequence(live) -> None:
@@ -99,15 +121,17 @@ def test_send_replays_every_training_sequence(live) -> None:
     assert "sent 4 of 4 sequences (52 tokens)" in sent.stdout
 
 
-def test_server_rows_are_the_training_tokens_keyed_by_request_id(live) -> None:
+def server_rows_are_the_training_tokens(store: Path | str, trainer_trace: Path) -> dict:
+    """Each replayed request's prefill rows carry the trainer sequence's token ids and positions,
+    keyed by request id (= the trainer's sequence key); returns the server group's attributes."""
     from tracediff.store import PHASES, open_store
 
-    with open_store(live["store"]) as st:
+    with open_store(store) as st:
         (stream,) = st.tap_streams("aux_hidden")
         labels = stream.labels()
         names = stream.seq_names
         attrs = stream.attrs
-    with open_store(live["traces"]["right"]) as tr:
+    with open_store(trainer_trace) as tr:
         (ref,) = tr.tap_streams("fc_in")
         ref_labels = ref.labels()
     prefill = labels["phase"] == PHASES.index("prefill")
@@ -120,6 +144,11 @@ def test_server_rows_are_the_training_tokens_keyed_by_request_id(live) -> None:
         # The overlap scheduler may run one decode step for a request that just finished: the
         # generated token's row, past the training sequence.
         assert (labels["position"][request & ~prefill] >= ref_rows.sum()).all()
+    return attrs
+
+
+def test_server_rows_are_the_training_tokens_keyed_by_request_id(live) -> None:
+    attrs = server_rows_are_the_training_tokens(live["store"], live["traces"]["right"])
     meta = attrs["meta"]["sglang"]
     assert meta["sglang_version"] == "0.5.23"
     assert meta["layers_to_capture"] == [2, 4, 5]
@@ -179,3 +208,42 @@ def test_send_to_a_stopped_server_is_a_one_line_error(live) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "cannot reach the server" in result.stderr
+
+
+# --------------------------------------------------------------- the plugin, into a bucket
+@pytest.fixture(scope="module")
+def live_s3(tmp_path_factory: pytest.TempPathFactory, trainer: dict[str, Path], object_store: ObjectStore):
+    """A server started by "other tooling": SGLang's own launcher, recording through the tracediff
+    plugin into ``TRACEDIFF_SGLANG_STORE=s3://...`` (credentials and endpoint from the standard
+    AWS_* environment the object_store fixture set)."""
+    root = tmp_path_factory.mktemp("live_s3")
+    url = f"s3://{object_store.bucket()}/server.zarr"
+    run = serve_and_send(root, [], trainer, TRACEDIFF_SGLANG_STORE=url)
+    yield {"store": url, "traces": trainer, "fs": object_store.fs, **run}
+
+
+def test_the_plugin_records_the_server_into_the_bucket(live_s3) -> None:
+    sent = live_s3["sent"]
+    assert sent.returncode == 0, sent.stderr
+    assert "sent 4 of 4 sequences (52 tokens)" in sent.stdout
+    assert "Traceback" not in live_s3["log"] and "tracediff: error" not in live_s3["log"], live_s3["log"][-4000:]
+    objects = live_s3["fs"].find(live_s3["store"].removeprefix("s3://"))
+    assert any("/aux_hidden/" in key and "/values/c/" in key for key in objects), objects
+    attrs = server_rows_are_the_training_tokens(live_s3["store"], live_s3["traces"]["right"])
+    assert attrs["meta"]["sglang"]["layers_to_capture"] == [2, 4, 5]
+    assert attrs["segment_labels"] == RIGHT and attrs["source"]["framework"] == "sglang"
+    assert attrs["commit"]["status"] == "closed" and attrs["commit"]["dropped_rows"] == 0
+
+
+def test_compare_of_the_bucket_matches_the_trainer_as_the_folder_does(live_s3, tmp_path: Path) -> None:
+    right = tracediff("compare", live_s3["traces"]["right"], live_s3["store"], "--ref-tap", "fc_in", "--cand-tap",
+                      "aux_hidden", "--json", tmp_path / "right.json")
+    assert right.returncode == 0, right.stdout + right.stderr
+    report = json.loads((tmp_path / "right.json").read_text())
+    assert report["verdict"] == "match" and report["candidate"]["path"] == live_s3["store"]
+    assert [(m["candidate"], m["reference"], m["status"]) for m in report["segment_map"]] == [
+        (0, 0, "same"), (1, 1, "same"), (2, 2, "same")]
+    wrong = tracediff("compare", live_s3["traces"]["wrong"], live_s3["store"], "--ref-tap", "fc_in", "--cand-tap",
+                      "aux_hidden", "--json", tmp_path / "wrong.json")
+    assert wrong.returncode == 1, wrong.stdout + wrong.stderr
+    assert json.loads((tmp_path / "wrong.json").read_text())["verdict"] == "mismatch"

@@ -5,8 +5,10 @@ rate, elapsed). Anywhere else (CI logs, a pipe): nothing for a command that ends
 seconds, then one short status line every ``interval`` seconds, so a log shows that a long compare is
 alive and how far it got, without a line per row block.
 
-The library reports through three callbacks (``stage(name, total)``, ``advance(n)``, and nothing
-else); this module is the CLI's edge and never decides anything. A ticker thread does the periodic
+The library reports through three callbacks (``stage(name, total)``, ``advance(n)``, ``total(n)``,
+and nothing else); this module is the CLI's edge and never decides anything. A command that moves
+bytes (``push``) counts them in ``unit="bytes"`` (shown as MiB) and, beside them, the objects they
+came in (``items="objects"``: ``advance(n, items=k)``, ``stage(name, total, items_total)``). A ticker thread does the periodic
 printing, so a stage that runs one long call (planning) still shows; it never touches the data.
 """
 
@@ -39,6 +41,11 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def _mib(n: float) -> str:
+    """Bytes as ``0.4``, ``12.3``, ``1536`` (MiB, the unit written after it)."""
+    return f"{n / 2**20:.3g}" if n < 1000 * 2**20 else f"{n / 2**20:.0f}"
+
+
 class Progress:
     """Prints the progress of one command; use as a context manager.
 
@@ -47,11 +54,12 @@ class Progress:
     """
 
     def __init__(self, command: str, mode: str, stream: IO[str] | None = None, *, unit: str = "rows",
-                 interval: float | None = None) -> None:
+                 items: str | None = None, interval: float | None = None) -> None:
         self.command = command
         self.mode = mode
         self.stream = stream if stream is not None else sys.stderr
         self.unit = unit
+        self.items = items
         if interval is None:
             interval = LIVE_INTERVAL if mode == "live" else _log_interval()
         self.interval = interval
@@ -63,21 +71,26 @@ class Progress:
         self._stage_start = self._start
         self._total: int | None = None
         self._done = 0
+        self._items_total: int | None = None
+        self._items_done = 0
         self._printed = False
         self._live_width = 0
 
     # -- the callbacks the library calls
-    def stage(self, name: str, total: int | None = None) -> None:
-        """A new stage begins (``total``: how many units it will advance, when known)."""
+    def stage(self, name: str, total: int | None = None, items_total: int | None = None) -> None:
+        """A new stage begins (``total``: how many units it will advance, when known; ``items_total``:
+        how many items, for a progress counting both)."""
         with self._lock:
             self._stage, self._total, self._done = name, total, 0
+            self._items_total, self._items_done = items_total, 0
             self._stage_start = time.monotonic()
         if self.mode == "live":
             self._draw()
 
-    def advance(self, n: int) -> None:
+    def advance(self, n: int, items: int = 0) -> None:
         with self._lock:
             self._done += int(n)
+            self._items_done += int(items)
 
     def total(self, n: int) -> None:
         """The current stage's total, when it is known only after the stage began."""
@@ -111,15 +124,23 @@ class Progress:
         """The current status as one line: stage, rows done (of total), rate, elapsed."""
         with self._lock:
             stage, total, done = self._stage, self._total, self._done
+            items_total, items_done = self._items_total, self._items_done
             stage_start = self._stage_start
         now = time.monotonic()
+        size, unit = (_mib, "MiB") if self.unit == "bytes" else (_count, self.unit)
         parts = [stage]
         if total:
-            parts.append(f"{_count(done)} of {_count(total)} {self.unit} ({100.0 * done / total:.0f}%)")
+            parts.append(f"{size(done)} of {size(total)} {unit} ({100.0 * done / total:.0f}%)")
         elif done:
-            parts.append(f"{_count(done)} {self.unit}")
+            parts.append(f"{size(done)} {unit}")
+        if self.items and items_total:
+            parts.append(f"{_count(items_done)} of {_count(items_total)} {self.items}")
+        elif self.items and items_done:
+            parts.append(f"{_count(items_done)} {self.items}")
         if done:
-            parts.append(_rate(done, now - stage_start))
+            seconds = now - stage_start
+            parts.append(f"{size(done / seconds)} {unit}/s" if self.unit == "bytes" and seconds > 0
+                         else _rate(done, seconds))
         parts.append(f"{now - self._start:.0f} s")
         return ", ".join(parts)
 

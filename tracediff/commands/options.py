@@ -118,11 +118,12 @@ def replay_options(func: Any) -> Any:
     return func
 
 
-def stage_progress(command: str, flag: bool | None) -> Any:
-    """The stage progress of a long command on stderr (``--progress/--no-progress``; None: by the terminal)."""
+def stage_progress(command: str, flag: bool | None, **counting: Any) -> Any:
+    """The stage progress of a long command on stderr (``--progress/--no-progress``; None: by the terminal);
+    ``counting``: what it counts (:class:`tracediff.progress.Progress`)."""
     from tracediff.progress import Progress, progress_mode  # noqa: PLC0415
 
-    return Progress(command, progress_mode(flag))
+    return Progress(command, progress_mode(flag), **counting)
 
 
 def say_written(command: str, json_path: Path | None, markdown_path: Path | None, html_path: Path | None) -> None:

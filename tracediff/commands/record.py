@@ -49,6 +49,9 @@ from tracediff.errors import TracediffError, UsageError
 @click.option("--chunk-rows", type=int, default=1024, show_default=True,  # tracediff.store.DEFAULT_CHUNK_ROWS
               help="Rows per chunk file: larger chunks mean fewer files, smaller ones less lost on a kill.")
 @click.option("--durable", is_flag=True, help="fsync each batch before committing it.")
+@click.option("--retry-seconds", type=float, default=60.0, show_default=True,  # remote_writer.DEFAULT_RETRY_SECONDS
+              help="At a URL: how long a batch whose upload failed on the way (endpoint unreachable, connection "
+                   "reset, timeout) is sent again before recording stops and the rest is counted as lost.")
 @click.option("--all-ranks", is_flag=True,
               help="Record every tensor-parallel rank (sglang: default is attention-TP rank 0 only).")
 @click.option("--commit", "commit", type=click.Choice(["step", "background"]), default="step", show_default=True,
@@ -75,6 +78,7 @@ def record(
     compressor: str,
     chunk_rows: int,
     durable: bool,
+    retry_seconds: float,
     all_ranks: bool,
     commit: str,
     command: tuple[str, ...],
@@ -117,6 +121,8 @@ def record(
         raise UsageError(f"--segment-size must be positive, got {segment_size}")
     if chunk_rows <= 0:
         raise UsageError(f"--chunk-rows must be positive, got {chunk_rows}")
+    if not 0 <= retry_seconds < float("inf"):
+        raise UsageError(f"--retry-seconds must be a number of seconds, 0 or more, got {retry_seconds}")
     limits = Limits(
         max_rows=max_rows,
         max_bytes=parse_size(max_bytes, "--max-bytes"),
@@ -152,6 +158,7 @@ def record(
         "compressor": compressor,
         "chunk_rows": chunk_rows,
         "durable": durable,
+        "retry_seconds": retry_seconds,
         "all_ranks": all_ranks,
         "commit": commit,
     }
@@ -186,13 +193,22 @@ def record(
     finally:
         shutil.rmtree(notes_dir, ignore_errors=True)
 
-    store = open_store(location)
-    try:
-        from tracediff.describe import describe_store, warnings_for  # noqa: PLC0415
+    from tracediff.describe import describe_store, warnings_for  # noqa: PLC0415
 
-        desc = describe_store(store)
-    finally:
-        store.close()
+    try:
+        with open_store(location) as store:
+            desc = describe_store(store)
+    except TracediffError as exc:
+        # The store cannot be read now (its endpoint gone for good, say): what the command's
+        # processes said about their recording is all there is, and it is said.
+        click.echo(f"tracediff: command exited with code {returncode}; store {location.display}", err=True)
+        for problem in problems:
+            click.echo(f"tracediff: error: {problem}", err=True)
+        code = returncode or 2
+        click.echo(f"tracediff: error: no summary of the store after the run: {exc}", err=True)
+        click.echo(f"tracediff: error: {'recording lost rows (above)' if problems else 'the store cannot be read'}; "
+                   f"exit code {code}, the command itself exited with code {returncode}", err=True)
+        sys.exit(code)
     click.echo(_record_summary(desc, returncode), err=True)
     warnings = warnings_for(desc, expected_taps=names) + _adapter_warnings(adapters, command, desc)
     if problems:  # "never fired: check the class name" would send the user the wrong way

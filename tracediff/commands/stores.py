@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from tracediff.commands.options import STORE, CommandGroup, storage_options, store_name
+from tracediff.commands.options import STORE, CommandGroup, stage_progress, storage_options, store_name
 from tracediff.errors import UsageError
 
 
@@ -191,7 +191,10 @@ def pack(store: Path | str, dest: Path | None, output: Path | None, overwrite: b
 @click.argument("local", type=click.Path(path_type=Path))
 @click.argument("url")
 @click.option("--overwrite", is_flag=True, help="Replace another store already at URL.")
-def push(local: Path, url: str, overwrite: bool) -> None:
+@click.option("--progress/--no-progress", default=None,
+              help="Progress on stderr (bytes, objects, rate): a live line on a terminal, a status line every few "
+                   "seconds in a log (default); --no-progress prints none.")
+def push(local: Path, url: str, overwrite: bool, progress: bool | None) -> None:
     """Upload the committed rows of store folder LOCAL to URL (s3://bucket/train.zarr, gs://...).
 
     The root's zarr.json first (it names the recording, so a rerun resumes), then the chunk
@@ -204,5 +207,7 @@ def push(local: Path, url: str, overwrite: bool) -> None:
 
     if not is_url(url) or url.startswith("file://"):
         raise UsageError(f"push URL {url!r}: give an object-store URL such as s3://bucket/train.zarr")
-    result = push_store(local, url, overwrite=overwrite)
+    with stage_progress("push", progress, unit="bytes", items="objects") as prog:
+        prog.stage("opening the local store")
+        result = push_store(local, url, overwrite=overwrite, progress=prog.advance, stage=prog.stage)
     click.echo(f"tracediff: {result.summary()}")

@@ -82,6 +82,7 @@ class _Context:
                 meta={"injected": True},
                 storage_options=cfg.get("storage_options"),  # record -o URL --storage-option ...
                 on_close=lambda rec: _note_for_record("recorder", rec.outcome()),
+                **({"retry_seconds": float(cfg["retry_seconds"])} if cfg.get("retry_seconds") is not None else {}),
             )
             for spec in self.specs:
                 self.recorder_obj.declare(spec.name, **_segment_kw(cfg, spec.name))

@@ -46,7 +46,12 @@ from tracediff.store import (
     phase_code,
 )
 from tracediff.store.location import Location
-from tracediff.store.remote_writer import RemoteTraceWriter, default_writer_name, store_exists
+from tracediff.store.remote_writer import (
+    DEFAULT_RETRY_SECONDS,
+    RemoteTraceWriter,
+    default_writer_name,
+    store_exists,
+)
 
 log = logging.getLogger("tracediff")
 
@@ -75,6 +80,7 @@ class TapState:
     dropped_batches: int = 0
     skipped_rows: int = 0
     skipped_batches: int = 0
+    rows_settled: int = 0  # rows of queued batches the writer has committed or counted as dropped
     width: int | None = None
     dtype: str | None = None
     next_seq: int = 0
@@ -223,6 +229,10 @@ class Recorder:
     children write); otherwise the store is created, refusing an existing path unless ``overwrite``.
     ``on_close(recorder)`` is called once every group is closed, from the writer thread (how an
     injected recorder tells `tracediff record` what :meth:`outcome` it had); what it raises is logged.
+    If the writer has not finished when :meth:`close` times out (a store out of reach), it is called
+    from the closing thread instead, with the rows still queued counted as lost.
+    ``retry_seconds`` (a store at a URL): how long a batch whose upload failed on the way (endpoint
+    unreachable, connection reset, timeout) is sent again before the writer stops for good.
     """
 
     def __init__(
@@ -250,11 +260,14 @@ class Recorder:
         handle_sigterm: bool = True,
         storage_options: Mapping[str, Any] | None = None,
         on_close: Callable[[Recorder], None] | None = None,
+        retry_seconds: float = DEFAULT_RETRY_SECONDS,
     ) -> None:
         if on_full not in ("drop", "block"):
             raise UsageError(f"on_full must be 'drop' or 'block', got {on_full!r}")
         if max_queue_bytes <= 0 or max_queue_batches <= 0:
             raise UsageError("max_queue_bytes and max_queue_batches must be positive")
+        if not retry_seconds >= 0:
+            raise UsageError(f"retry_seconds must be 0 or more, got {retry_seconds!r}")
         # A folder, or an fsspec URL (s3://...) written through zarr's FsspecStore.
         self.location = Location.of(path, None if storage_options is None else dict(storage_options))
         self.path: Any = self.location if self.location.remote else Path(self.location.local)
@@ -292,7 +305,11 @@ class Recorder:
         self._state_lock = threading.Lock()  # drop counts: host threads and the writer add to them
         self._close_lock = threading.RLock()  # re-entrant: SIGTERM may arrive while close() runs
         self._on_close = on_close
+        self._reported = False  # on_close called (once: by the writer, or by close() on a timeout)
+        self._unfinished: dict[str, int] = {}  # tap -> rows still queued when close() gave up waiting
         self._close_errors: dict[str, str] = {}  # tap -> why its final commit failed
+        self.retry_seconds = float(retry_seconds)
+        self._give_up_at: float | None = None  # set by close(): no upload retry starts after it
 
         if self.location.remote:
             if append:
@@ -527,12 +544,17 @@ class Recorder:
         taps: dict[str, Any] = {}
         for name, state in self._taps.items():
             writer = self._writers.get(name)
-            error = self._close_errors.get(name) or (writer.error if writer is not None else "") or state.error
-            error = error or self.error or ""
+            unfinished = self._unfinished.get(name, 0)
+            error = (writer.error if writer is not None else "") or state.error or self.error
+            error = error or self._close_errors.get(name) or ""
+            if unfinished:
+                error = (f"{error}; " if error else "") + (
+                    f"the writer had not finished when the recorder stopped waiting: {unfinished} rows were still "
+                    f"queued")
             taps[name] = {
                 "group": f"{name}/{writer.writer}" if writer is not None else None,
                 "rows": writer.counts.rows if writer is not None else 0,
-                "dropped_rows": state.dropped_rows,
+                "dropped_rows": state.dropped_rows + unfinished,
                 "skipped_rows": state.skipped_rows,
                 "status": writer.status if writer is not None else ("failed" if error else "no rows"),
                 "error": error,
@@ -550,16 +572,25 @@ class Recorder:
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
+            # One deadline for the whole close: a store out of reach stops retrying halfway through
+            # it, so that the last commit records (tried once) and the report fit in the rest.
+            deadline = time.monotonic() + max(float(timeout), 0.0)
+            self._give_up_at = time.monotonic() + max(float(timeout), 0.0) / 2
+            for writer in list(self._writers.values()):
+                if isinstance(writer, RemoteTraceWriter):
+                    writer.give_up_at = self._give_up_at
             try:
                 self._queue.put(None, timeout=timeout)
             except queue.Full:
                 log.error("tracediff: writer queue stuck at close; %s may miss its last batches", self.path)
             if self._thread is threading.current_thread():
                 return  # closed from inside the writer (a callback): it finishes after this batch
-            self._thread.join(timeout)
+            self._thread.join(max(deadline - time.monotonic(), 0.0))
             if self._thread.is_alive():
-                log.error("tracediff: writer thread did not finish within %.0fs; %s keeps its committed rows",
-                          timeout, self.path)
+                self._unfinished = {n: max(0, s.rows_queued - s.rows_settled) for n, s in self._taps.items()}
+                log.error("tracediff: the writer did not finish within %.0f s; %s keeps its committed rows, the %d "
+                          "rows still queued are lost", timeout, self.location.display, sum(self._unfinished.values()))
+                self._report()
             self._restore_sigterm()
 
     # ------------------------------------------------------------------ host-thread internals
@@ -805,6 +836,9 @@ class Recorder:
                 self.fail(f"the writer of tap {item.tap!r}", exc)
                 self._count_drop(item)
             finally:
+                state = self._taps.get(item.tap)
+                if state is not None:
+                    state.rows_settled += item.rows
                 if item.pooled:
                     self._pool.put(item.data, pinned=item.event is not None)
                 self._release(item.nbytes, done=True)
@@ -818,7 +852,7 @@ class Recorder:
             writer = self._open_writer(state)
         return writer
 
-    def _open_writer(self, state: TapState) -> TraceWriter:
+    def _open_writer(self, state: TapState, retry_seconds: float | None = None) -> TraceWriter:
         attrs = dict(state.attrs)
         segment_size, segment_labels = self._segment_layout(state)
         attrs.update(
@@ -833,17 +867,15 @@ class Recorder:
                 "phases": list(PHASES),
             }
         )
-        writer = (RemoteTraceWriter if self.location.remote else TraceWriter)(
-            self.path,
-            state.name,
-            self.writer_name,
-            width=int(state.width or 0),
-            dtype=str(state.dtype),
-            attrs=attrs,
-            chunk_rows=self.chunk_rows,
-            compressor=self.compressor,
-            durable=self.durable,
-        )
+        common = {"width": int(state.width or 0), "dtype": str(state.dtype), "attrs": attrs,
+                  "chunk_rows": self.chunk_rows, "compressor": self.compressor, "durable": self.durable}
+        writer: Any
+        if self.location.remote:
+            retry = self.retry_seconds if retry_seconds is None else retry_seconds
+            writer = RemoteTraceWriter(self.location, state.name, self.writer_name, retry_seconds=retry, **common)
+            writer.give_up_at = self._give_up_at
+        else:
+            writer = TraceWriter(self.path, state.name, self.writer_name, **common)
         self._writers[state.name] = writer
         return writer
 
@@ -905,9 +937,13 @@ class Recorder:
                 continue
             if state.dropped_rows or state.skipped_rows or state.error:
                 try:
-                    self._open_writer(state)
+                    # One try (no retry round at close): where the writer failed, the store is
+                    # likely out of reach, and the error was said when it happened.
+                    self._open_writer(state, retry_seconds=0.0)
                 except Exception as exc:  # noqa: BLE001
-                    log.error("tracediff: cannot record the drop counts of tap %r: %s", name, exc)
+                    self._close_errors[name] = _one_line(exc)
+                    if not (state.error or self.error):  # else said below, with the count
+                        log.error("tracediff: cannot record the drop counts of tap %r: %s", name, exc)
         for name, writer in self._writers.items():
             try:
                 self._sync_counts(writer, name)
@@ -915,12 +951,34 @@ class Recorder:
                 writer.close(status="failed" if error else "closed", error=error or "")
             except Exception as exc:  # noqa: BLE001
                 self._close_errors[name] = _one_line(exc)
-                log.error("tracediff: closing %s/%s: %s (committed rows stay readable)", self.path, name, exc)
-        if self._on_close is not None:
-            try:
-                self._on_close(self)
-            except Exception as exc:  # noqa: BLE001  (a report must never break the host's exit)
-                log.error("tracediff: reporting the recording's outcome failed: %s", _one_line(exc))
+                if not (self._taps[name].error or self.error):  # else said below, with the count
+                    log.error("tracediff: closing %s/%s: %s (committed rows stay readable)", self.path, name, exc)
+        self._log_losses()
+        self._report()
+
+    def _log_losses(self) -> None:
+        """After an error stopped recording (logged once, when it happened) and the store could not
+        be reached for the final commit record either (so the store cannot say it): one line per tap
+        with what it cost, rows committed and rows lost (a warning: the error was the one error)."""
+        for name, info in self.outcome()["taps"].items():
+            close_error = self._close_errors.get(name)
+            if not close_error or not (self._taps[name].error or self.error):
+                continue
+            log.warning("tracediff: %s/%s: %d rows committed, %d rows lost after the error; the final commit "
+                        "record could not be written either (%s)", self.location.display, info["group"] or name,
+                        info["rows"], info["dropped_rows"], close_error)
+
+    def _report(self) -> None:
+        """Call ``on_close`` once, whichever thread gets here first (the writer when it is done, or
+        close() when it stopped waiting for it); what it raises is logged, never raised."""
+        with self._state_lock:
+            if self._reported or self._on_close is None:
+                return
+            self._reported = True
+        try:
+            self._on_close(self)
+        except Exception as exc:  # noqa: BLE001  (a report must never break the host's exit)
+            log.error("tracediff: reporting the recording's outcome failed: %s", _one_line(exc))
 
     # ------------------------------------------------------------------ SIGTERM
     def _install_sigterm(self) -> None:

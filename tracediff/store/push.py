@@ -56,15 +56,19 @@ def push_store(
     *,
     storage_options: Mapping[str, Any] | None = None,
     overwrite: bool = False,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    stage: Callable[[str, int | None, int | None], None] | None = None,
 ) -> PushResult:
     """Upload the committed rows of local store folder ``src`` to URL ``dest``; resumable.
 
     ``dest`` may already hold this store (an earlier, interrupted or older push): objects present
     with the right size are kept. Another store there is refused unless ``overwrite``. The result
-    is checked by opening ``dest`` with the strict reader. ``progress`` gets each object's bytes.
+    is checked by opening ``dest`` with the strict reader. Progress, for the CLI's status line:
+    ``stage(name, total_bytes, total_objects)`` as each step begins (totals None where unknown), and
+    ``progress(bytes, objects)`` as objects land.
     """
     started = time.perf_counter()
+    step = stage or (lambda name, total, objects: None)
     loc = Location.of(dest, None if storage_options is None else dict(storage_options))
     if not loc.remote:
         raise UsageError(f"{loc.display}: push uploads to a URL (s3://..., gs://...); to copy a folder use cp -r")
@@ -73,29 +77,34 @@ def push_store(
             raise UsageError(f"{local.path}: push takes a local store folder")
         plan = _plan(local)
         result = PushResult(url=loc.display, groups={f"{g['tap']}/{g['writer']}": g["rows"] for g in plan["groups"]})
+        step(f"listing {loc.display}", None, None)
         present = _prepare_destination(loc, local, overwrite)
         base = os.fspath(local.path)
-
-        def upload(keys: list[str]) -> None:
-            files = [(k, os.path.join(base, *k.split("/"))) for k in keys]
-            todo = [(k, p, os.path.getsize(p)) for k, p in files]
-            fresh = [(k, p, n) for k, p, n in todo if present.get(k) != n]
-            result.skipped += len(todo) - len(fresh)
-            _put_files(loc, fresh, progress)
-            result.uploaded += len(fresh)
-            result.bytes += sum(n for _, _, n in fresh)
-
-        def put_docs(docs: list[tuple[str, bytes]]) -> None:
-            _put_bytes(loc, docs)
-            result.uploaded += len(docs)
-            result.bytes += sum(len(b) for _, b in docs)
-
+        keys = [key for g in plan["groups"] for key in g["chunks"]]
+        todo = [(k, p, os.path.getsize(p)) for k, p in ((k, os.path.join(base, *k.split("/"))) for k in keys)]
+        fresh = [(k, p, n) for k, p, n in todo if present.get(k) != n]
+        result.skipped = len(todo) - len(fresh)
         marked = _marked_root(plan["root"], os.path.abspath(base))
-        put_docs([("zarr.json", marked)] + [(f"{tap}/zarr.json", doc) for tap, doc in plan["taps"]])
-        upload([key for g in plan["groups"] for key in g["chunks"]])
-        put_docs([doc for g in plan["groups"] for doc in g["arrays"]])
-        put_docs([g["commit"] for g in plan["groups"]])
-        put_docs([("zarr.json", plan["root"])])  # the store's own root: complete
+        first = [("zarr.json", marked)] + [(f"{tap}/zarr.json", doc) for tap, doc in plan["taps"]]
+        arrays = [doc for g in plan["groups"] for doc in g["arrays"]]
+        commits = [g["commit"] for g in plan["groups"]]
+        last = [("zarr.json", plan["root"])]  # the store's own root: complete
+        docs = first + arrays + commits + last
+        step("uploading", sum(n for _, _, n in fresh) + sum(len(b) for _, b in docs), len(fresh) + len(docs))
+
+        def put_docs(batch: list[tuple[str, bytes]]) -> None:
+            _put_bytes(loc, batch, progress)
+            result.uploaded += len(batch)
+            result.bytes += sum(len(b) for _, b in batch)
+
+        put_docs(first)
+        _put_files(loc, fresh, progress)
+        result.uploaded += len(fresh)
+        result.bytes += sum(n for _, _, n in fresh)
+        put_docs(arrays)
+        put_docs(commits)
+        put_docs(last)
+    step("checking the upload", None, None)
     with TraceStore(loc) as remote:  # the strict reader: every check a local store gets
         got = {f"{s.tap}/{s.writer}": s.rows for streams in remote.streams.values() for s in streams}
     for group, rows in result.groups.items():
@@ -183,40 +192,45 @@ def _prepare_destination(loc: Location, local: TraceStore, overwrite: bool) -> d
     return {}
 
 
-def _run(loc: Location, coroutines: list[Callable[[], Any]], what: list[str]) -> None:
-    """Run upload coroutines (FETCH_CONCURRENCY at a time) on the filesystem's loop; the first
-    failure, after all have finished, is raised as one line naming its object."""
+def _run(loc: Location, coroutines: list[Callable[[], Any]], what: list[str], sizes: list[int],
+         progress: Callable[[int, int], None] | None) -> None:
+    """Run upload coroutines (FETCH_CONCURRENCY at a time) on the filesystem's loop, telling
+    ``progress`` each object's bytes as it lands; the first failure, after all have finished, is
+    raised as one line naming its object."""
     from fsspec.asyn import sync  # noqa: PLC0415
 
     async def run_all() -> list[Any]:
         gate = asyncio.Semaphore(FETCH_CONCURRENCY)
 
-        async def one(make: Callable[[], Any]) -> Any:
+        async def one(make: Callable[[], Any], size: int) -> Any:
             async with gate:
                 try:
-                    return await make()
+                    done = await make()
                 except Exception as exc:  # noqa: BLE001
                     return exc
+            if progress is not None:
+                progress(size, 1)
+            return done
 
-        return await asyncio.gather(*(one(m) for m in coroutines))
+        return await asyncio.gather(*(one(m, n) for m, n in zip(coroutines, sizes, strict=True)))
 
     for key, outcome in zip(what, sync(loc.fs.loop, run_all), strict=True):
         if isinstance(outcome, BaseException):
             raise remote_error(loc.where(key), outcome, "written") from outcome
 
 
-def _put_files(loc: Location, files: list[tuple[str, str, int]], progress: Callable[[int], None] | None) -> None:
+def _put_files(loc: Location, files: list[tuple[str, str, int]], progress: Callable[[int, int], None] | None) -> None:
     fs = loc.fs
-    for lo in range(0, len(files), 256):  # progress between batches; each batch in flight together
+    for lo in range(0, len(files), 256):  # 256 coroutines made at a time, FETCH_CONCURRENCY in flight
         batch = files[lo : lo + 256]
-        _run(loc, [_bind(fs._put_file, path, loc.object_path(key)) for key, path, _ in batch], [k for k, _, _ in batch])
-        if progress is not None:
-            progress(sum(n for _, _, n in batch))
+        _run(loc, [_bind(fs._put_file, path, loc.object_path(key)) for key, path, _ in batch],
+             [k for k, _, _ in batch], [n for _, _, n in batch], progress)
 
 
-def _put_bytes(loc: Location, docs: list[tuple[str, bytes]]) -> None:
+def _put_bytes(loc: Location, docs: list[tuple[str, bytes]], progress: Callable[[int, int], None] | None) -> None:
     if docs:
-        _run(loc, [_bind(loc.fs._pipe_file, loc.object_path(key), data) for key, data in docs], [k for k, _ in docs])
+        _run(loc, [_bind(loc.fs._pipe_file, loc.object_path(key), data) for key, data in docs],
+             [k for k, _ in docs], [len(b) for _, b in docs], progress)
 
 
 def _bind(func: Callable[..., Any], *args: Any) -> Callable[[], Any]:

@@ -9,21 +9,38 @@ chunk objects past ``commit.rows``, which readers never look at. There is no fsy
 storage: a PUT that returned is stored (``durable`` changes nothing here). What object stores do
 not all promise (read-after-write and listing consistency) is in ``docs/remote.md``.
 
+An endpoint that goes away for a while (a restart, a network partition) costs no row: every
+object operation of a batch is idempotent (the same bytes PUT again), so a batch whose upload
+failed on the way is sent again, whole, with backoff, for up to ``retry_seconds``; the rows that
+arrive meanwhile wait in the recorder's bounded queue. Past that (or on a refusal no retry mends:
+credentials, permissions, a missing bucket) the writer stops for good and says how many rows it
+committed; the recorder counts the rest as lost.
+
 Kept apart from :mod:`tracediff.store.writer`'s local path, which writes files and tunes for disks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
+import logging
 import socket
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from tracediff import __version__
-from tracediff.errors import NotATraceStoreError, StoreError, StoreExistsError, StoreWriteError, UsageError
+from tracediff.errors import (
+    NotATraceStoreError,
+    RemoteStoreError,
+    StoreError,
+    StoreExistsError,
+    StoreWriteError,
+    TracediffError,
+    UsageError,
+    first_line,
+)
 from tracediff.store.batches import WriterCounts, _check_name, _rows_view, _run_all, batch_columns
 from tracediff.store.format import (
     _MAX_METADATA_BYTES,
@@ -47,6 +64,36 @@ from tracediff.store.format import (
     group_document,
 )
 from tracediff.store.location import Location, remote_error
+
+log = logging.getLogger("tracediff")
+
+#: Seconds a writer at a URL keeps sending again a batch whose upload failed on the way (endpoint
+#: unreachable, connection reset, timeout, 5xx) before it stops for good (``record --retry-seconds``).
+DEFAULT_RETRY_SECONDS = 60.0
+_BACKOFF_FIRST = 0.25
+_BACKOFF_MAX = 5.0
+# What retrying cannot mend: a refusal (credentials, permissions, a missing bucket: s3fs maps S3's
+# AccessDenied and NoSuchBucket to the built-ins), a bad argument or a bug of ours.
+_PERMANENT = (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError, TypeError, ValueError,
+              AttributeError, LookupError, AssertionError, MemoryError, NotImplementedError)
+_PERMANENT_NAMES = ("NoCredentialsError", "PartialCredentialsError", "ParamValidationError", "NoRegionError")
+
+
+def transient_failure(exc: BaseException) -> bool:
+    """Whether an object-store operation that raised ``exc`` may succeed if sent again: anything
+    but a refusal or a bug (connection refused or reset, timeouts, throttling and 5xx answers, and
+    whatever else a network failure raises in s3fs, aiohttp or botocore, are all worth a retry)."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # our own errors wrap the library's (``raise ... from exc``)
+        if seen is None:
+            return True
+        if isinstance(seen, RemoteStoreError):
+            seen = seen.__cause__
+            continue
+        if isinstance(seen, (TracediffError, *_PERMANENT)) or type(seen).__name__ in _PERMANENT_NAMES:
+            return False
+        seen = seen.__cause__
+    return True
 
 
 def store_exists(loc: Location) -> bool:
@@ -88,7 +135,9 @@ def create_remote_store(
         try:
             present = loc.fs.ls(loc.root, detail=False)
         except FileNotFoundError as exc:
-            if "bucket" in str(exc).lower():
+            # s3fs: "The specified bucket does not exist"; a prefix with nothing under it is the
+            # same error, naming the path (whose bucket may well be called "my-bucket").
+            if any(why in str(exc).lower() for why in ("bucket does not exist", "nosuchbucket")):
                 raise StoreWriteError(
                     f"{loc.display}: cannot create the store ({exc}); create the bucket first"
                 ) from exc
@@ -150,6 +199,7 @@ class RemoteTraceWriter:
         chunk_rows: int = DEFAULT_CHUNK_ROWS,
         compressor: str = DEFAULT_COMPRESSOR,
         durable: bool = False,
+        retry_seconds: float = DEFAULT_RETRY_SECONDS,
     ) -> None:
         if dtype not in VALUE_DTYPES:
             raise UsageError(f"tap {tap!r}: unsupported value dtype {dtype!r}; supported: {', '.join(VALUE_DTYPES)}")
@@ -157,6 +207,8 @@ class RemoteTraceWriter:
             raise UsageError(f"tap {tap!r}: width must be positive, got {width}")
         if chunk_rows <= 0:
             raise UsageError(f"chunk_rows must be positive, got {chunk_rows}")
+        if not retry_seconds >= 0:
+            raise UsageError(f"retry_seconds must be 0 or more, got {retry_seconds}")
         _check_name(tap, "tap")
         self.location = store
         self.store_path = store
@@ -173,58 +225,109 @@ class RemoteTraceWriter:
         self._extra_attrs = _jsonable(dict(attrs or {}))
         self._tail: np.ndarray | None = None
         self._tail_rows = 0
-        zarr = _zarr()
-        if not store_exists(store):
-            raise NotATraceStoreError(f"{store.display}: no trace store there to append to (no root zarr.json)")
-        taken = set(store.list_folders(tap))
-        name = writer
-        n = 2
-        while name in taken:  # a group of this name, or the folder of a writer killed creating it
-            name = f"{writer}_{n}"
-            n += 1
-        _check_name(name, "writer")
-        self.writer = name
-        prefix = f"{tap}/{name}"
+        self.retry_seconds = float(retry_seconds)
+        #: A time (``time.monotonic()``) after which no retry starts: set by a recorder that is
+        #: closing, so that its close ends within its timeout whatever the endpoint does.
+        self.give_up_at: float | None = None
+        self._unreachable = False  # retries were spent: the final commit gets one try, not another round
+        self.writer = writer
+        self._named = False
         try:
-            # Arrays first, the writer group's zarr.json (with the commit record) last: until then
-            # readers skip the folder, as for a local store. The tap group is shared: whichever
-            # writer comes first creates it, with a create-if-absent PUT, and one that finds it
-            # there (or being written) opens it. zarr's own open-or-create checks, then creates,
-            # and fails when another process creates the group in between (issue #24).
-            # Each node is created through a store rooted at it: zarr would otherwise write the
-            # missing parents' zarr.json, the writer group's among them, before the arrays exist.
-            store.create_object(f"{tap}/zarr.json", group_document({}))
-            tap_group = zarr.open_group(store=(store / tap).zarr_store(read_only=False), mode="r+")
-            store_dtype = VALUE_DTYPES[dtype]
-            self._values = zarr.create_array(
-                store=(store / f"{prefix}/values").zarr_store(read_only=False),
-                shape=(0, self.width),
-                chunks=(self.chunk_rows, self.width),
-                dtype=store_dtype,
-                compressors=_compressors(compressor, store_dtype.itemsize),
-                fill_value=0,
-                config={"write_empty_chunks": True},
-                attributes={"dtype": dtype, "coordinates": VALUES_COORDINATES},
-                dimension_names=VALUES_DIMS,
-            )
-            self._labels = {
-                label: zarr.create_array(
-                    store=(store / f"{prefix}/{label}").zarr_store(read_only=False),
-                    shape=(0,),
-                    chunks=(DEFAULT_LABEL_CHUNK_ROWS,),
-                    dtype=LABEL_DTYPES[label],
-                    compressors=[_zstd()],
-                    fill_value=LABEL_FILL[label],
-                    config={"write_empty_chunks": True},
-                    dimension_names=LABEL_DIMS,
-                )
-                for label in LABEL_FIELDS
-            }
-            self._group = tap_group.create_group(name, attributes=self._attrs())
+            self._retrying("creating its writer group", self._create)
         except StoreError:
             raise
         except Exception as exc:  # noqa: BLE001  (s3fs, botocore and aiohttp raise many types)
-            raise StoreWriteError(f"{store.display}/{prefix}: cannot create writer group: {exc}") from exc
+            raise StoreWriteError(f"{store.display}/{tap}/{self.writer}: cannot create writer group: {exc}") from exc
+
+    def _create(self, attempt: int) -> None:
+        """Create the writer group, or finish creating it after a failure on the way (``attempt`` >
+        0): its name is kept once chosen, and what a failed attempt wrote (or wrote without hearing
+        back) is written again."""
+        zarr, store, tap = _zarr(), self.location, self.tap
+        if not self._named:
+            if not store_exists(store):
+                raise NotATraceStoreError(f"{store.display}: no trace store there to append to (no root zarr.json)")
+            taken = set(store.list_folders(tap))
+            name, n = self.writer, 2
+            while name in taken:  # a group of this name, or the folder of a writer killed creating it
+                name = f"{self.writer}_{n}"
+                n += 1
+            _check_name(name, "writer")
+            self.writer, self._named = name, True
+        prefix = f"{tap}/{self.writer}"
+        again = attempt > 0  # the arrays are this writer's own: one half made is made again
+        # Arrays first, the writer group's zarr.json (with the commit record) last: until then
+        # readers skip the folder, as for a local store. The tap group is shared: whichever writer
+        # comes first creates it, with a create-if-absent PUT, and one that finds it there (or
+        # being written) goes on. zarr's own open-or-create checks, then creates, and fails when
+        # another process creates the group in between (issue #24). Each node is created through a
+        # store rooted at it: zarr would otherwise write the missing parents' zarr.json, the
+        # writer group's among them, before the arrays exist.
+        store.create_object(f"{tap}/zarr.json", group_document({}))
+        store_dtype = VALUE_DTYPES[self.dtype]
+        self._values = zarr.create_array(
+            store=(store / f"{prefix}/values").zarr_store(read_only=False),
+            shape=(0, self.width),
+            chunks=(self.chunk_rows, self.width),
+            dtype=store_dtype,
+            compressors=_compressors(self.compressor, store_dtype.itemsize),
+            fill_value=0,
+            config={"write_empty_chunks": True},
+            attributes={"dtype": self.dtype, "coordinates": VALUES_COORDINATES},
+            dimension_names=VALUES_DIMS,
+            overwrite=again,
+        )
+        self._labels = {
+            label: zarr.create_array(
+                store=(store / f"{prefix}/{label}").zarr_store(read_only=False),
+                shape=(0,),
+                chunks=(DEFAULT_LABEL_CHUNK_ROWS,),
+                dtype=LABEL_DTYPES[label],
+                compressors=[_zstd()],
+                fill_value=LABEL_FILL[label],
+                config={"write_empty_chunks": True},
+                dimension_names=LABEL_DIMS,
+                overwrite=again,
+            )
+            for label in LABEL_FIELDS
+        }
+        # The group's zarr.json as one plain PUT (the same bytes again on a retry: zarr's create
+        # would refuse a group that a lost answer hid from us), then opened for its commit records.
+        store.fs.pipe_file(store.object_path(f"{prefix}/zarr.json"), group_document(self._attrs()))
+        self._group = zarr.open_group(store=(store / prefix).zarr_store(read_only=False), mode="r+")
+
+    def _retrying(self, what: str, attempt: Callable[[int], None]) -> None:
+        """``attempt(n)`` for n = 0, 1, ... until it returns. A failure that may go away by itself
+        (:func:`transient_failure`) is tried again with backoff until ``retry_seconds`` have passed
+        since the first, or :attr:`give_up_at`; anything else, or the last failure, is raised. One
+        line is logged when retries begin and one when they succeed: an outage is two lines, not
+        one a request."""
+        started = time.monotonic()
+        delay, tries = _BACKOFF_FIRST, 0
+        while True:
+            try:
+                attempt(tries)
+            except Exception as exc:
+                now = time.monotonic()
+                limit = started + self.retry_seconds
+                if self.give_up_at is not None:
+                    limit = min(limit, self.give_up_at)
+                if not transient_failure(exc):
+                    raise
+                if now + delay > limit:
+                    self._unreachable = True
+                    raise
+                if tries == 0:
+                    log.warning("tracediff: %s: %s failed (%s: %s); sending it again for up to %.0f s (the host "
+                                "goes on, new rows wait in the queue)", self._where, what, type(exc).__name__,
+                                first_line(exc), limit - now)
+                time.sleep(delay)
+                delay, tries = min(2 * delay, _BACKOFF_MAX), tries + 1
+                continue
+            if tries:
+                log.warning("tracediff: %s: %s went through after %d retries in %.1f s; recording goes on",
+                            self._where, what, tries, time.monotonic() - started)
+            return
 
     @property
     def _where(self) -> str:
@@ -277,9 +380,11 @@ class RemoteTraceWriter:
         else:
             block, block_start = values, start
         before = (self.counts.rows, self.counts.batches, self.counts.bytes)
-        try:
+
+        def upload(attempt: int) -> None:
             # Whole chunks only (the tail of the last batch is sent again with the new rows): no
-            # chunk object is ever read back to be merged.
+            # chunk object is ever read back to be merged. Sent again whole after a failure: every
+            # PUT here writes the same bytes to the same key.
             _run_all(
                 [
                     _rows_view(self._values, stop).setitem(slice(block_start, stop), block),
@@ -289,21 +394,26 @@ class RemoteTraceWriter:
                     ),
                 ]
             )
-            tail_rows = stop % self.chunk_rows
-            self._tail = block[len(block) - tail_rows :].copy() if tail_rows else None
-            self._tail_rows = tail_rows
             self._set_rows(stop)
-            self.counts.rows = stop
-            self.counts.batches += 1
-            self.counts.bytes += int(values.nbytes)
-            self._group.attrs.put(self._attrs())
+            self.counts.rows, self.counts.batches = stop, before[1] + 1
+            self.counts.bytes = before[2] + int(values.nbytes)
+            try:
+                self._group.attrs.put(self._attrs())
+            except BaseException:
+                self.counts.rows, self.counts.batches, self.counts.bytes = before
+                raise
+
+        try:
+            self._retrying(f"the upload of rows {start}..{stop}", upload)
         except Exception as exc:  # noqa: BLE001  (a network or object-store failure, whatever its type)
-            self.counts.rows, self.counts.batches, self.counts.bytes = before
+            # Shapes past the committed rows are allowed (readers trust commit.rows); the final
+            # commit trims them when the store can be reached again.
             self.status = "failed"
-            self.error = f"{type(exc).__name__}: {exc}"
-            with contextlib.suppress(Exception):  # shapes back to the committed rows
-                self._set_rows(self.counts.rows)
-            raise StoreWriteError(f"{self._where}: upload of rows {start}..{stop} failed: {exc}") from exc
+            self.error = f"{type(exc).__name__}: {first_line(exc)}"
+            raise StoreWriteError(f"{self._where}: upload of rows {start}..{stop} failed: {first_line(exc)}") from exc
+        tail_rows = stop % self.chunk_rows
+        self._tail = block[len(block) - tail_rows :].copy() if tail_rows else None
+        self._tail_rows = tail_rows
 
     def record_drop(self, rows: int, batches: int = 1, *, skipped: bool = False) -> None:
         if skipped:
@@ -314,19 +424,24 @@ class RemoteTraceWriter:
             self.counts.dropped_batches += batches
 
     def close(self, status: str = "closed", error: str = "") -> None:
-        """Write the final commit record, then trim the shapes to the committed rows."""
+        """Write the final commit record (retried as a batch is, or tried once when the store was
+        already out of reach for the whole retry time), then trim the shapes to the committed rows."""
         if self.status == "failed":
             status = "failed"
         self.status = status
         if error:
             self.error = error
         try:
-            self._group.attrs.put(self._attrs())
+            if self._unreachable:
+                self._group.attrs.put(self._attrs())
+            else:
+                self._retrying("the final commit record", lambda attempt: self._group.attrs.put(self._attrs()))
         except Exception as exc:  # noqa: BLE001
-            raise StoreWriteError(f"{self._where}: final commit failed: {exc}") from exc
+            raise StoreWriteError(f"{self._where}: final commit failed: {first_line(exc)}") from exc
         try:
             self._set_rows(self.counts.rows)
         except Exception as exc:  # noqa: BLE001
             raise StoreWriteError(
-                f"{self._where}: {self.counts.rows} rows committed, but trimming the arrays to them failed: {exc}"
+                f"{self._where}: {self.counts.rows} rows committed, but trimming the arrays to them failed: "
+                f"{first_line(exc)}"
             ) from exc
