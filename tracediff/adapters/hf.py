@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from tracediff.adapters.generic import attach_label_source
-from tracediff.record.recorder import Recorder, _pick_output
+from tracediff.record.parts import pick_output
+from tracediff.record.recorder import Recorder
 
 WATCH: tuple[str, ...] = ("PreTrainedModel",)
 
@@ -118,7 +119,7 @@ def attach(recorder: Recorder, module: torch.nn.Module, *, name: str | None = No
     def hook_output(slot: int):  # noqa: ANN202
         def hook(mod: torch.nn.Module, args: tuple, output: Any) -> None:
             try:
-                put(slot, _pick_output(output))
+                put(slot, pick_output(output))
             except Exception as exc:  # noqa: BLE001
                 recorder.fail(f"bank slot {slot}", exc)
 

@@ -1,0 +1,214 @@
+"""The capture path of :class:`tracediff.record.recorder.Recorder`: what runs on the host's thread
+inside a forward hook (pick the rows, reserve queue room, one copy off the forward path, resolve
+the labels, enqueue). Never raises into the host; never blocks longer than ``block_timeout``."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from tracediff.record.parts import (
+    LABEL_KEYS,
+    TORCH_TO_STORE,
+    Batch,
+    DefaultLabels,
+    TapState,
+    label_array,
+    label_rows,
+    labels_fit,
+)
+from tracediff.store import (
+    PHASES,
+    phase_code,
+)
+
+log = logging.getLogger("tracediff")
+
+
+class CapturePath:
+    """The host-thread half of a :class:`~tracediff.record.recorder.Recorder` (a mixin: the state it
+    reads is the Recorder's)."""
+
+    def _capture(self, name: str, tensor: torch.Tensor, labels: Mapping[str, Any] | None, fresh: bool) -> None:
+        state = self._taps.get(name) or self.declare(name)
+        state.calls += 1
+        if not isinstance(tensor, torch.Tensor):
+            self._warn_tap(state, "type", f"tap {name!r}: got {type(tensor).__name__}, not a tensor; skipped")
+            return
+        if tensor.dim() == 0 or tensor.shape[-1] == 0:
+            self._warn_tap(state, "shape", f"tap {name!r}: tensor of shape {tuple(tensor.shape)} has no rows; skipped")
+            return
+        if tensor.dtype not in TORCH_TO_STORE:
+            self._warn_tap(state, "dtype", f"tap {name!r}: dtype {tensor.dtype} is not a float type; skipped")
+            return
+        if tensor.is_meta:
+            self._warn_tap(state, "meta", f"tap {name!r}: tensor on the meta device holds no data; skipped")
+            return
+        width = int(tensor.shape[-1])
+        dtype = TORCH_TO_STORE[tensor.dtype]
+        if state.width is None:
+            state.width, state.dtype = width, dtype
+        elif (width, dtype) != (state.width, state.dtype):
+            self._warn_tap(
+                state,
+                f"layout{width}{dtype}",
+                f"tap {name!r}: got width {width} {dtype} after {state.width} {state.dtype}; rows of the new "
+                f"layout are skipped (record them under another tap name)",
+            )
+            return
+        rows = tensor.numel() // width
+        if rows == 0:
+            return  # nothing to record (an empty batch); the layout above is still learnt
+        step = self._explicit_step if self._explicit_step is not None else state.calls - 1
+        label_fields = self._resolve_labels(state, tensor, labels, rows, step)
+        phase = label_fields.get("phase")
+        nbytes = rows * width * tensor.element_size()
+
+        if not self.limits.wants_step(step) or not self._wants_phase(phase):
+            state.skipped_rows += rows
+            state.skipped_batches += 1
+            return
+        take = rows
+        if self.limits.max_rows is not None:
+            take = min(take, self.limits.max_rows - state.rows_queued)
+        if self.limits.max_bytes is not None:
+            take = min(take, (self.limits.max_bytes - state.bytes_queued) // (width * tensor.element_size()))
+        if take <= 0:
+            state.skipped_rows += rows
+            state.skipped_batches += 1
+            return
+        if take < rows:
+            state.skipped_rows += rows - take
+            nbytes = take * width * tensor.element_size()
+            # Scalar labels (0-d arrays: a step or seq given once for the batch) apply to every row.
+            label_fields = {
+                k: (v[:take] if isinstance(v, (np.ndarray, torch.Tensor, DefaultLabels)) and v.ndim else v)
+                for k, v in label_fields.items()
+            }
+
+        # The queue's budget counts the memory a copy really holds: pooled buffers are a power of two.
+        held = nbytes
+        if not fresh and tensor.device.type in ("cpu", "cuda"):
+            held = self._pool.bucket_numel(take * width) * tensor.element_size()
+        if not self._reserve(held):
+            self._add_drop(state, take)
+            return
+        try:
+            flat = tensor.detach().reshape(rows, width)[:take]
+            data, event, pooled = self._copy_off_path(flat, fresh)
+            with self._cond:
+                self._queue.put_nowait(Batch(name, data, take, width, label_fields, event, held, pooled))
+                self._enqueued += 1
+        except queue.Full:  # another host thread filled the last slot first
+            self._release(held)
+            self._add_drop(state, take)
+            return
+        except BaseException:
+            self._release(held)
+            raise
+        state.rows_queued += take
+        state.bytes_queued += nbytes
+
+    def _wants_phase(self, phase: Any) -> bool:
+        if self.limits.phases is None:
+            return True
+        if phase is None:
+            return "unknown" in self.limits.phases
+        if isinstance(phase, np.ndarray):
+            return any(PHASES[int(c)] in self.limits.phases for c in np.unique(phase))
+        return PHASES[phase_code(phase)] in self.limits.phases
+
+    def _reserve(self, nbytes: int) -> bool:
+        """Account ``nbytes`` against the queue budget; drop or wait (bounded) when it is spent."""
+        deadline = None
+        with self._cond:
+            while True:
+                fits = self._queued_bytes + nbytes <= self.max_queue_bytes or self._queued_bytes == 0
+                if fits and not self._queue.full():
+                    self._queued_bytes += nbytes
+                    return True
+                if self.on_full == "drop" or not self.enabled:
+                    return False
+                now = time.monotonic()
+                deadline = deadline or now + self.block_timeout
+                if now >= deadline:
+                    self._log_once("block-timeout", "tracediff: writer behind for %.1fs; dropping a batch", self.block_timeout)
+                    return False
+                self._cond.wait(deadline - now)
+
+    def _release(self, nbytes: int, done: bool = False) -> None:
+        with self._cond:
+            self._queued_bytes -= nbytes
+            if done:
+                self._done += 1
+            self._cond.notify_all()
+
+    def _copy_off_path(self, flat: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, Any, bool]:
+        """The one copy on the forward path: async into a pooled pinned buffer for CUDA, into a pooled
+        plain buffer on CPU. Returns (host data, event or None, whether the data is a pooled buffer).
+        The view written through is dropped at once: a queued batch keeps only the pooled buffer."""
+        if flat.device.type == "cuda":
+            base = self._pool.get(flat.numel(), flat.dtype, pinned=True)
+            base[: flat.numel()].view(flat.shape).copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(flat.device))
+            return base, event, True
+        if flat.device.type != "cpu":
+            return flat.to("cpu"), None, False
+        if fresh and flat.is_contiguous():
+            return flat, None, False
+        base = self._pool.get(flat.numel(), flat.dtype, pinned=False)
+        base[: flat.numel()].view(flat.shape).copy_(flat)
+        return base, None, True
+
+    def _resolve_labels(
+        self,
+        state: TapState,
+        tensor: torch.Tensor,
+        provided: Mapping[str, Any] | None,
+        rows: int,
+        step: int,
+    ) -> dict[str, Any]:
+        """Labels for this batch: the provider's, else this thread's ``labels()`` (once per tap),
+        else defaults (one sequence per leading index, positions 0..T-1). Arrays are flattened to
+        ``rows`` entries; host copies only (label tensors are small)."""
+        fields: dict[str, Any] = {}
+        pending = getattr(self._tls, "labels", None)
+        if pending is not None and pending[0] != state.label_generation:
+            generation, values = pending
+            if labels_fit(values, rows):
+                state.label_generation = generation
+                fields.update(values)
+            else:
+                self._warn_tap(
+                    state,
+                    "labels-size",
+                    f"tap {state.name!r}: labels given for {label_rows(values)} rows but the tensor has {rows}; "
+                    f"using default labels",
+                )
+        if provided:
+            if labels_fit(provided, rows):
+                fields.update({k: v for k, v in provided.items() if v is not None})
+            else:
+                self._warn_tap(state, "provider-size", f"tap {state.name!r}: label provider gave the wrong row count")
+        out: dict[str, Any] = {}
+        for key, value in fields.items():
+            if key not in LABEL_KEYS or value is None:
+                continue
+            out[key] = label_array(key, value, rows)
+        if "seq" not in out or "position" not in out:
+            lead = tensor.shape[0] if tensor.dim() >= 3 else 1
+            per = rows // max(lead, 1)
+            if "seq" not in out:
+                out["seq"] = DefaultLabels("seq", state.next_seq, lead, per, rows)
+                state.next_seq += lead
+            if "position" not in out:
+                out["position"] = DefaultLabels("position", 0, lead, per, rows)
+        out.setdefault("step", np.int64(step))
+        return out

@@ -1,0 +1,233 @@
+"""The writer-thread half of :class:`tracediff.record.recorder.Recorder`: takes captured batches off
+the queue, waits for their copies, writes and commits them (a local folder or an object store), counts
+what it could not write, and on close or SIGTERM finishes the queue and reports the outcome."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from tracediff.record.parts import Batch, DefaultLabels, TapState, one_line
+from tracediff.store import (
+    PHASES,
+    TraceWriter,
+)
+from tracediff.store.remote_writer import (
+    RemoteTraceWriter,
+)
+
+log = logging.getLogger("tracediff")
+
+
+class WriterThread:
+    """The writer-thread half of a :class:`~tracediff.record.recorder.Recorder` (a mixin: the state it
+    reads is the Recorder's)."""
+
+    def _writer_loop(self) -> None:
+        closing = False
+        while True:
+            if closing:
+                # close() was called: a capture that raced it may have queued behind the sentinel.
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            else:
+                item = self._queue.get()
+            if item is None:
+                closing = True
+                continue
+            try:
+                if self._writer_error is None:
+                    self._write(item)
+                else:
+                    self._count_drop(item)
+            except BaseException as exc:  # noqa: BLE001  (even SystemExit: a dead writer would stall the host)
+                self._writer_error = one_line(exc)
+                self.fail(f"the writer of tap {item.tap!r}", exc)
+                self._count_drop(item)
+            finally:
+                state = self._taps.get(item.tap)
+                if state is not None:
+                    state.rows_settled += item.rows
+                if item.pooled:
+                    self._pool.put(item.data, pinned=item.event is not None)
+                self._release(item.nbytes, done=True)
+        self._finish()
+
+    def _writer_for(self, item: Batch) -> TraceWriter:
+        writer = self._writers.get(item.tap)
+        if writer is None:
+            state = self._taps[item.tap]
+            assert state.width is not None and state.dtype is not None
+            writer = self._open_writer(state)
+        return writer
+
+    def _open_writer(self, state: TapState, retry_seconds: float | None = None) -> TraceWriter:
+        attrs = dict(state.attrs)
+        segment_size, segment_labels = self._segment_layout(state)
+        attrs.update(
+            {
+                "segment_size": segment_size,
+                "segment_labels": segment_labels,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "source": self.source,
+                "meta": self.meta,
+                "limits": self.limits.as_dict(),
+                "phases": list(PHASES),
+            }
+        )
+        common = {"width": int(state.width or 0), "dtype": str(state.dtype), "attrs": attrs,
+                  "chunk_rows": self.chunk_rows, "compressor": self.compressor, "durable": self.durable}
+        writer: Any
+        if self.location.remote:
+            retry = self.retry_seconds if retry_seconds is None else retry_seconds
+            writer = RemoteTraceWriter(self.location, state.name, self.writer_name, retry_seconds=retry, **common)
+            writer.give_up_at = self._give_up_at
+        else:
+            writer = TraceWriter(self.path, state.name, self.writer_name, **common)
+        self._writers[state.name] = writer
+        return writer
+
+    def _segment_layout(self, state: TapState) -> tuple[int | None, list[str] | None]:
+        """The declared segment layout if it fits the width the tap really saw; otherwise none (one
+        warning naming the tap and the field): readers refuse a layout that does not fit, and the
+        rows are worth more than the layout, which compare can infer."""
+        width = int(state.width or 0)
+        size, labels = state.segment_size, state.segment_labels
+        if size is not None and width % size:
+            self._warn_tap(state, "segment_size", f"tap {state.name!r}: field segment_size {size} does not divide "
+                           f"the width {width} it records; the rows are stored without a segment layout")
+            return None, None
+        if labels is not None:
+            segments = width // size if size is not None else len(labels)
+            if size is None and (not labels or width % len(labels)):
+                segments = -1
+            if segments != len(labels):
+                self._warn_tap(state, "segment_labels", f"tap {state.name!r}: field segment_labels names "
+                               f"{len(labels)} segments, which do not fit the width {width}; the labels are not stored")
+                return size, None
+        return size, labels
+
+    def _write(self, item: Batch) -> None:
+        if item.event is not None:
+            item.event.synchronize()
+        values = item.values
+        bf16 = values.dtype == torch.bfloat16
+        array = values.view(torch.int16).numpy().view(np.uint16) if bf16 else values.numpy()
+        writer = self._writer_for(item)
+        labels = {
+            k: (v.numpy() if isinstance(v, torch.Tensor) else v.array() if isinstance(v, DefaultLabels) else v)
+            for k, v in item.labels.items()
+        }
+        seq = labels.get("seq")
+        if seq is not None and np.asarray(seq).dtype.kind in "OUS":
+            labels["seq"] = np.array([writer.seq_id(k) for k in np.asarray(seq).reshape(-1)], dtype=np.int64)
+        rows = array.shape[0]
+        labels = {k: (np.broadcast_to(np.asarray(v), (rows,)) if np.ndim(v) == 0 else v) for k, v in labels.items()}
+        self._sync_counts(writer, item.tap)
+        writer.append(array, labels)
+
+    def _sync_counts(self, writer: TraceWriter, tap: str) -> None:
+        state = self._taps[tap]
+        writer.counts.dropped_rows = state.dropped_rows
+        writer.counts.dropped_batches = state.dropped_batches
+        writer.counts.skipped_rows = state.skipped_rows
+        writer.counts.skipped_batches = state.skipped_batches
+
+    def _count_drop(self, item: Batch) -> None:
+        state = self._taps.get(item.tap)
+        if state is not None:
+            self._add_drop(state, item.rows)
+
+    def _finish(self) -> None:
+        """Final commit of every group, with drop counts; taps that only dropped still get a group."""
+        for name, state in self._taps.items():
+            if name in self._writers or state.width is None:
+                continue
+            if state.dropped_rows or state.skipped_rows or state.error:
+                try:
+                    # One try (no retry round at close): where the writer failed, the store is
+                    # likely out of reach, and the error was said when it happened.
+                    self._open_writer(state, retry_seconds=0.0)
+                except Exception as exc:  # noqa: BLE001
+                    self._close_errors[name] = one_line(exc)
+                    if not (state.error or self.error):  # else said below, with the count
+                        log.error("tracediff: cannot record the drop counts of tap %r: %s", name, exc)
+        for name, writer in self._writers.items():
+            try:
+                self._sync_counts(writer, name)
+                error = self._taps[name].error or self.error
+                writer.close(status="failed" if error else "closed", error=error or "")
+            except Exception as exc:  # noqa: BLE001
+                self._close_errors[name] = one_line(exc)
+                if not (self._taps[name].error or self.error):  # else said below, with the count
+                    log.error("tracediff: closing %s/%s: %s (committed rows stay readable)", self.path, name, exc)
+        self._log_losses()
+        self._report()
+
+    def _log_losses(self) -> None:
+        """After an error stopped recording (logged once, when it happened) and the store could not
+        be reached for the final commit record either (so the store cannot say it): one line per tap
+        with what it cost, rows committed and rows lost (a warning: the error was the one error)."""
+        for name, info in self.outcome()["taps"].items():
+            close_error = self._close_errors.get(name)
+            if not close_error or not (self._taps[name].error or self.error):
+                continue
+            log.warning("tracediff: %s/%s: %d rows committed, %d rows lost after the error; the final commit "
+                        "record could not be written either (%s)", self.location.display, info["group"] or name,
+                        info["rows"], info["dropped_rows"], close_error)
+
+    def _report(self) -> None:
+        """Call ``on_close`` once, whichever thread gets here first (the writer when it is done, or
+        close() when it stopped waiting for it); what it raises is logged, never raised."""
+        with self._state_lock:
+            if self._reported or self._on_close is None:
+                return
+            self._reported = True
+        try:
+            self._on_close(self)
+        except Exception as exc:  # noqa: BLE001  (a report must never break the host's exit)
+            log.error("tracediff: reporting the recording's outcome failed: %s", one_line(exc))
+
+    # ------------------------------------------------------------------ SIGTERM
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            prev = signal.getsignal(signal.SIGTERM)
+            if prev is None:
+                return  # installed from C; leave it alone
+            self._prev_sigterm = prev
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        except (ValueError, OSError):
+            self._prev_sigterm = None
+
+    def _restore_sigterm(self) -> None:
+        if self._prev_sigterm is None or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, self._prev_sigterm)
+        except (ValueError, OSError):
+            pass
+        self._prev_sigterm = None
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        prev = self._prev_sigterm
+        self.close(timeout=30.0)
+        if callable(prev):
+            prev(signum, frame)
+        elif prev == signal.SIG_IGN:
+            return
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
