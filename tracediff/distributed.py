@@ -9,8 +9,12 @@ reads only those rows and returns the blocks' partial results. The client merges
 code, in the same block order, as the threaded pass: the report is the same bits.
 
 A worker holds one block of raw rows of both sides (about 16 MiB), the float32 sub-block buffers of
-:mod:`tracediff.diagnose`, and the per-row metrics of the task it runs: never the trace. Tasks carry
-only numbers and strings the client made; nothing read from a store is unpickled anywhere.
+:mod:`tracediff.diagnose`, and the per-row metrics of the task it runs: never the trace. Of stores read
+by whole chunks (compressed, or at a URL) it also caches up to 72 decoded chunks a thread, and a remote
+stream keeps the chunks it read ahead (about 2 x 64 MiB at most). When the compare ends, the client has
+every worker close that compare's stores and its threads' buffers (``_forget``): an idle worker holds
+none of its rows or open files, however many compares a long-lived cluster runs. Tasks carry only
+numbers and strings the client made; nothing read from a store is unpickled anywhere.
 
 This module imports ``distributed`` only when a runner starts (``pip install 'tracediff[dask]'``).
 """
