@@ -17,9 +17,16 @@ What it does:
   3. Writes (replaces) only the ``## bench_compare_dask`` section of ``--out`` (``--s3``:
      ``## bench_compare_dask_s3``); deletes what it made.
 
+  ``--long-lived N`` measures instead what a long-lived cluster keeps: N compares one after the other
+  on one LocalCluster of the largest ``--workers`` count (started once), each worker's RSS after each
+  compare (nothing forced: no garbage collection, no malloc_trim) and its peak during it, every report
+  checked equal to the first; writes ``## bench_compare_dask_long_lived`` (``--s3``:
+  ``## bench_compare_dask_s3_long_lived``). The goal: RSS after compares 2..N within 10% of each other.
+
 Run:  python benchmarks/bench_compare_dask.py               (0.5 GiB a store, writes benchmarks/RESULTS.md)
       python benchmarks/bench_compare_dask.py --quick       (0.1 GiB, one repeat, prints only)
       python benchmarks/bench_compare_dask.py --s3 --gb 0.25   (the stores read from a loopback S3 server)
+      python benchmarks/bench_compare_dask.py --s3 --gb 0.25 --workers 2 --long-lived 10   (one cluster, 10 compares)
       python benchmarks/bench_compare_dask.py --reference s3://b/train.zarr --candidate s3://b/server.zarr \\
           --storage-option endpoint_url=http://127.0.0.1:9000 --storage-option anon=true
 """
@@ -43,6 +50,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SECTION = "## bench_compare_dask"
 SECTION_S3 = "## bench_compare_dask_s3"
+SECTION_LONG = "## bench_compare_dask_long_lived"
+SECTION_S3_LONG = "## bench_compare_dask_s3_long_lived"
+#: Worker RSS after compares 2..N may differ by this much (max / min - 1) and count as flat.
+FLAT = 0.10
 GIB = 1 << 30
 
 
@@ -222,6 +233,91 @@ def section(cmd: str, info: dict, data: dict, results: dict, value_bytes: int, w
     return "\n".join(lines) + "\n"
 
 
+def run_long_lived(ref: str, cand: str, compares: int, workers: int, storage_options: dict[str, object]) -> dict:
+    """``compares`` compares on one LocalCluster of ``workers`` processes: per compare its time, each
+    worker's peak RSS during it and its RSS once it returned (the runner has released the compare)."""
+    import distributed  # noqa: PLC0415
+    import psutil  # noqa: PLC0415
+
+    from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
+    from tracediff.compare.cluster import DaskRunner  # noqa: PLC0415
+
+    load_start = os.getloadavg()[0]
+    cluster = distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                       dashboard_address="127.0.0.1:0", silence_logs=logging.CRITICAL)
+    runs: list[dict] = []
+    try:
+        with DaskRunner(cluster.scheduler_address, storage_options=storage_options) as runner:
+            client = runner.start()
+            client.wait_for_workers(workers)
+            pids = sorted(client.run(os.getpid).values())
+            procs = [psutil.Process(pid) for pid in pids]
+            idle = [p.memory_info().rss for p in procs]
+            first = None
+            for k in range(compares):
+                with _PeakRSS(pids) as mem:
+                    t = time.perf_counter()
+                    report = compare_stores(ref, cand, CompareOptions(storage_options=storage_options or None,
+                                                                      runner=runner))
+                    seconds = time.perf_counter() - t
+                after = [p.memory_info().rss for p in procs]
+                key = _report_key(report)
+                first = first or key
+                if key != first:
+                    raise SystemExit(f"bench_compare_dask: compare {k + 1} on the long-lived cluster gave another report")
+                runs.append({"seconds": seconds, "peak": [mem.peak[pid] for pid in pids], "after": after})
+                print(f"  compare {k + 1}/{compares}: {seconds:.1f} s, worker RSS after "
+                      f"{', '.join(f'{v / 2**20:.0f}' for v in after)} MiB (peak "
+                      f"{', '.join(f'{v / 2**20:.0f}' for v in runs[-1]['peak'])} MiB)", file=sys.stderr, flush=True)
+    finally:
+        cluster.close()
+    return {"workers": workers, "idle": idle, "runs": runs, "load_start": load_start}
+
+
+def _spread(values: list[int]) -> float:
+    return max(values) / min(values) - 1 if values and min(values) > 0 else float("nan")
+
+
+def section_long_lived(cmd: str, info: dict, data: dict, res: dict, wall: float, heading: str) -> str:
+    mib = 2**20
+    n = res["workers"]
+    runs = res["runs"]
+    cols = [f"worker {w + 1} RSS after" for w in range(n)] + [f"worker {w + 1} peak" for w in range(n)]
+    lines = [
+        heading, "",
+        f"Command: `{cmd}`  ",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}; tracediff {_bench_compare()._revision(REPO)}.  ",
+        f"Machine: {info['cpu']}, {info['cores']} cores, {info['mem_gib']:.0f} GiB; Python {platform.python_version()}, "
+        f"torch {info['torch']}, zarr {info['zarr']}, distributed {info['distributed']}; load average "
+        f"{res['load_start']:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; whole run {wall:.0f} s.  ",
+        f"Stores: {data['what']}; {data['pairs']:,} aligned row pairs.",
+        "",
+        f"{len(runs)} compares one after the other on one LocalCluster of {n} single-threaded worker processes on "
+        "127.0.0.1 (started once, as a team running compare in CI against one cluster would), each "
+        "`compare_stores` with its streaming pass on it. RSS of each worker process (psutil) once the compare "
+        "returned, with nothing forced (no garbage collection, no malloc_trim), and its peak during the compare "
+        "(every 20 ms). Every report was checked equal to the first.",
+        "",
+        "| compare | time | " + " | ".join(cols) + " |",
+        "|---" * (2 + len(cols)) + "|",
+        "| before the first (idle) | - | " + " | ".join(f"{v / mib:.0f} MiB" for v in res["idle"]) + " |"
+        + " - |" * n,
+    ]
+    for k, r in enumerate(runs):
+        lines.append(f"| {k + 1} | {r['seconds']:.1f} s | " + " | ".join(f"{v / mib:.0f} MiB" for v in r["after"])
+                     + " | " + " | ".join(f"{v / mib:.0f} MiB" for v in r["peak"]) + " |")
+    later = runs[1:]
+    after = max((_spread([r["after"][w] for r in later]) for w in range(n)), default=float("nan"))
+    peak = max((_spread([r["peak"][w] for r in later]) for w in range(n)), default=float("nan"))
+    verdict = "flat" if after <= FLAT else "NOT flat"
+    lines += [
+        "",
+        f"From compare 2 to {len(runs)}: worker RSS after a compare within {after:.1%} (max / min - 1, the larger "
+        f"of the workers), peak within {peak:.1%}: {verdict} by the goal of {FLAT:.0%}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _machine() -> dict:
     import distributed  # noqa: PLC0415
     import psutil  # noqa: PLC0415
@@ -300,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="results file (default benchmarks/RESULTS.md; --quick prints only unless given)")
     p.add_argument("--dir", type=Path, default=HERE / "_data", help="scratch folder (git-ignored)")
     p.add_argument("--quick", action="store_true", help="small stores, one run: a smoke test")
+    p.add_argument("--long-lived", type=int, default=0, metavar="N",
+                   help="instead: N compares on one LocalCluster of the largest --workers count, worker RSS after each "
+                        f"(writes '{SECTION_LONG}', with --s3 '{SECTION_S3_LONG}')")
     p.add_argument("--s3", action="store_true",
                    help="push the built stores to a bucket of moto's S3 server started on 127.0.0.1 (a child "
                         "process, stopped at the end) and compare the URLs: workers read the bucket; writes the "
@@ -312,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(x) for x in args.workers.split(",") if x.strip()]
     if not counts or min(counts) < 1:
         p.error("--workers: positive counts, e.g. 1,2")
+    if args.long_lived < 0:
+        p.error("--long-lived N: a number of compares")
     gib = args.gb if args.gb is not None else (0.1 if args.quick else 0.5)
     repeat = args.repeat or (1 if args.quick else 3)
     out = args.out if args.out is not None else (None if args.quick else HERE / "RESULTS.md")
@@ -349,11 +450,16 @@ def main(argv: list[str] | None = None) -> int:
         value_bytes = sum(side.rows * side.width * (2 if side.dtype == "bfloat16" else 4)
                           for side in (probe.reference, probe.candidate))
         data["pairs"] = probe.plan.pairs
-        results = run(ref, cand, value_bytes, counts, repeat, options)
-        text = section(cmd, _machine(), data, results, value_bytes, time.perf_counter() - t_start)
-        heading = SECTION_S3 if args.s3 else SECTION
-        if args.s3:
-            text = text.replace(SECTION, SECTION_S3, 1)
+        if args.long_lived:
+            heading = SECTION_S3_LONG if args.s3 else SECTION_LONG
+            res = run_long_lived(ref, cand, args.long_lived, max(counts), options)
+            text = section_long_lived(cmd, _machine(), data, res, time.perf_counter() - t_start, heading)
+        else:
+            results = run(ref, cand, value_bytes, counts, repeat, options)
+            text = section(cmd, _machine(), data, results, value_bytes, time.perf_counter() - t_start)
+            heading = SECTION_S3 if args.s3 else SECTION
+            if args.s3:
+                text = text.replace(SECTION, SECTION_S3, 1)
         print(text)
         if out is not None:
             bc.write_section(out, text, heading=heading)

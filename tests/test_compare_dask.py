@@ -8,6 +8,7 @@ pair recorded here with the real recorder), worker processes really killed. Bloc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -33,6 +34,7 @@ from tracediff.compare.cluster import DaskRunner, parse_dask_target  # noqa: E40
 from tracediff.compare.stream import stream_metrics  # noqa: E402
 from tracediff.errors import CompareError, UsageError  # noqa: E402
 from tracediff.store import open_store  # noqa: E402
+from tracediff.testing.stores import write_small_store  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "samples"
@@ -202,6 +204,31 @@ def test_a_store_gone_from_the_workers_is_an_error_naming_it(runner, tmp_path):
     assert "\n" not in message
     assert message.startswith("dask worker failed on block 0")
     assert f"candidate {cand}" in message and "no such trace store" in message
+
+
+def _open_files_under(folder: str) -> list[str]:
+    """Run in a worker process: the files below ``folder`` it holds open."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # an fd closed meanwhile
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(folder):
+                out.append(target)
+    return out
+
+
+@slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc (Linux)")
+def test_a_worker_keeps_no_chunk_file_of_a_finished_compare_open(runner, tmp_path):
+    """Chunk files are read in place, kept open from block to block; once the compare is over no
+    worker holds one (a store deleted after its compare frees its disk space at once)."""
+    ref = write_small_store(tmp_path / "train.zarr", chunk_rows=16, seq_lengths=(50,) * 8)
+    cand = write_small_store(tmp_path / "server.zarr", chunk_rows=16, seq_lengths=(50,) * 8)
+    for _ in range(2):
+        report = compare_stores(ref, cand, CompareOptions(block_bytes=SMALL_BLOCKS, runner=runner))
+        assert report.plan.pairs == 400
+        held = runner.client.run(_open_files_under, str(tmp_path))
+        assert held and not any(held.values()), held
 
 
 @slow

@@ -9,8 +9,12 @@ reads only those rows and returns the blocks' partial results. The client merges
 code, in the same block order, as the threaded pass: the report is the same bits.
 
 A worker holds one block of raw rows of both sides (about 16 MiB), the float32 sub-block buffers of
-:mod:`tracediff.compare.stream`, and the per-row metrics of the task it runs: never the trace. Tasks carry
-only numbers and strings the client made; nothing read from a store is unpickled anywhere.
+:mod:`tracediff.compare.stream`, and the per-row metrics of the task it runs: never the trace. Of stores read
+by whole chunks (compressed, or at a URL) it also caches up to 72 decoded chunks a thread, and a remote
+stream keeps the chunks it read ahead (about 2 x 64 MiB at most). When the compare ends, the client has
+every worker close that compare's stores and its threads' buffers (``_forget``): an idle worker holds
+none of its rows or open files, however many compares a long-lived cluster runs. Tasks carry only
+numbers and strings the client made; nothing read from a store is unpickled anywhere.
 
 This module imports ``distributed`` only when a runner starts (``pip install 'tracediff[dask]'``).
 """
@@ -23,7 +27,9 @@ import logging
 import os
 import re
 import threading
+import uuid
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
@@ -72,7 +78,6 @@ class DaskRunner:
         self.task_bytes = task_bytes
         self.client: Any = None
         self.cluster: Any = None
-        self._compares = 0
         self._quiet: list[tuple[logging.Logger, int]] = []
 
     # -- life cycle
@@ -149,8 +154,9 @@ class DaskRunner:
         threads = sum(self.workers().values())
         if threads == 0:
             raise CompareError(f"--dask {self.target}: the scheduler has no workers")
-        self._compares += 1
-        key = f"tracediff-{os.getpid()}-{id(self)}-{self._compares}"
+        # Unique among every client of a shared cluster, and never that of an earlier runner whose
+        # id() this one reuses: a worker keeps a compare's stores and buffers under its key.
+        key = f"tracediff-{os.getpid()}-{uuid.uuid4().hex}"
         raw_row = _raw_row_bytes(plan)
         per_task = max(1, min(self.task_bytes // max(1, plan.block * raw_row), -(-blocks // (4 * threads))))
         plan_future = client.scatter(plan, broadcast=True, hash=False)
@@ -227,14 +233,34 @@ def _task_error(plan: PassPlan, batch: list[BlockSpec], exc: BaseException) -> s
 
 
 # ---------------------------------------------------------------------------------- on the worker
-_STATE = threading.local()  # per worker thread: (compare key, streams, BlockWorker)
-_STORES_LOCK = threading.Lock()
+# What a worker process keeps between the tasks of one compare: its stores (shared by its threads) and
+# one BlockWorker per thread (buffers, chunk caches). Both are let go by ``_forget`` when the compare
+# ends, explicitly: a store and its streams refer to each other, so without it they (and the rows
+# they hold) would wait for the cyclic garbage collector, one compare's worth at a time.
+_LOCK = threading.Lock()
 _STORES: dict[tuple[str, str, str], TraceStore] = {}  # (compare key, location, options) -> store
+
+
+@dataclass
+class _Slot:
+    """A worker thread's BlockWorker for one compare; ``busy`` while a task runs blocks on it."""
+
+    key: str
+    worker: BlockWorker
+    busy: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
+
+    def close(self) -> None:
+        self.closed = True
+        self.worker.close()
+
+
+_SLOTS: dict[int, _Slot] = {}  # worker thread ident -> its slot
 
 
 def _open(key: str, location: str, storage_options: dict[str, Any]) -> TraceStore:
     options = json.dumps(storage_options, sort_keys=True, default=str)
-    with _STORES_LOCK:
+    with _LOCK:
         for k in [k for k in _STORES if k[0] != key]:  # another compare's stores: closed
             _STORES.pop(k).close()
         store = _STORES.get((key, location, options))
@@ -262,29 +288,47 @@ def _streams(key: str, locations: tuple[StreamLocation, ...], storage_options: d
     return out
 
 
-def _worker(plan: PassPlan, key: str, storage_options: dict[str, Any]) -> BlockWorker:
-    state = getattr(_STATE, "current", None)
-    if state is not None and state[0] == key:
-        return state[1]
-    if state is not None:
-        state[1].close()
-        _STATE.current = None
+def _slot(plan: PassPlan, key: str, storage_options: dict[str, Any]) -> _Slot:
+    """This thread's slot for compare ``key`` (made on its first task here; another compare's, closed)."""
+    ident = threading.get_ident()
+    with _LOCK:
+        slot = _SLOTS.get(ident)
+    if slot is not None and slot.key == key and not slot.closed:
+        return slot
+    if slot is not None:
+        with slot.busy:
+            slot.close()
     ref = _streams(key, plan.reference_streams, storage_options, plan.reference_width, plan.reference_dtype)
     cand = _streams(key, plan.candidate_streams, storage_options, plan.candidate_width, plan.candidate_dtype)
-    worker = BlockWorker(plan, ref, cand)
-    _STATE.current = (key, worker)
-    return worker
+    slot = _Slot(key, BlockWorker(plan, ref, cand))
+    with _LOCK:
+        _SLOTS[ident] = slot
+    return slot
 
 
 def run_block_task(plan: PassPlan, key: str, storage_options: dict[str, Any], specs: list[BlockSpec]) -> list[BlockResult]:
     """A dask task: the partial results of ``specs`` (consecutive blocks of one compare)."""
     # One thread per block, as the threaded pass runs them: the cluster's workers are the parallelism.
-    worker = _worker(plan, key, storage_options)
-    return [worker.run(spec) for spec in specs]
+    while True:
+        slot = _slot(plan, key, storage_options)
+        with slot.busy:
+            if not slot.closed:  # else the compare's end closed it between the two lines: a new one
+                return [slot.worker.run(spec) for spec in specs]
 
 
 def _forget(key: str) -> None:
-    """Run on every worker after a compare: close its stores (the threads' buffers go with the next one)."""
-    with _STORES_LOCK:
-        for k in [k for k in _STORES if k[0] == key]:
-            _STORES.pop(k).close()
+    """Run on every worker after a compare: close its stores and its threads' BlockWorkers, so an idle
+    worker holds none of its rows or buffers. A thread still running a task of it (a cancelled
+    compare) keeps its BlockWorker until its next task."""
+    with _LOCK:
+        stores = [_STORES.pop(k) for k in [k for k in _STORES if k[0] == key]]
+        slots = [(ident, slot) for ident, slot in _SLOTS.items() if slot.key == key]
+        for ident, slot in slots:
+            if slot.busy.acquire(blocking=False):
+                try:
+                    slot.close()
+                    del _SLOTS[ident]
+                finally:
+                    slot.busy.release()
+    for store in stores:
+        store.close()

@@ -158,6 +158,11 @@ class TraceStore:
             raise IncompleteStoreError(f"{self.path}: {self.incomplete}")
 
     def close(self) -> None:
+        # A stream and its store refer to each other, so only the cyclic garbage collector frees
+        # them: what a stream holds of the rows goes here, when the store is closed.
+        for streams in getattr(self, "streams", {}).values():
+            for stream in streams:
+                stream.drop_read_ahead()
         if self._zip is not None:
             with contextlib.suppress(AttributeError):  # zarr's ZipStore fails to close if it never opened
                 self._zip.close()

@@ -316,7 +316,11 @@ class TraceStream:
     def _read_ahead(self, index: int) -> np.ndarray:
         """Chunk ``index`` of a remote store, fetched with the next ones (READ_AHEAD_CHUNKS objects
         in flight together, not one round trip per chunk): a streaming pass asks for chunks in
-        order, and each request costs a round trip to the object store."""
+        order, and each request costs a round trip to the object store.
+
+        Each chunk is its own array (never a view of one block of them): a caller that keeps a chunk
+        (a cache of decoded chunks) keeps its own bytes, not the read-ahead block around it. The
+        chunks fetched ahead are held until :meth:`drop_read_ahead` (the store's ``close``)."""
         import threading  # noqa: PLC0415
         from collections import OrderedDict  # noqa: PLC0415
 
@@ -331,13 +335,24 @@ class TraceStream:
             row_bytes = self.width * VALUE_DTYPES[self.dtype].itemsize
             count = max(1, min(READ_AHEAD_CHUNKS, READ_AHEAD_BYTES // max(1, self.chunk_rows * row_bytes)))
             stop_chunk = min(index + count, self.chunks)
-            block = self.read(index * self.chunk_rows, stop_chunk * self.chunk_rows)
+            if self._remote_raw:  # one array per chunk object, as fetched
+                chunks = self._remote_chunks(list(range(index, stop_chunk)))
+            else:  # decoded by zarr into one block: each chunk copied out of it
+                block = self.read(index * self.chunk_rows, stop_chunk * self.chunk_rows)
+                chunks = [block[lo : lo + self.chunk_rows].copy() for lo in range(0, block.shape[0], self.chunk_rows)]
             for c in range(index + 1, stop_chunk):
-                lo = (c - index) * self.chunk_rows
-                ahead[c] = block[lo : lo + self.chunk_rows]
+                ahead[c] = chunks[c - index]
             while len(ahead) > 2 * count:  # chunks skipped over: bounded memory
                 ahead.popitem(last=False)
-            return block[: self.chunk_rows]
+            return chunks[0]
+
+    def drop_read_ahead(self) -> None:
+        """Forget the chunks fetched ahead (a remote store's): the memory goes now, not whenever
+        the garbage collector frees this stream (a stream and its store refer to each other)."""
+        state = self.__dict__.get("_ahead_state")
+        if state is not None:
+            with state[0]:
+                state[1].clear()
 
     def _read_chunk_rows(
         self,

@@ -10,6 +10,7 @@ one store works as the reference and the candidate of ``compare`` and as the sto
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -31,9 +32,10 @@ def write_small_store(
     chunk_rows: int = CHUNK_ROWS,
     seed: int = 0,
     values: str = "random",
+    seq_lengths: Sequence[int] = SEQ_LENGTHS,
 ) -> Path:
     """Write a valid store: taps ``fc_in`` (width 3*HIDDEN) and ``bank`` (width BANK_LAYERS*HIDDEN),
-    one writer group each (``pid1``), sequences of SEQ_LENGTHS tokens in chunks of ``chunk_rows``.
+    one writer group each (``pid1``), sequences of ``seq_lengths`` tokens in chunks of ``chunk_rows``.
 
     ``values``: ``random`` (each layer its own random direction per token), ``nan`` (every value NaN)
     or ``inf`` (every value +inf, alternating sign by row).
@@ -41,7 +43,7 @@ def write_small_store(
     path = Path(path)
     create_store(path, role="test", meta={"aux_layer_ids": [f"hs{j}" for j in FC_LAYERS], "hidden_size": HIDDEN})
     rng = np.random.default_rng(seed)
-    total = sum(SEQ_LENGTHS)
+    total = sum(seq_lengths)
     layers = rng.standard_normal((total, BANK_LAYERS, HIDDEN)).astype(np.float32)
     layers += np.linspace(0.5, 2.0, BANK_LAYERS, dtype=np.float32)[None, :, None]  # layers differ in mean too
     if values == "nan":
@@ -50,10 +52,10 @@ def write_small_store(
         layers[:] = np.where(np.arange(total)[:, None, None] % 2 == 0, np.inf, -np.inf)
     tokens = rng.integers(0, 1000, size=total)
     labels = {
-        "seq": np.concatenate([np.full(n, i) for i, n in enumerate(SEQ_LENGTHS)]),
-        "position": np.concatenate([np.arange(n) for n in SEQ_LENGTHS]),
+        "seq": np.concatenate([np.full(n, i) for i, n in enumerate(seq_lengths)]),
+        "position": np.concatenate([np.arange(n) for n in seq_lengths]),
         "token_id": tokens,
-        "next_token_id": np.concatenate([np.append(t[1:], -1) for t in np.split(tokens, np.cumsum(SEQ_LENGTHS)[:-1])]),
+        "next_token_id": np.concatenate([np.append(t[1:], -1) for t in np.split(tokens, np.cumsum(seq_lengths)[:-1])]),
         "step": np.zeros(total, dtype=np.int64),
         "phase": np.full(total, phase_code("train"), dtype=np.int8),
         "valid": np.ones(total, dtype=bool),
@@ -80,7 +82,7 @@ def write_small_store(
                              chunk_rows=chunk_rows, compressor=compressor)
         stored = encode_bfloat16(rows) if dtype == "bfloat16" else rows.astype(dtype)
         start = 0
-        for n in SEQ_LENGTHS:  # one batch per sequence, as a trainer writes them
+        for n in seq_lengths:  # one batch per sequence, as a trainer writes them
             writer.append(stored[start : start + n], {k: v[start : start + n] for k, v in labels.items()})
             start += n
         writer.close()
