@@ -346,9 +346,9 @@ def schema_problems(document: Any, name: str, *, strict: bool = True, limit: int
 
 def _finite_json(document: Any) -> Any:
     """``document`` as its JSON file holds it: non-finite floats as null (tracediff.compare.results._finite)."""
-    from tracediff.compare.results import _finite  # noqa: PLC0415
+    from tracediff.compare.results import json_safe  # noqa: PLC0415
 
-    return json.loads(json.dumps(_finite(document), allow_nan=False, default=str))
+    return json.loads(json.dumps(json_safe(document), allow_nan=False, default=str))
 
 
 def _object_document(name: str, obj: Any) -> Any:

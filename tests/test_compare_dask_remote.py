@@ -101,12 +101,12 @@ def _held_by_worker() -> dict[str, int]:
 
     import s3fs  # noqa: PLC0415
 
-    from tracediff.compare.stream import _ChunkReader  # noqa: PLC0415
+    from tracediff.compare.gather import ChunkReader  # noqa: PLC0415
     from tracediff.store import TraceStream  # noqa: PLC0415
 
     live = gc.get_objects()
     return {
-        "chunks in caches": sum(len(o.cache) for o in live if isinstance(o, _ChunkReader)),
+        "chunks in caches": sum(len(o.cache) for o in live if isinstance(o, ChunkReader)),
         "chunks read ahead": sum(len(o.__dict__.get("_ahead_state", (None, ()))[1])
                                  for o in live if isinstance(o, TraceStream)),
         "s3 filesystems": sum(isinstance(o, s3fs.S3FileSystem) for o in live),

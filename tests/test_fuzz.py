@@ -32,8 +32,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tracediff.compare import CompareOptions, compare_stores
-from tracediff.compare.align import RowIndex, align_sequences, pair_rows
+from tracediff.compare.align import align_sequences, pair_rows
 from tracediff.compare.identify import identify_segments
+from tracediff.compare.rows import RowIndex
 from tracediff.describe import describe_store
 from tracediff.errors import TracediffError
 from tracediff.store import ChunkFiles, TraceStore, open_store

@@ -11,185 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tracediff.errors import CompareError, UsageError
-from tracediff.store import TraceStore, TraceStream
+from tracediff.compare.rows import RowIndex
+from tracediff.errors import CompareError
 
 if TYPE_CHECKING:
-    from tracediff.store.storeset import StoreSet
+    pass
 
 _NGRAM = 4
 _MAX_HASH_REPEAT = 64  # an n-gram seen more often than this in the reference (padding...) casts no vote
 _VOTE_BATCH_ROWS = 1 << 19  # candidate rows whose n-grams are looked up together
 _MAX_ALIGNMENTS = 4  # alternative (reference sequence, delta) hypotheses kept per candidate sequence
-_INDEX_FIELDS = ("seq", "position", "token_id", "next_token_id", "step", "phase", "valid")
-_OPTIONAL_FIELDS = ("step",)  # label sets built in memory may leave these out (0 then)
-_INDEX_DTYPES = {"seq": np.int64, "position": np.int64, "token_id": np.int64, "next_token_id": np.int64,
-                 "step": np.int64, "phase": np.int8, "valid": np.bool_}
-
-
-def _sequence_groups(stream: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """Dense id of each row's (stream, seq) pair, and the pairs in id order. One int64 key per pair
-    when the ids are small (always, for real traces); exact for any int64 ids otherwise."""
-    if seq.size == 0:
-        return np.empty(0, dtype=np.int64), []
-    if int(seq.min()) >= -(1 << 39) and int(seq.max()) < (1 << 39):
-        combined = stream.astype(np.int64) * (1 << 40) + (seq & ((1 << 40) - 1))
-        uniq, group = np.unique(combined, return_inverse=True)
-        pairs = []
-        for u in uniq.tolist():
-            s_idx, value = u >> 40, u & ((1 << 40) - 1)
-            pairs.append((s_idx, value - (1 << 40) if value >= (1 << 39) else value))
-        return group.astype(np.int64).reshape(-1), pairs
-    uniq, group = np.unique(np.stack([stream.astype(np.int64), seq], axis=1), axis=0, return_inverse=True)
-    return group.astype(np.int64).reshape(-1), [(int(a), int(b)) for a, b in uniq.tolist()]
-
-
-def _split_samples(group: np.ndarray, keys: list[str], position: np.ndarray,
-                   valid: np.ndarray) -> tuple[np.ndarray, list[str], int]:
-    """Split every sequence whose positions restart into its samples.
-
-    A trainer that packs several samples into one batch row (varlen / padding-free attention) hands
-    a recorder the packed row as its sequence key while the positions restart at every sample; an
-    engine that recomputes a preempted request restarts it too. Within one sequence, in the order
-    its rows were recorded, a valid row whose position is below the previous valid row's starts a
-    new sample (invalid rows, such as padding between samples, stay with the sample before them).
-    Returns the new dense group of every row, their keys (``key#k`` for sample k of a split
-    sequence) and how many sequences were split."""
-    if group.size == 0:
-        return group, keys, 0
-    order = np.argsort(group, kind="stable")  # each sequence's rows in recorded order
-    g, v = group[order], valid[order]
-    vrows = np.flatnonzero(v)
-    starts = np.zeros(order.size, dtype=bool)
-    if vrows.size > 1:
-        same = g[vrows[1:]] == g[vrows[:-1]]
-        back = position[order[vrows[1:]]] < position[order[vrows[:-1]]]
-        starts[vrows[1:][same & back]] = True
-    if not starts.any():
-        return group, keys, 0
-    first = np.r_[True, g[1:] != g[:-1]]
-    # Sample ordinal within the sequence: restarts counted from the sequence's first row.
-    count = np.cumsum(starts)
-    base = np.maximum.accumulate(np.where(first, count - starts, 0))
-    ordinal = count - base
-    split_groups = np.unique(g[starts])
-    n_samples = np.zeros(len(keys), dtype=np.int64)
-    np.maximum.at(n_samples, g, ordinal)
-    combined = np.empty(group.size, dtype=np.int64)
-    width = int(n_samples.max()) + 1
-    combined[order] = g * width + ordinal
-    uniq, new_group = np.unique(combined, return_inverse=True)
-    new_keys = [keys[u // width] if n_samples[u // width] == 0 else f"{keys[u // width]}#{u % width}"
-                for u in uniq.tolist()]
-    return new_group.astype(np.int64).reshape(-1), new_keys, int(split_groups.size)
-
-
-def stream_names(streams: Sequence[TraceStream]) -> list[str]:
-    """Each stream's name in row references: its writer, prefixed by its store's name when the
-    streams come from several stores (one trace over many stores), so a row names where it lives."""
-    stores: list[Any] = []
-    for s in streams:
-        if not any(s.store is t for t in stores):
-            stores.append(s.store)
-    if len(stores) < 2:
-        return [s.writer for s in streams]
-    short = [Path(str(t.path)).name for t in stores]
-    names = short if len(set(short)) == len(short) else [str(t.path) for t in stores]
-    return [f"{names[next(k for k, t in enumerate(stores) if s.store is t)]}/{s.writer}" for s in streams]
-
-
-@dataclass
-class RowIndex:
-    """Labels of every committed row of one tap, across its writer groups (one entry per row)."""
-
-    store: TraceStore | StoreSet  # a StoreSet: one trace over several stores
-    tap: str
-    streams: list[TraceStream]
-    stream: np.ndarray  # int32: which stream
-    row: np.ndarray  # int64: row within that stream
-    group: np.ndarray  # int64: sequence group (stream, seq) -> dense id
-    seq: np.ndarray
-    position: np.ndarray
-    token_id: np.ndarray
-    next_token_id: np.ndarray
-    step: np.ndarray
-    phase: np.ndarray
-    valid: np.ndarray
-    group_keys: list[str]
-    split_sequences: int = 0  # labelled sequences whose positions restart: split into their samples
-
-    @classmethod
-    def load(cls, store: TraceStore | StoreSet, tap: str) -> RowIndex:
-        streams = store.tap_streams(tap)
-        return cls.from_labels(store, tap, streams, [s.labels(_INDEX_FIELDS) for s in streams])
-
-    @classmethod
-    def from_labels(
-        cls, store: TraceStore | StoreSet, tap: str, streams: Sequence[TraceStream], labels: Sequence[dict[str, np.ndarray]]
-    ) -> RowIndex:
-        """The index of label columns already read: ``labels[i]`` holds stream i's columns
-        (:data:`_INDEX_FIELDS`), one entry per row. Any int64 values are accepted."""
-        if len(labels) != len(streams):
-            raise UsageError(f"RowIndex: {len(labels)} label sets for {len(streams)} streams")
-        cols: dict[str, list[np.ndarray]] = {k: [] for k in _INDEX_FIELDS}
-        stream_ids, rows = [], []
-        for i, (s, columns) in enumerate(zip(streams, labels, strict=True)):
-            missing = [k for k in _INDEX_FIELDS if k not in columns and k not in _OPTIONAL_FIELDS]
-            if missing:
-                raise UsageError(f"{store.path}/{tap}/{s.writer}: label columns {missing} are missing")
-            n_rows = np.asarray(columns["seq"]).reshape(-1).shape[0]
-            arrays = {k: np.asarray(columns[k]).reshape(-1) if k in columns else np.zeros(n_rows, dtype=np.int64)
-                      for k in _INDEX_FIELDS}
-            lengths = {k: a.shape[0] for k, a in arrays.items()}
-            if len(set(lengths.values())) != 1:
-                raise UsageError(f"{store.path}/{tap}/{s.writer}: label columns differ in length {lengths}")
-            n = lengths["seq"]
-            for k in _INDEX_FIELDS:
-                cols[k].append(arrays[k])
-            stream_ids.append(np.full(n, i, dtype=np.int32))
-            rows.append(np.arange(n, dtype=np.int64))
-        cat: dict[str, np.ndarray] = {
-            k: np.concatenate(v).astype(_INDEX_DTYPES[k], copy=False) if v else np.empty(0, dtype=_INDEX_DTYPES[k])
-            for k, v in cols.items()
-        }
-        stream = np.concatenate(stream_ids) if stream_ids else np.empty(0, dtype=np.int32)
-        # Sequence ids are per writer process: (stream, seq) is the key of a sequence.
-        group, pairs = _sequence_groups(stream, cat["seq"])
-        keys = []
-        writers = stream_names(streams)
-        for s_idx, seq in pairs:
-            name = streams[s_idx].seq_names.get(seq, str(seq))
-            keys.append(name if len(streams) == 1 else f"{writers[s_idx]}:{name}")
-        group, keys, split = _split_samples(group, keys, cat["position"], cat["valid"])
-        return cls(
-            store=store,
-            tap=tap,
-            streams=list(streams),
-            stream=stream,
-            row=np.concatenate(rows) if rows else np.empty(0, dtype=np.int64),
-            group=group,
-            seq=cat["seq"],
-            position=cat["position"],
-            token_id=cat["token_id"],
-            next_token_id=cat["next_token_id"],
-            step=cat["step"],
-            phase=cat["phase"],
-            valid=cat["valid"],
-            group_keys=keys,
-            split_sequences=split,
-        )
-
-    def __len__(self) -> int:
-        return int(self.stream.shape[0])
-
-    @property
-    def has_tokens(self) -> bool:
-        return bool((self.token_id[self.valid] >= 0).any())
 
 
 @dataclass
@@ -291,8 +126,8 @@ class Alignment:
     by_tokens: bool
     notes: list[str] = field(default_factory=list)
     candidate_duplicates: int = 0
-    _ref_groups: dict[int, _Group] = field(default_factory=dict, repr=False)
-    _cand_groups: dict[int, _Group] = field(default_factory=dict, repr=False)
+    ref_groups: dict[int, _Group] = field(default_factory=dict, repr=False)
+    cand_groups: dict[int, _Group] = field(default_factory=dict, repr=False)
 
     @property
     def aligned_sequences(self) -> int:
@@ -548,7 +383,7 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     for seq in alignment.sequences:
         if wanted is not None and seq.candidate_group not in wanted:
             continue
-        g = alignment._cand_groups[seq.candidate_group]
+        g = alignment.cand_groups[seq.candidate_group]
         if not seq.hypotheses:
             unaligned += g.rows.size
             continue
@@ -560,7 +395,7 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
         used: dict[int, np.ndarray] = {}
         primary = seq.hypotheses[0][0]
         for h_i, (ref_key, delta, _votes) in enumerate(seq.hypotheses):
-            rg = alignment._ref_groups[ref_key]
+            rg = alignment.ref_groups[ref_key]
             free = ~taken
             # Token consistency under this hypothesis (label positions, before the offset).
             idx_c, at = _find_positions(rg.positions, g.positions - delta)
@@ -587,7 +422,7 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             # Python ints: positions near the int64 limits must not wrap around.
             first = int(np.argmax(taken))  # positions are sorted
             eff = int(row_delta[first]) - offset
-            rg0 = alignment._ref_groups[seq.hypotheses[0][0]]
+            rg0 = alignment.ref_groups[seq.hypotheses[0][0]]
             before = (g.positions < int(g.positions[first])) & (g.positions < int(rg0.positions[0]) + eff) \
                 if eff > 0 else np.zeros(g.rows.size, dtype=bool)
             extra = before & ~taken
@@ -596,7 +431,7 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             insertions += _insertions(seq.candidate_group, g, taken, row_delta)
             # Rows past the last position of the reference sequence they align with: the two
             # sequences end differently (coverage), whatever else they are.
-            end = int(alignment._ref_groups[primary].positions[-1]) + int(seq.hypotheses[0][1])
+            end = int(alignment.ref_groups[primary].positions[-1]) + int(seq.hypotheses[0][1])
             trailing += int((~taken & (g.positions > end)).sum())
         unaligned += int((~taken).sum())
     cand = np.concatenate(cand_out) if cand_out else np.empty(0, dtype=np.int64)

@@ -289,8 +289,8 @@ def _reference_prefix(alignment: Alignment, neg: dict[int, int]) -> dict[str, An
         d = neg.get(seq.candidate_group)
         if d is None or seq.best is None:
             continue
-        rg = alignment._ref_groups[seq.best[0]]
-        cg = alignment._cand_groups[seq.candidate_group]
+        rg = alignment.ref_groups[seq.best[0]]
+        cg = alignment.cand_groups[seq.candidate_group]
         # Reference positions before where the candidate starts (after the shift).
         before = rg.positions < cg.positions.min() - d
         if before.any():

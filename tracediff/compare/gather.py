@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tracediff.compare.align import RowIndex
+from tracediff.compare.rows import RowIndex
 from tracediff.store import ChunkFiles, TraceStream
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from tracediff.adapters.conventions import FINAL_NORM, layer_text
-from tracediff.compare.align import RowIndex, align_sequences
+from tracediff.compare.align import align_sequences
 from tracediff.compare.metadata import num_layers, side_aux_layers
 from tracediff.compare.noise import DEFAULT_DEPTH, decide_compute_dtype
 from tracediff.compare.plan import (
@@ -30,6 +30,7 @@ from tracediff.compare.plan import (
     sample_pairs,
     tap_summary,
 )
+from tracediff.compare.rows import RowIndex
 from tracediff.compare.segments import (
     lower_median,
     noise_floor,

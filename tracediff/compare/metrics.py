@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.compare.align import RowIndex, RowPairs
+from tracediff.compare.align import RowPairs
 from tracediff.compare.results import RowRef, SegmentMetrics, SegmentProfile
+from tracediff.compare.rows import RowIndex
 
 
 @dataclass

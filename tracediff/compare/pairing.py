@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.compare.align import RowIndex, RowPairs
+from tracediff.compare.align import RowPairs
+from tracediff.compare.rows import RowIndex
 from tracediff.store import PHASES
 
 #: A pattern names the mismatched rows when at least this share of them has it.

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.compare.align import Alignment, RowIndex, RowPairs, pair_rows
+from tracediff.compare.align import Alignment, RowPairs, pair_rows
 from tracediff.compare.gather import ChunkReader, aligned_empty
 from tracediff.compare.metrics import ProfileRequest
 from tracediff.compare.noise import (
@@ -36,6 +36,7 @@ from tracediff.compare.noise import (
     segment_noise,
     with_limits,
 )
+from tracediff.compare.rows import RowIndex
 from tracediff.compare.segments import (
     NoiseFloor,
     SegmentDecision,
@@ -258,7 +259,7 @@ def offset_search(
 
 def _scoring_groups(alignment: Alignment, rows: int, seed: int) -> list[int] | None:
     """Candidate sequences, drawn at random, holding at least ``rows`` rows; None when that is all."""
-    sizes = [(s.candidate_group, int(alignment._cand_groups[s.candidate_group].rows.size))
+    sizes = [(s.candidate_group, int(alignment.cand_groups[s.candidate_group].rows.size))
              for s in alignment.sequences if s.hypotheses]
     if sum(n for _, n in sizes) <= rows:
         return None

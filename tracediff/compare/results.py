@@ -298,7 +298,7 @@ class Report:
         out["verdict"] = self.verdict
         out["counts"] = self.counts()
         out["causes"] = [asdict(c) for c in self.causes()]
-        return _finite(out)
+        return json_safe(out)
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False, allow_nan=False)
@@ -320,12 +320,12 @@ def _explained_by(f: Finding) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _finite(obj: Any) -> Any:
+def json_safe(obj: Any) -> Any:
     """JSON has no NaN/Infinity: write them as null (documented in the schema)."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {k: json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
+        return [json_safe(v) for v in obj]
     return obj

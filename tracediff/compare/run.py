@@ -18,7 +18,7 @@ import numpy as np
 
 from tracediff import __version__
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
-from tracediff.compare.align import RowIndex, align_sequences, pair_rows, stream_names
+from tracediff.compare.align import align_sequences, pair_rows
 from tracediff.compare.findings import build_findings
 from tracediff.compare.metadata import aux_config, config_diff, num_layers, same_recording, side_aux_layers
 from tracediff.compare.metrics import StreamResult, with_subset_profiles
@@ -42,6 +42,7 @@ from tracediff.compare.plan import (
 )
 from tracediff.compare.remedy import attach_next_steps
 from tracediff.compare.results import Finding, Plan, Report, SegmentMatch, Side
+from tracediff.compare.rows import RowIndex, stream_names
 from tracediff.compare.segments import SegmentDecision
 from tracediff.compare.stream import prepare_kernel, stream_metrics
 from tracediff.compare.subsets import describe_subset, find_subset, might_hold_subset, subset_labels
@@ -186,8 +187,8 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
         tap_candidate=ctap,
         segment_size=sizes.reference if sizes.comparable else 0,
         segment_size_source=sizes.source,
-        sequences_reference=len(alignment._ref_groups),
-        sequences_candidate=len(alignment._cand_groups),
+        sequences_reference=len(alignment.ref_groups),
+        sequences_candidate=len(alignment.cand_groups),
         sequences_aligned=alignment.aligned_sequences,
         sequence_deltas={str(k): v for k, v in deltas.items()},
         label_offset=offset,
@@ -303,7 +304,7 @@ def _reference_replica_notes(alignment: Any, ref_index: RowIndex) -> list[str]:
     seen: dict[bytes, int] = {}
     copies, rows, writers = 0, 0, set()
     names = stream_names(ref_index.streams)
-    for key, g in alignment._ref_groups.items():
+    for key, g in alignment.ref_groups.items():
         if g.tokens.size == 0 or (g.tokens < 0).all():
             continue
         digest = g.positions.tobytes() + b"|" + g.tokens.tobytes()
@@ -312,7 +313,7 @@ def _reference_replica_notes(alignment: Any, ref_index: RowIndex) -> list[str]:
             copies += 1
             rows += int(g.rows.size)
             for k in (first, key):
-                writers.add(names[int(ref_index.stream[alignment._ref_groups[k].rows[0]])])
+                writers.add(names[int(ref_index.stream[alignment.ref_groups[k].rows[0]])])
     if not copies:
         return []
     return [f"{copies} reference sequences ({rows} rows) are held whole by more than one reference writer group "

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
-from tracediff.compare.align import RowIndex, RowPairs
+from tracediff.compare.align import RowPairs
 from tracediff.compare.gather import ChunkReader, aligned_empty, reference_files, usable_cpus
 from tracediff.compare.kernels import (
     dot,
@@ -50,6 +50,7 @@ from tracediff.compare.metrics import (
     finish_metrics,
     profile_of,
 )
+from tracediff.compare.rows import RowIndex
 from tracediff.compare.segments import to_float32
 from tracediff.errors import CompareError
 from tracediff.store import VALUE_DTYPES, TraceStream

@@ -71,9 +71,9 @@ def write_json(path: str | os.PathLike[str], document: object) -> Path:
     target = Path(path)
     if not target.parent.is_dir():
         raise ReportWriteError(f"cannot write {target}: folder {target.parent} does not exist; create it first")
-    from tracediff.compare.results import _finite  # noqa: PLC0415
+    from tracediff.compare.results import json_safe  # noqa: PLC0415
 
-    _write_atomic(target, json.dumps(_finite(document), indent=2, allow_nan=False, default=str) + "\n")
+    _write_atomic(target, json.dumps(json_safe(document), indent=2, allow_nan=False, default=str) + "\n")
     return target
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from tracediff.errors import UsageError
-from tracediff.store.format import LABEL_DTYPES, LABEL_FIELDS, LABEL_FILL, VALUE_DTYPES, _zarr
+from tracediff.store.format import LABEL_DTYPES, LABEL_FIELDS, LABEL_FILL, VALUE_DTYPES, zarr_module
 
 
 def batch_columns(values: np.ndarray, labels: Mapping[str, np.ndarray], tap: str, width: int,
@@ -56,16 +56,16 @@ class WriterCounts:
         return dict(self.__dict__)
 
 
-def _rows_view(array: Any, rows: int) -> Any:
+def rows_view(array: Any, rows: int) -> Any:
     """``array``'s async twin (same store, codecs and config) with a shape of ``rows`` rows, held in
     memory only: it writes chunks past the array's recorded shape without rewriting its zarr.json."""
     if array.shape[0] == rows:
         return array.async_array
     metadata = array.metadata.update_shape((rows, *array.shape[1:]))
-    return _zarr().AsyncArray(metadata=metadata, store_path=array.store_path, config=array.config)
+    return zarr_module().AsyncArray(metadata=metadata, store_path=array.store_path, config=array.config)
 
 
-def _run_all(coroutines: Sequence[Any]) -> None:
+def run_all(coroutines: Sequence[Any]) -> None:
     """Run zarr coroutines together on zarr's event loop, in one round trip from this thread (each
     sync call costs ~1.5 ms here, and a batch touches eight arrays). All finish before the first
     error, if any, is raised: nothing still writes when the caller handles it."""
@@ -81,6 +81,6 @@ def _run_all(coroutines: Sequence[Any]) -> None:
             raise result
 
 
-def _check_name(name: str, what: str) -> None:
+def check_name(name: str, what: str) -> None:
     if not name or "/" in name or name.startswith(".") or name.startswith("__") or name != name.strip():
         raise UsageError(f"invalid {what} name {name!r}: use letters, digits, '_' and '-'")

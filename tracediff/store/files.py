@@ -12,10 +12,10 @@ from tracediff.errors import (
     StoreError,
 )
 
-_IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
+IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
 
 
-def _file_kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
     if stat.S_ISDIR(mode):
         return "a folder"
     if stat.S_ISFIFO(mode):
@@ -27,7 +27,7 @@ def _file_kind(mode: int) -> str:
     return "not a plain file"
 
 
-def _open_plain_file(path: str) -> int | None:
+def open_plain_file(path: str) -> int | None:
     """Open ``path`` for reading without ever blocking (a FIFO would wait forever for a writer);
     None when it does not exist; :class:`CorruptStoreError` when it cannot be read or is not a
     plain file (symlink loop, folder, FIFO, socket, device)."""
@@ -36,22 +36,22 @@ def _open_plain_file(path: str) -> int | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise _read_error(path, exc) from exc
+        raise read_error(path, exc) from exc
     try:
         mode = os.fstat(fd).st_mode
     except OSError as exc:
         os.close(fd)
-        raise _read_error(path, exc) from exc
+        raise read_error(path, exc) from exc
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise CorruptStoreError(f"{path}: is {_file_kind(mode)}, not a file")
+        raise CorruptStoreError(f"{path}: is {file_kind(mode)}, not a file")
     return fd
 
 
-def _open_chunk_file(path: str, size: int) -> int:
+def open_chunk_file(path: str, size: int) -> int:
     """File descriptor of an uncompressed chunk file of exactly ``size`` bytes. A missing chunk is
     corruption, never the fill value: the writer writes every chunk of the rows it commits."""
-    fd = _open_plain_file(path)
+    fd = open_plain_file(path)
     if fd is None:
         raise CorruptStoreError(f"{path}: chunk file is missing (deleted?) but holds committed rows")
     actual = os.fstat(fd).st_size
@@ -61,7 +61,7 @@ def _open_chunk_file(path: str, size: int) -> int:
     return fd
 
 
-def _read_error(where: str, exc: OSError, verb: str = "read") -> StoreError:
+def read_error(where: str, exc: OSError, verb: str = "read") -> StoreError:
     """The error for a file of the store that the OS will not read: a permission problem is not
     damage (:class:`StoreError`), anything else is (:class:`CorruptStoreError`)."""
     reason = exc.strerror or str(exc)
@@ -87,7 +87,7 @@ class ChunkFiles:
         if fd is not None:
             self._fds.move_to_end(path)
             return fd
-        fd = _open_chunk_file(path, size)
+        fd = open_chunk_file(path, size)
         self._fds[path] = fd
         while len(self._fds) > self.limit:
             os.close(self._fds.popitem(last=False)[1])

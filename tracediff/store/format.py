@@ -93,7 +93,7 @@ def encode_bfloat16(values_f32: np.ndarray) -> np.ndarray:
     return out
 
 
-def _now_iso() -> str:
+def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
@@ -106,12 +106,12 @@ def default_source(role: str, framework: str = "", framework_version: str = "") 
         "argv": list(sys.argv),
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "started": _now_iso(),
+        "started": now_iso(),
         "python": sys.version.split()[0],
     }
 
 
-def _zarr():
+def zarr_module():
     import zarr  # noqa: PLC0415  (imported lazily: the injected shim must stay cheap)
 
     return zarr
@@ -183,5 +183,5 @@ def _jsonable(obj: Any) -> Any:
 # data: no codec that could run code from a file (zarr v2's pickle and object codecs), no vlen or
 # sharding codec, no metadata that makes a reader allocate more than a chunk file can hold.
 ALLOWED_CODECS = frozenset({"bytes", "blosc", "zstd"})
-_MAX_CHUNK_BYTES = 0x7FFFF000  # the most one read() returns on Linux; blosc holds less
-_MAX_METADATA_BYTES = 64 << 20  # a zarr.json larger than this is not one tracediff wrote
+MAX_CHUNK_BYTES = 0x7FFFF000  # the most one read() returns on Linux; blosc holds less
+MAX_METADATA_BYTES = 64 << 20  # a zarr.json larger than this is not one tracediff wrote

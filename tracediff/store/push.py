@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracediff.errors import NotATraceStoreError, StoreExistsError, StoreWriteError, UsageError
-from tracediff.store.format import _MAX_METADATA_BYTES, LABEL_FIELDS, _now_iso
+from tracediff.store.format import LABEL_FIELDS, MAX_METADATA_BYTES, now_iso
 from tracediff.store.location import FETCH_CONCURRENCY, Location, remote_error
 from tracediff.store.reader import TraceStore
 
@@ -121,11 +121,11 @@ def _plan(local: TraceStore) -> dict[str, Any]:
     """The objects to upload, from the store as opened (one consistent snapshot of every commit
     record, whatever a live writer commits meanwhile): chunk keys of committed rows, array
     metadata with the committed shape, the commit records."""
-    root = local._read_bytes("zarr.json", _MAX_METADATA_BYTES)
+    root = local._read_bytes("zarr.json", MAX_METADATA_BYTES)
     assert root is not None
     taps, groups = [], []
     for tap in local.taps:
-        doc = local._read_bytes(f"{tap}/zarr.json", _MAX_METADATA_BYTES)
+        doc = local._read_bytes(f"{tap}/zarr.json", MAX_METADATA_BYTES)
         assert doc is not None
         taps.append((tap, doc))
         for stream in local.streams[tap]:
@@ -165,7 +165,7 @@ def _marked_root(root: bytes, src: str) -> bytes:
         "status": "uploading",
         "from": src,
         "host": socket.gethostname(),
-        "started": _now_iso(),
+        "started": now_iso(),
     }
     return json.dumps(doc, indent=2).encode()
 

@@ -24,11 +24,19 @@ from tracediff.errors import (
     UsageError,
     first_line,
 )
-from tracediff.store.files import _file_kind, _open_plain_file, _read_error
-from tracediff.store.format import _MAX_METADATA_BYTES, FORMAT, LABEL_DTYPES, LABEL_FIELDS, PHASES, VALUE_DTYPES, _zarr
+from tracediff.store.files import file_kind, open_plain_file, read_error
+from tracediff.store.format import (
+    FORMAT,
+    LABEL_DTYPES,
+    LABEL_FIELDS,
+    MAX_METADATA_BYTES,
+    PHASES,
+    VALUE_DTYPES,
+    zarr_module,
+)
 from tracediff.store.location import Location, remote_error
 from tracediff.store.stream import TraceStream
-from tracediff.store.validate import _check_array_doc, _group_attributes, _is_int, _json_type, _short_repr
+from tracediff.store.validate import check_array_doc, group_attributes, is_int, json_type, short_repr
 
 _CHUNK_KEY = re.compile(r"^(.*)/c(?:/\d+)+$")
 
@@ -85,7 +93,7 @@ class TraceStore:
                 self._zip = ZipStore(str(self.path), mode="r")
                 self._zstore = self._zip
             else:
-                what = "a file but not a zip archive (or a truncated one)" if stat.S_ISREG(mode) else _file_kind(mode)
+                what = "a file but not a zip archive (or a truncated one)" if stat.S_ISREG(mode) else file_kind(mode)
                 raise NotATraceStoreError(
                     f"{self.path}: not a trace store (neither a folder nor a .zarr.zip file: it is {what})"
                 )
@@ -111,7 +119,7 @@ class TraceStore:
                 f"{loc.display}: a .zarr.zip store is read from a local file; download it, or push the store folder "
                 "(tracediff push) and read that URL"
             )
-        if self._read_bytes("zarr.json", _MAX_METADATA_BYTES) is None:
+        if self._read_bytes("zarr.json", MAX_METADATA_BYTES) is None:
             try:
                 entries = loc.fs.ls(loc.root, detail=False)
             except FileNotFoundError as exc:
@@ -130,7 +138,7 @@ class TraceStore:
         if doc is None:
             raise NotATraceStoreError(f"{self.path}: not a zarr v3 store (no zarr.json at its top)")
         where = self._display("zarr.json")
-        attrs = _group_attributes(doc, where, error=NotATraceStoreError)
+        attrs = group_attributes(doc, where, error=NotATraceStoreError)
         header = attrs.get("tracediff")
         if not isinstance(header, dict):
             raise NotATraceStoreError(f"{where}: no 'tracediff' attribute: this zarr is not a trace store")
@@ -201,7 +209,7 @@ class TraceStore:
                 raise CorruptStoreError(
                     f"{where}: cannot be read from the zip ({type(exc).__name__}: {first_line(exc)})"
                 ) from exc
-        fd = _open_plain_file(where)
+        fd = open_plain_file(where)
         if fd is None:
             return None
         try:
@@ -221,7 +229,7 @@ class TraceStore:
                     )
             return b"".join(parts)
         except OSError as exc:
-            raise _read_error(where, exc) from exc
+            raise read_error(where, exc) from exc
         finally:
             os.close(fd)
 
@@ -230,7 +238,7 @@ class TraceStore:
         name = f"{key}/zarr.json" if key else "zarr.json"
         where = self._display(name)
         error = NotATraceStoreError if root else CorruptStoreError
-        data = self._read_bytes(name, _MAX_METADATA_BYTES)
+        data = self._read_bytes(name, MAX_METADATA_BYTES)
         if data is None:
             return None
         try:
@@ -238,7 +246,7 @@ class TraceStore:
         except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise error(f"{where}: not valid JSON ({first_line(exc)})") from exc
         if not isinstance(doc, dict):
-            raise error(f"{where}: holds {_json_type(doc)}, expected a JSON object (zarr v3 metadata)")
+            raise error(f"{where}: holds {json_type(doc)}, expected a JSON object (zarr v3 metadata)")
         if doc.get("zarr_format") != 3:
             raise error(f"{where}: field zarr_format is {doc.get('zarr_format')!r}, expected 3 (a zarr v3 store)")
         if doc.get("node_type") not in ("group", "array"):
@@ -252,7 +260,7 @@ class TraceStore:
             # without one is a writer still creating its group (or killed doing so), no node.
             prefix = f"{key}/" if key else ""
             names = [n for n in self._remote.list_folders(key) if n != "zarr.json"]
-            docs = self._remote.read_objects([f"{prefix}{n}/zarr.json" for n in names], limit=_MAX_METADATA_BYTES)
+            docs = self._remote.read_objects([f"{prefix}{n}/zarr.json" for n in names], limit=MAX_METADATA_BYTES)
             out = []
             for name, doc in zip(names, docs, strict=True):
                 if isinstance(doc, FileNotFoundError):
@@ -277,7 +285,7 @@ class TraceStore:
             with os.scandir(where) as entries:
                 names = sorted(e.name for e in entries if e.name != "zarr.json")
         except OSError as exc:
-            raise _read_error(where, exc, "listed") from exc
+            raise read_error(where, exc, "listed") from exc
         out = []
         for name in names:
             child = os.path.join(where, name)
@@ -286,7 +294,7 @@ class TraceStore:
             except FileNotFoundError:  # a dangling link or a file renamed away meanwhile: no node
                 continue
             except OSError as exc:  # a symlink loop where a node could be
-                raise _read_error(child, exc) from exc
+                raise read_error(child, exc) from exc
             if not is_dir:
                 continue
             try:
@@ -294,7 +302,7 @@ class TraceStore:
             except FileNotFoundError:  # a folder that is no zarr node (a writer killed while creating it)
                 continue
             except OSError as exc:  # unreadable: never skip a tap or writer silently
-                raise _read_error(os.path.join(child, "zarr.json"), exc) from exc
+                raise read_error(os.path.join(child, "zarr.json"), exc) from exc
             out.append(name)
         return out
 
@@ -311,7 +319,7 @@ class TraceStore:
         except FileNotFoundError:
             return 0
         except OSError as exc:
-            raise _read_error(self._display(key + "/c"), exc, "listed") from exc
+            raise read_error(self._display(key + "/c"), exc, "listed") from exc
 
     def _check_chunk(self, key: str, raw_size: int | None) -> None:
         """Chunk ``key`` holds committed rows: it must be a plain file, of exactly ``raw_size`` bytes
@@ -329,10 +337,10 @@ class TraceStore:
             except FileNotFoundError:
                 size = None
             except OSError as exc:
-                raise _read_error(where, exc) from exc
+                raise read_error(where, exc) from exc
             else:
                 if not stat.S_ISREG(st.st_mode):
-                    raise CorruptStoreError(f"{where}: is {_file_kind(st.st_mode)}, not a chunk file")
+                    raise CorruptStoreError(f"{where}: is {file_kind(st.st_mode)}, not a chunk file")
                 size = st.st_size
         if size is None:
             raise CorruptStoreError(f"{where}: chunk file is missing (deleted?) but holds committed rows")
@@ -379,7 +387,7 @@ class TraceStore:
         doc = self._node_doc(key)
         if doc is None:
             raise CorruptStoreError(f"{self._display(key)}: array is missing (no zarr.json)")
-        _check_array_doc(doc, where, ndim=ndim, data_type=data_type, rows=rows)
+        check_array_doc(doc, where, ndim=ndim, data_type=data_type, rows=rows)
         chunk_rows = doc["chunk_grid"]["configuration"]["chunk_shape"][0]
         needed = -(-rows // chunk_rows)
         if needed:
@@ -394,7 +402,7 @@ class TraceStore:
             for c in range(needed):
                 self._check_chunk(f"{key}/c/{c}" + "/0" * (ndim - 1), raw_size if codecs == ["bytes"] else None)
         try:
-            array = _zarr().open_array(store=self._zstore, path=key, mode="r", zarr_format=3)
+            array = zarr_module().open_array(store=self._zstore, path=key, mode="r", zarr_format=3)
         except Exception as exc:  # noqa: BLE001  (zarr rejects odd metadata with several types)
             if self._remote is not None and not isinstance(exc, (ValueError, TypeError, KeyError)):
                 raise remote_error(where, exc) from exc
@@ -421,26 +429,26 @@ class TraceStore:
         doc = self._node_doc(key)
         if doc is None or doc["node_type"] != "group":
             raise CorruptStoreError(f"{meta_file}: field node_type: a writer must be a group")
-        attrs = _group_attributes(doc, meta_file)
+        attrs = group_attributes(doc, meta_file)
         commit = attrs.get("commit")
         if not isinstance(commit, dict):
             raise CorruptStoreError(f"{meta_file}: field 'commit' is missing or not an object")
         rows = commit.get("rows")
-        if not _is_int(rows) or rows < 0:
+        if not is_int(rows) or rows < 0:
             raise CorruptStoreError(f"{meta_file}: field commit.rows is {rows!r}, expected a count >= 0")
         seq_names = commit.get("seq_names")
-        if seq_names is not None and not (isinstance(seq_names, dict) and all(_is_int(v) for v in seq_names.values())):
+        if seq_names is not None and not (isinstance(seq_names, dict) and all(is_int(v) for v in seq_names.values())):
             raise CorruptStoreError(
-                f"{meta_file}: field commit.seq_names is {_short_repr(seq_names)}, expected an object of name: integer"
+                f"{meta_file}: field commit.seq_names is {short_repr(seq_names)}, expected an object of name: integer"
             )
         dtype = attrs.get("dtype")
         if not isinstance(dtype, str) or dtype not in VALUE_DTYPES:
             raise CorruptStoreError(
-                f"{meta_file}: field dtype is {_short_repr(dtype)}; expected one of {', '.join(VALUE_DTYPES)}"
+                f"{meta_file}: field dtype is {short_repr(dtype)}; expected one of {', '.join(VALUE_DTYPES)}"
             )
         width = attrs.get("width")
-        if not _is_int(width) or width <= 0:
-            raise CorruptStoreError(f"{meta_file}: field width is {_short_repr(width)}, expected a positive integer")
+        if not is_int(width) or width <= 0:
+            raise CorruptStoreError(f"{meta_file}: field width is {short_repr(width)}, expected a positive integer")
         phases = attrs.get("phases")
         if phases is not None and (
             not isinstance(phases, list)
@@ -448,19 +456,19 @@ class TraceStore:
             or list(phases[: len(PHASES)]) != list(PHASES[: len(phases)])
         ):
             raise CorruptStoreError(
-                f"{meta_file}: field phases is {_short_repr(phases)}; expected the phase names {list(PHASES)}"
+                f"{meta_file}: field phases is {short_repr(phases)}; expected the phase names {list(PHASES)}"
             )
         segment_size = attrs.get("segment_size")
-        if segment_size is not None and (not _is_int(segment_size) or segment_size <= 0 or width % segment_size):
+        if segment_size is not None and (not is_int(segment_size) or segment_size <= 0 or width % segment_size):
             raise CorruptStoreError(
-                f"{meta_file}: field segment_size is {_short_repr(segment_size)}, expected a positive integer that "
+                f"{meta_file}: field segment_size is {short_repr(segment_size)}, expected a positive integer that "
                 f"divides the width {width}"
             )
         labels = attrs.get("segment_labels")
         if labels is not None:
             if not isinstance(labels, list) or not all(isinstance(x, (str, int)) for x in labels):
                 raise CorruptStoreError(
-                    f"{meta_file}: field segment_labels is {_short_repr(labels)}, expected a list of names"
+                    f"{meta_file}: field segment_labels is {short_repr(labels)}, expected a list of names"
                 )
             if segment_size is not None and len(labels) != width // segment_size:
                 raise CorruptStoreError(
@@ -469,7 +477,7 @@ class TraceStore:
                 )
         if self._remote is not None:  # every array's zarr.json and chunk listing in one round trip each
             arrays_at = [f"{key}/{name}" for name in ("values", *LABEL_FIELDS)]
-            docs = self._remote.read_objects([f"{a}/zarr.json" for a in arrays_at], limit=_MAX_METADATA_BYTES)
+            docs = self._remote.read_objects([f"{a}/zarr.json" for a in arrays_at], limit=MAX_METADATA_BYTES)
             for array_key, doc in zip(arrays_at, docs, strict=True):
                 if isinstance(doc, FileNotFoundError):
                     continue  # reported by _open_array as a missing array
@@ -492,7 +500,7 @@ class TraceStore:
         stored_as = (values_doc.get("attributes") or {}).get("dtype", dtype)
         if stored_as != dtype:
             raise CorruptStoreError(
-                f"{where}/values/zarr.json: field attributes.dtype is {_short_repr(stored_as)} but {meta_file} says "
+                f"{where}/values/zarr.json: field attributes.dtype is {short_repr(stored_as)} but {meta_file} says "
                 f"dtype {dtype!r}: the two disagree on how to decode the values"
             )
         arrays = {"values": values}

@@ -41,9 +41,8 @@ from tracediff.errors import (
     UsageError,
     first_line,
 )
-from tracediff.store.batches import WriterCounts, _check_name, _rows_view, _run_all, batch_columns
+from tracediff.store.batches import WriterCounts, batch_columns, check_name, rows_view, run_all
 from tracediff.store.format import (
-    _MAX_METADATA_BYTES,
     DEFAULT_CHUNK_ROWS,
     DEFAULT_COMPRESSOR,
     DEFAULT_LABEL_CHUNK_ROWS,
@@ -52,16 +51,17 @@ from tracediff.store.format import (
     LABEL_DTYPES,
     LABEL_FIELDS,
     LABEL_FILL,
+    MAX_METADATA_BYTES,
     VALUE_DTYPES,
     VALUES_COORDINATES,
     VALUES_DIMS,
     _compressors,
     _jsonable,
-    _now_iso,
-    _zarr,
     _zstd,
     default_source,
     group_document,
+    now_iso,
+    zarr_module,
 )
 from tracediff.store.location import Location, remote_error
 
@@ -98,7 +98,7 @@ def transient_failure(exc: BaseException) -> bool:
 
 def store_exists(loc: Location) -> bool:
     """Whether a trace store (a root ``zarr.json`` with the ``tracediff`` attribute) is at ``loc``."""
-    data = loc.read_object("zarr.json", _MAX_METADATA_BYTES)
+    data = loc.read_object("zarr.json", MAX_METADATA_BYTES)
     if data is None:
         return False
     try:
@@ -209,7 +209,7 @@ class RemoteTraceWriter:
             raise UsageError(f"chunk_rows must be positive, got {chunk_rows}")
         if not retry_seconds >= 0:
             raise UsageError(f"retry_seconds must be 0 or more, got {retry_seconds}")
-        _check_name(tap, "tap")
+        check_name(tap, "tap")
         self.location = store
         self.store_path = store
         self.tap = tap
@@ -243,7 +243,7 @@ class RemoteTraceWriter:
         """Create the writer group, or finish creating it after a failure on the way (``attempt`` >
         0): its name is kept once chosen, and what a failed attempt wrote (or wrote without hearing
         back) is written again."""
-        zarr, store, tap = _zarr(), self.location, self.tap
+        zarr, store, tap = zarr_module(), self.location, self.tap
         if not self._named:
             if not store_exists(store):
                 raise NotATraceStoreError(f"{store.display}: no trace store there to append to (no root zarr.json)")
@@ -252,7 +252,7 @@ class RemoteTraceWriter:
             while name in taken:  # a group of this name, or the folder of a writer killed creating it
                 name = f"{self.writer}_{n}"
                 n += 1
-            _check_name(name, "writer")
+            check_name(name, "writer")
             self.writer, self._named = name, True
         prefix = f"{tap}/{self.writer}"
         again = attempt > 0  # the arrays are this writer's own: one half made is made again
@@ -345,7 +345,7 @@ class RemoteTraceWriter:
                     "status": self.status,
                     "error": self.error,
                     "seq_names": dict(self.seq_names),
-                    "updated": _now_iso(),
+                    "updated": now_iso(),
                 },
             }
         )
@@ -363,7 +363,7 @@ class RemoteTraceWriter:
         arrays = [self._values, *self._labels.values()]
         changed = [arr for arr in arrays if arr.shape[0] != rows]
         if changed:
-            _run_all([arr.async_array.resize((rows, *arr.shape[1:])) for arr in changed])
+            run_all([arr.async_array.resize((rows, *arr.shape[1:])) for arr in changed])
 
     def append(self, values: np.ndarray, labels: Mapping[str, np.ndarray]) -> None:
         """Upload one batch of rows and commit it: chunk objects, then shapes, then the commit record."""
@@ -385,11 +385,11 @@ class RemoteTraceWriter:
             # Whole chunks only (the tail of the last batch is sent again with the new rows): no
             # chunk object is ever read back to be merged. Sent again whole after a failure: every
             # PUT here writes the same bytes to the same key.
-            _run_all(
+            run_all(
                 [
-                    _rows_view(self._values, stop).setitem(slice(block_start, stop), block),
+                    rows_view(self._values, stop).setitem(slice(block_start, stop), block),
                     *(
-                        _rows_view(self._labels[name], stop).setitem(slice(start, stop), column)
+                        rows_view(self._labels[name], stop).setitem(slice(start, stop), column)
                         for name, column in columns.items()
                     ),
                 ]

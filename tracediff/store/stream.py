@@ -16,8 +16,8 @@ from tracediff.errors import (
     UsageError,
     first_line,
 )
-from tracediff.store.files import _IOV_MAX, ChunkFiles, _open_chunk_file, _open_plain_file, _read_error
-from tracediff.store.format import _MAX_CHUNK_BYTES, LABEL_DTYPES, LABEL_FIELDS, VALUE_DTYPES, decode_values
+from tracediff.store.files import IOV_MAX, ChunkFiles, open_chunk_file, open_plain_file, read_error
+from tracediff.store.format import LABEL_DTYPES, LABEL_FIELDS, MAX_CHUNK_BYTES, VALUE_DTYPES, decode_values
 from tracediff.store.location import remote_error
 
 #: Chunks of a remote store that :meth:`TraceStream.read_chunk` fetches together: at most this
@@ -105,7 +105,7 @@ class TraceStream:
         count = out.shape[0] // chunk_rows
         if self.store._remote is not None:  # the chunk objects, fetched together
             keys = [f"{self.tap}/{self.writer}/{name}/c/{index}" for index in range(count)]
-            blobs = self.store._chunk_objects(keys, None, _MAX_CHUNK_BYTES)
+            blobs = self.store._chunk_objects(keys, None, MAX_CHUNK_BYTES)
             for index, (key, blob) in enumerate(zip(keys, blobs, strict=True)):
                 out[index * chunk_rows : (index + 1) * chunk_rows] = self._decode_label(
                     codec, blob, self.store._display(key), expect, dtype
@@ -114,16 +114,16 @@ class TraceStream:
         folder = os.fspath(self.store.path / self.tap / self.writer / name / "c")
         for index in range(count):
             path = f"{folder}/{index}"
-            fd = _open_plain_file(path)
+            fd = open_plain_file(path)
             if fd is None:
                 raise CorruptStoreError(f"{path}: chunk file is missing (deleted?) but holds committed rows")
             try:
                 size = os.fstat(fd).st_size
-                if size == 0 or size > _MAX_CHUNK_BYTES:
+                if size == 0 or size > MAX_CHUNK_BYTES:
                     raise CorruptStoreError(f"{path}: chunk file holds {size} bytes (truncated or foreign file?)")
                 blob = os.pread(fd, size, 0)
             except OSError as exc:
-                raise _read_error(path, exc) from exc
+                raise read_error(path, exc) from exc
             finally:
                 os.close(fd)
             out[index * chunk_rows : (index + 1) * chunk_rows] = self._decode_label(codec, blob, path, expect, dtype)
@@ -166,7 +166,7 @@ class TraceStream:
             bad, cause = self._failing_chunk(arr, chunks, exc)
             where = self.store._display(self._chunk_key(name, bad))
             if isinstance(cause, OSError):
-                raise _read_error(where, cause) from exc
+                raise read_error(where, cause) from exc
             raise CorruptStoreError(
                 f"{where}: chunk cannot be decoded ({type(cause).__name__}: {first_line(cause)})"
             ) from exc
@@ -300,7 +300,7 @@ class TraceStream:
         if self._raw_chunks:
             path = os.fspath(self.store.path / self.tap / self.writer / "values" / "c" / str(index) / "0")
             count = self.chunk_rows * self.width
-            fd = _open_chunk_file(path, count * self._raw_dtype.itemsize)
+            fd = open_chunk_file(path, count * self._raw_dtype.itemsize)
             try:
                 data = np.empty(count, dtype=self._raw_dtype)
                 self._pread(fd, path, [data.data.cast("B")], 0, data.nbytes)
@@ -441,8 +441,8 @@ class TraceStream:
                     d0 = dest_l[a] * row_bytes
                     self._pread(fd, path, [flat[d0 : d0 + (b - a) * row_bytes]], offset, (b - a) * row_bytes)
                     continue
-                for k in range(a, b, _IOV_MAX):
-                    k1 = min(b, k + _IOV_MAX)
+                for k in range(a, b, IOV_MAX):
+                    k1 = min(b, k + IOV_MAX)
                     buffers = [flat[d * row_bytes : (d + 1) * row_bytes] for d in dest_l[k:k1]]
                     self._pread(fd, path, buffers, offset + (k - a) * row_bytes, (k1 - k) * row_bytes)
         finally:
@@ -457,7 +457,7 @@ class TraceStream:
         try:
             got = os.preadv(fd, buffers, offset)
         except OSError as exc:
-            raise _read_error(path, exc) from exc
+            raise read_error(path, exc) from exc
         if got != size:
             raise CorruptStoreError(f"{path}: short read at byte {offset} (file truncated while reading?)")
 

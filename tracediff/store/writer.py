@@ -21,7 +21,7 @@ from tracediff.errors import (
     StoreWriteError,
     UsageError,
 )
-from tracediff.store.batches import WriterCounts, _check_name, _rows_view, _run_all, batch_columns
+from tracediff.store.batches import WriterCounts, batch_columns, check_name, rows_view, run_all
 from tracediff.store.format import (
     DEFAULT_CHUNK_ROWS,
     DEFAULT_COMPRESSOR,
@@ -36,11 +36,11 @@ from tracediff.store.format import (
     VALUES_DIMS,
     _compressors,
     _jsonable,
-    _now_iso,
-    _zarr,
     _zstd,
     default_source,
     group_document,
+    now_iso,
+    zarr_module,
 )
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ def _create_if_absent(folder: Path, document: bytes) -> bytes:
     from zarr.storage import LocalStore  # noqa: PLC0415
 
     store = LocalStore(folder)
-    _run_all([store.set_if_not_exists("zarr.json", default_buffer_prototype().buffer.from_bytes(document))])
+    run_all([store.set_if_not_exists("zarr.json", default_buffer_prototype().buffer.from_bytes(document))])
     return (folder / "zarr.json").read_bytes()
 
 
@@ -157,7 +157,7 @@ def replace_store(built: Path, dest: Path) -> None:
 
 def update_store_meta(path: str | os.PathLike[str], meta: Mapping[str, Any]) -> None:
     """Merge ``meta`` into the root ``meta`` attribute (single writer only: the recording parent)."""
-    zarr = _zarr()
+    zarr = zarr_module()
     group = zarr.open_group(str(path), mode="r+")
     attrs = dict(group.attrs)
     merged = dict(attrs.get("meta") or {})
@@ -225,7 +225,7 @@ class TraceWriter:
             raise UsageError(f"tap {tap!r}: width must be positive, got {width}")
         if chunk_rows <= 0:
             raise UsageError(f"chunk_rows must be positive, got {chunk_rows}")
-        _check_name(tap, "tap")
+        check_name(tap, "tap")
         self.store_path = Path(store_path)
         self.tap = tap
         self.width = int(width)
@@ -245,7 +245,7 @@ class TraceWriter:
         self._label_codecs: dict[str, Any] = {}  # direct path: each label array's zstd, as zarr runs it
         self._folders: set[Path] = set()  # direct path: chunk folders known to exist
         self._writeback_min_bytes: float = _WRITEBACK_MIN_BYTES
-        zarr = _zarr()
+        zarr = zarr_module()
         try:
             root = zarr.open_group(str(self.store_path), mode="r+")
         except Exception as exc:  # zarr raises several types for a missing/odd root
@@ -341,7 +341,7 @@ class TraceWriter:
                     "status": self.status,
                     "error": self.error,
                     "seq_names": {name: idx for name, idx in self.seq_names.items()},
-                    "updated": _now_iso(),
+                    "updated": now_iso(),
                 },
             }
         )
@@ -393,7 +393,7 @@ class TraceWriter:
         changed = [arr for arr in self._arrays if arr.shape[0] != rows]
         if changed:
             self._resized = True
-            _run_all([arr.async_array.resize((rows, *arr.shape[1:])) for arr in changed])
+            run_all([arr.async_array.resize((rows, *arr.shape[1:])) for arr in changed])
 
     def append(self, values: np.ndarray, labels: Mapping[str, np.ndarray]) -> None:
         """Write one batch of rows and commit it. ``values`` is [rows, width] in the store dtype."""
@@ -423,11 +423,11 @@ class TraceWriter:
             if self._direct:
                 label_tails = self._write_chunks_directly(block_start, block, stop, columns)
             else:
-                _run_all(
+                run_all(
                     [
-                        _rows_view(self._values, stop).setitem(slice(block_start, stop), block),
+                        rows_view(self._values, stop).setitem(slice(block_start, stop), block),
                         *(
-                            _rows_view(self._labels[name], stop).setitem(slice(start, stop), column)
+                            rows_view(self._labels[name], stop).setitem(slice(start, stop), column)
                             for name, column in columns.items()
                         ),
                     ]
@@ -610,7 +610,7 @@ def _reserve_writer_folder(tap_folder: Path, name: str) -> str:
     ``name_3``... when taken by another writer (a group, or the folder a writer killed while
     creating its group left). ``os.mkdir`` fails on an existing folder, so two processes that
     want one name (process ids repeat across the hosts of a shared filesystem) get two."""
-    _check_name(name, "writer")
+    check_name(name, "writer")
     candidate, n = name, 2
     while True:
         try:
