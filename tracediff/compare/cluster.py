@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
-from tracediff.compare.stream import BlockResult, BlockSpec, BlockWorker, PassPlan, StreamLocation
+from tracediff.compare.gather import StreamLocation
+from tracediff.compare.stream import BlockResult, BlockSpec, BlockWorker, PassPlan
 from tracediff.errors import CompareError, StoreError, UsageError, first_line
 from tracediff.store import TraceStore, TraceStream
 from tracediff.store.storeset import open_side

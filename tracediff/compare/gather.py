@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -103,3 +104,27 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     raw = np.empty(nbytes + 64, dtype=np.uint8)
     skip = -raw.ctypes.data % 64
     return raw[skip : skip + nbytes].view(dtype).reshape(shape)
+
+
+@dataclass(frozen=True)
+class StreamLocation:
+    """Where one writer group's rows are: the store's location (path or URL), tap, writer, and the
+    committed rows the plan was made on."""
+
+    location: str
+    tap: str
+    writer: str
+    rows: int
+
+
+def location_of(stream: TraceStream) -> StreamLocation:
+    """A stream's :class:`StreamLocation`: its store's full URL (with any query string: ``str`` of a
+    :class:`~tracediff.store.Location` leaves secrets out, for messages) or its local path."""
+    loc = getattr(stream.store, "location", None)
+    if loc is not None and getattr(loc, "remote", False):
+        where = loc.url
+    elif loc is not None and getattr(loc, "local", None) is not None:
+        where = os.fspath(loc.local)
+    else:
+        where = os.fspath(stream.store.path)
+    return StreamLocation(str(where), stream.tap, stream.writer, int(stream.rows))

@@ -26,6 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from tracediff.compare.rows import RowIndex
+from tracediff.store import VALUE_DTYPES
+
 log = logging.getLogger("tracediff")
 
 #: Stored dtypes the fused loop reads directly (bf16 as its uint16 bits).
@@ -129,7 +132,7 @@ def _build() -> Any:
 
 def fused_kernel() -> Any:
     """The compiled kernel, or None where numba is missing (or ``TRACEDIFF_KERNEL=numpy``; which
-    passes use it at all: :func:`tracediff.compare.stream.use_fused_kernel`)."""
+    passes use it at all: :func:`use_fused_kernel`)."""
     if os.environ.get("TRACEDIFF_KERNEL", "").lower() == "numpy":
         return None
     with _LOCK:  # one compile or cache load, also while preload_fused_kernel's thread is at it
@@ -182,6 +185,37 @@ def fused_row_stats(craw: np.ndarray, rraw: np.ndarray, n: int, size: int, cdtyp
 
 #: Norms are clamped to this before dividing (as the per-element formulas always did).
 TINY = 1e-30
+
+
+# ------------------------------------------------------------ which kernel a pass uses
+#: Stored bytes (both sides) from which a pass uses the fused kernel by default: numba's import and
+#: the cached kernel's load cost ~0.5-1.1 s of a process (measured here), the kernel saves ~1.5 s of
+#: CPU per GB over the numpy kernels (benchmarks/bench_kernel.py); the load also starts in the
+#: background as soon as the pass's size is known (:func:`prepare_kernel`), while the plan runs.
+FUSED_MIN_BYTES = 256 << 20
+
+
+def use_fused_kernel(nbytes: int) -> bool:
+    """Whether a pass over ``nbytes`` of stored rows uses the fused kernel: ``TRACEDIFF_KERNEL=fused``
+    always, ``=numpy`` never; by default from :data:`FUSED_MIN_BYTES` on, where numba is installed
+    (a small compare never imports it: its fixed cost stays that of numpy)."""
+    choice = os.environ.get("TRACEDIFF_KERNEL", "").lower()
+    if choice in ("fused", "numpy"):
+        return choice == "fused"
+    return nbytes >= FUSED_MIN_BYTES and fused_available()
+
+
+def prepare_kernel(pairs: int, candidate: RowIndex, reference: RowIndex) -> None:
+    """Start loading the fused kernel in the background when a pass over ``pairs`` row pairs of these
+    sides will use it (:func:`use_fused_kernel`)."""
+    if pairs and use_fused_kernel(pairs * row_bytes(candidate, reference)):
+        preload_fused_kernel()
+
+
+def row_bytes(candidate: RowIndex, reference: RowIndex) -> int:
+    """Stored bytes of one row pair."""
+    c, r = candidate.streams[0], reference.streams[0]
+    return c.width * VALUE_DTYPES[c.dtype].itemsize + r.width * VALUE_DTYPES[r.dtype].itemsize
 
 
 # ------------------------------------------------------------ the numpy kernels (the reference)
@@ -247,4 +281,4 @@ def exact_row_stats(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return cos, ratio, rel, max_abs, float(sq.astype(np.float64).sum()), float(nb.astype(np.float64).sum())
 
 
-__all__ = ["FUSED_DTYPES", "TINY", "dot", "exact_row_stats", "norms", "numpy_row_stats", "fused_available", "fused_kernel", "fused_row_stats", "preload_fused_kernel"]
+__all__ = ["FUSED_DTYPES", "FUSED_MIN_BYTES", "prepare_kernel", "row_bytes", "use_fused_kernel", "TINY", "dot", "exact_row_stats", "norms", "numpy_row_stats", "fused_available", "fused_kernel", "fused_row_stats", "preload_fused_kernel"]

@@ -20,6 +20,7 @@ from tracediff import __version__
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
 from tracediff.compare.align import align_sequences, pair_rows
 from tracediff.compare.findings import build_findings
+from tracediff.compare.kernels import prepare_kernel
 from tracediff.compare.metadata import aux_config, config_diff, num_layers, same_recording, side_aux_layers
 from tracediff.compare.metrics import StreamResult, with_subset_profiles
 from tracediff.compare.noise import CALIBRATION_TAP, CalibrationRows, canonical_dtype, decide_compute_dtype
@@ -44,7 +45,7 @@ from tracediff.compare.remedy import attach_next_steps
 from tracediff.compare.results import Finding, Plan, Report, SegmentMatch, Side
 from tracediff.compare.rows import RowIndex, stream_names
 from tracediff.compare.segments import SegmentDecision
-from tracediff.compare.stream import prepare_kernel, stream_metrics
+from tracediff.compare.stream import stream_metrics
 from tracediff.compare.subsets import describe_subset, find_subset, might_hold_subset, subset_labels
 from tracediff.drafts import recorded_d2t_problems
 from tracediff.errors import CompareError, UsageError

@@ -22,7 +22,6 @@ bucket, never a per-row array.
 from __future__ import annotations
 
 import functools
-import os
 import queue
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,15 +31,22 @@ from typing import Protocol
 import numpy as np
 
 from tracediff.compare.align import RowPairs
-from tracediff.compare.gather import ChunkReader, aligned_empty, reference_files, usable_cpus
+from tracediff.compare.gather import (
+    ChunkReader,
+    StreamLocation,
+    aligned_empty,
+    location_of,
+    reference_files,
+    usable_cpus,
+)
 from tracediff.compare.kernels import (
     dot,
     exact_row_stats,
-    fused_available,
     fused_row_stats,
     norms,
     numpy_row_stats,
-    preload_fused_kernel,
+    row_bytes,
+    use_fused_kernel,
 )
 from tracediff.compare.metrics import (
     Accumulator,
@@ -145,47 +151,6 @@ class PassPlan:
     fused: bool = False
 
 
-#: Stored bytes (both sides) from which a pass uses the fused kernel by default: numba's import and
-#: the cached kernel's load cost ~0.5-1.1 s of a process (measured here), the kernel saves ~1.5 s of
-#: CPU per GB over the numpy kernels (benchmarks/bench_kernel.py); the load also starts in the
-#: background as soon as the pass's size is known (:func:`prepare_kernel`), while the plan runs.
-FUSED_MIN_BYTES = 256 << 20
-
-
-def use_fused_kernel(nbytes: int) -> bool:
-    """Whether a pass over ``nbytes`` of stored rows uses the fused kernel: ``TRACEDIFF_KERNEL=fused``
-    always, ``=numpy`` never; by default from :data:`FUSED_MIN_BYTES` on, where numba is installed
-    (a small compare never imports it: its fixed cost stays that of numpy)."""
-    choice = os.environ.get("TRACEDIFF_KERNEL", "").lower()
-    if choice in ("fused", "numpy"):
-        return choice == "fused"
-    return nbytes >= FUSED_MIN_BYTES and fused_available()
-
-
-def prepare_kernel(pairs: int, candidate: RowIndex, reference: RowIndex) -> None:
-    """Start loading the fused kernel in the background when a pass over ``pairs`` row pairs of these
-    sides will use it (:func:`use_fused_kernel`)."""
-    if pairs and use_fused_kernel(pairs * _row_bytes(candidate, reference)):
-        preload_fused_kernel()
-
-
-def _row_bytes(candidate: RowIndex, reference: RowIndex) -> int:
-    """Stored bytes of one row pair."""
-    c, r = candidate.streams[0], reference.streams[0]
-    return c.width * VALUE_DTYPES[c.dtype].itemsize + r.width * VALUE_DTYPES[r.dtype].itemsize
-
-
-@dataclass(frozen=True)
-class StreamLocation:
-    """Where one writer group's rows are: the store's location (path or URL), tap, writer, and the
-    committed rows the plan was made on."""
-
-    location: str
-    tap: str
-    writer: str
-    rows: int
-
-
 @dataclass(frozen=True)
 class BlockSpec:
     """One block of row pairs as a worker reads it: per pair, which stream and stored row each side
@@ -208,19 +173,6 @@ class BlockSpec:
                    reference.row[r], buckets.index[start:stop])
 
 
-def location_of(stream: TraceStream) -> StreamLocation:
-    """A stream's :class:`StreamLocation`: its store's full URL (with any query string: ``str`` of a
-    :class:`~tracediff.store.Location` leaves secrets out, for messages) or its local path."""
-    loc = getattr(stream.store, "location", None)
-    if loc is not None and getattr(loc, "remote", False):
-        where = loc.url
-    elif loc is not None and getattr(loc, "local", None) is not None:
-        where = os.fspath(loc.local)
-    else:
-        where = os.fspath(stream.store.path)
-    return StreamLocation(str(where), stream.tap, stream.writer, int(stream.rows))
-
-
 def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches: list[tuple[int, int]],
               segment_size: int, scales: list[tuple[np.ndarray, np.ndarray]] | None = None,
               profiles: list[ProfileRequest] | None = None, block_bytes: int = 16 << 20) -> PassPlan:
@@ -229,7 +181,7 @@ def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches
     wc = candidate.streams[0].width
     wr = reference.streams[0].width
     cdt, rdt = candidate.streams[0].dtype, reference.streams[0].dtype
-    raw_row = _row_bytes(candidate, reference)
+    raw_row = row_bytes(candidate, reference)
     block = max(64, min(8192, block_bytes // max(1, raw_row)))
     # Sub-blocks of about 2 MiB of float32 rows: small enough to stay in cache between kernels,
     # large enough that the per-kernel dispatch cost stays small.
