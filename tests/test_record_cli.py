@@ -43,7 +43,8 @@ SCRIPT = textwrap.dedent(
     from safetensors.torch import save_file
 
     import tracediff
-    from tracediff.testing.tiny_llama import DraftHead, build_tiny_llama, make_sequences, run_engine, run_trainer
+    from tracediff.testing.pipelines import run_engine, run_trainer
+    from tracediff.testing.tiny_llama import DraftHead, build_tiny_llama, make_sequences
 
     LAYERS = ["hs1", "hs3", "pre_norm"]
 
