@@ -128,7 +128,7 @@ def group_document(attributes: Mapping[str, Any]) -> bytes:
     return docs["zarr.json"].to_bytes()
 
 
-def _compressors(name: str, itemsize: int):
+def codecs_for(name: str, itemsize: int):
     if name == "none":
         return None
     from zarr.codecs import BloscCodec  # noqa: PLC0415
@@ -141,7 +141,7 @@ def _compressors(name: str, itemsize: int):
     raise UsageError(f"unknown compressor {name!r}; choose one of {', '.join(COMPRESSORS)}")
 
 
-def _zstd():
+def zstd_codec():
     from zarr.codecs import ZstdCodec  # noqa: PLC0415
 
     return ZstdCodec(level=1)
@@ -163,12 +163,12 @@ def _thread_local_blosc_mutex() -> None:
         pass
 
 
-def _jsonable(obj: Any) -> Any:
+def jsonable(obj: Any) -> Any:
     """Best-effort conversion of metadata to JSON types (numpy scalars, tuples, paths, dtypes)."""
     if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
+        return {str(k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):
-        return [_jsonable(v) for v in obj]
+        return [jsonable(v) for v in obj]
     if isinstance(obj, (str, bool)) or obj is None:
         return obj
     if isinstance(obj, (int, np.integer)):

@@ -55,13 +55,13 @@ from tracediff.store.format import (
     VALUE_DTYPES,
     VALUES_COORDINATES,
     VALUES_DIMS,
-    _compressors,
-    _jsonable,
-    _zstd,
+    codecs_for,
     default_source,
     group_document,
+    jsonable,
     now_iso,
     zarr_module,
+    zstd_codec,
 )
 from tracediff.store.location import Location, remote_error
 
@@ -153,7 +153,7 @@ def create_remote_store(
     attrs = {
         "tracediff": {"format": FORMAT, "version": __version__},
         "source": dict(source) if source is not None else default_source(role),
-        "meta": _jsonable(dict(meta or {})),
+        "meta": jsonable(dict(meta or {})),
     }
     # One create-if-absent write of the root zarr.json, never zarr's mode="w" (it first deletes
     # everything under the prefix: another node's groups included). Of nodes creating the store at
@@ -222,7 +222,7 @@ class RemoteTraceWriter:
         self.seq_names: dict[str, int] = {}
         self.status = "recording"
         self.error = ""
-        self._extra_attrs = _jsonable(dict(attrs or {}))
+        self._extra_attrs = jsonable(dict(attrs or {}))
         self._tail: np.ndarray | None = None
         self._tail_rows = 0
         self.retry_seconds = float(retry_seconds)
@@ -270,7 +270,7 @@ class RemoteTraceWriter:
             shape=(0, self.width),
             chunks=(self.chunk_rows, self.width),
             dtype=store_dtype,
-            compressors=_compressors(self.compressor, store_dtype.itemsize),
+            compressors=codecs_for(self.compressor, store_dtype.itemsize),
             fill_value=0,
             config={"write_empty_chunks": True},
             attributes={"dtype": self.dtype, "coordinates": VALUES_COORDINATES},
@@ -283,7 +283,7 @@ class RemoteTraceWriter:
                 shape=(0,),
                 chunks=(DEFAULT_LABEL_CHUNK_ROWS,),
                 dtype=LABEL_DTYPES[label],
-                compressors=[_zstd()],
+                compressors=[zstd_codec()],
                 fill_value=LABEL_FILL[label],
                 config={"write_empty_chunks": True},
                 dimension_names=LABEL_DIMS,

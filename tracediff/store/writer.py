@@ -34,13 +34,13 @@ from tracediff.store.format import (
     VALUE_DTYPES,
     VALUES_COORDINATES,
     VALUES_DIMS,
-    _compressors,
-    _jsonable,
-    _zstd,
+    codecs_for,
     default_source,
     group_document,
+    jsonable,
     now_iso,
     zarr_module,
+    zstd_codec,
 )
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ def create_store(
     attrs = {
         "tracediff": {"format": FORMAT, "version": __version__},
         "source": dict(source) if source is not None else default_source(role),
-        "meta": _jsonable(dict(meta or {})),
+        "meta": jsonable(dict(meta or {})),
     }
     ours = group_document(attrs)
     try:
@@ -161,7 +161,7 @@ def update_store_meta(path: str | os.PathLike[str], meta: Mapping[str, Any]) -> 
     group = zarr.open_group(str(path), mode="r+")
     attrs = dict(group.attrs)
     merged = dict(attrs.get("meta") or {})
-    merged.update(_jsonable(dict(meta)))
+    merged.update(jsonable(dict(meta)))
     attrs["meta"] = merged
     group.attrs.put(attrs)
 
@@ -236,7 +236,7 @@ class TraceWriter:
         self.seq_names: dict[str, int] = {}
         self.status = "recording"
         self.error = ""
-        self._extra_attrs = _jsonable(dict(attrs or {}))
+        self._extra_attrs = jsonable(dict(attrs or {}))
         self._tail_rows = 0  # rows at the end that do not fill a whole values chunk yet
         self._tail: np.ndarray | None = None
         self._resized = False  # array metadata rewritten since the last durable commit
@@ -271,7 +271,7 @@ class TraceWriter:
                 shape=(0, self.width),
                 chunks=(self.chunk_rows, self.width),
                 dtype=store_dtype,
-                compressors=_compressors(compressor, store_dtype.itemsize),
+                compressors=codecs_for(compressor, store_dtype.itemsize),
                 fill_value=0,
                 config={"write_empty_chunks": True},
                 attributes={"dtype": dtype, "coordinates": VALUES_COORDINATES},
@@ -285,7 +285,7 @@ class TraceWriter:
                     dtype=LABEL_DTYPES[name],
                     # Labels compress ~10x (positions count up, ids repeat) and are small: zstd
                     # (not blosc, whose multiprocessing lock misbehaves in spawned children).
-                    compressors=[_zstd()],
+                    compressors=[zstd_codec()],
                     fill_value=LABEL_FILL[name],
                     config={"write_empty_chunks": True},
                     dimension_names=LABEL_DIMS,
