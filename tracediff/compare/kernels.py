@@ -40,92 +40,9 @@ _LOCK = threading.Lock()
 
 
 def _build() -> Any:
-    """Compile the kernel (on first use; numba caches it on disk next to this module where it can)."""
-    import numba  # noqa: PLC0415
-
-    # Reassociation lets LLVM vectorise the float64 reductions; NaN and Inf keep their meaning (the
-    # pass tells non-finite rows by their norms).
-    flags = {"reassoc", "contract", "arcp", "nsz"}
-
-    @numba.njit(nogil=True, cache=True, fastmath=flags)
-    def widen(src: Any, u32: Any, f32: Any, bf16: bool) -> None:
-        if bf16:
-            for j in range(src.shape[0]):
-                u32[j] = np.uint32(src[j]) << np.uint32(16)
-        else:
-            for j in range(src.shape[0]):
-                f32[j] = src[j]
-
-    @numba.njit(nogil=True, cache=True, fastmath=flags)
-    def _sum_sq(x: Any) -> Any:
-        acc = np.float32(0.0)
-        for j in range(x.shape[0]):
-            acc += x[j] * x[j]
-        return acc
-
-    @numba.njit(nogil=True, cache=True, fastmath=flags)
-    def kernel(craw: Any, rraw: Any, n: int, size: int, c_bf16: bool, r_bf16: bool, seg_c: Any, seg_r: Any,
-               means: Any, invs: Any, xc: Any, xr: Any, dn: Any, mx: Any, sn: Any, sd: Any) -> None:
-        wc, wr = craw.shape[1], rraw.shape[1]
-        cu = np.empty(wc, dtype=np.uint32)
-        ru = np.empty(wr, dtype=np.uint32)
-        cf = cu.view(np.float32)
-        rf = ru.view(np.float32)
-        # The difference of a pair, kept for its largest |value|: taken over its bits (sign bit
-        # cleared), an integer max LLVM vectorises (a float max with NaN semantics it does not); the
-        # bits of |NaN| exceed those of Inf, so a NaN difference comes out as NaN.
-        du = np.empty(size, dtype=np.uint32)
-        df = du.view(np.float32)
-        one_u = np.empty(1, dtype=np.uint32)
-        one_f = one_u.view(np.float32)
-        kc, kr, pairs = wc // size, wr // size, seg_c.shape[0]
-        # Segments no pair reads still need their norms (a missing or extra segment's).
-        c_alone = np.ones(kc, dtype=np.bool_)
-        r_alone = np.ones(kr, dtype=np.bool_)
-        for p in range(pairs):
-            c_alone[seg_c[p]] = False
-            r_alone[seg_r[p]] = False
-        for row in range(n):
-            widen(craw[row], cu, cf, c_bf16)
-            widen(rraw[row], ru, rf, r_bf16)
-            for k in range(kc):
-                if c_alone[k]:
-                    xc[row, k] = np.sqrt(_sum_sq(cf[k * size : (k + 1) * size]))
-            for k in range(kr):
-                if r_alone[k]:
-                    xr[row, k] = np.sqrt(_sum_sq(rf[k * size : (k + 1) * size]))
-            for p in range(pairs):
-                a = cf[seg_c[p] * size : (seg_c[p] + 1) * size]
-                b = rf[seg_r[p] * size : (seg_r[p] + 1) * size]
-                mean, inv = means[p], invs[p]
-                a2 = np.float32(0.0)
-                b2 = np.float32(0.0)
-                d2 = np.float32(0.0)
-                s2 = np.float32(0.0)
-                z2 = np.float32(0.0)
-                for j in range(size):
-                    x = a[j]
-                    y = b[j]
-                    a2 += x * x
-                    b2 += y * y
-                    d = x - y
-                    df[j] = d
-                    d2 += d * d
-                    s = d * inv[j]
-                    s2 += s * s
-                    z = (y - mean[j]) * inv[j]
-                    z2 += z * z
-                top = np.uint32(0)
-                for j in range(size):
-                    v = du[j] & np.uint32(0x7FFFFFFF)
-                    top = v if v > top else top
-                one_u[0] = top
-                xc[row, seg_c[p]] = np.sqrt(a2)
-                xr[row, seg_r[p]] = np.sqrt(b2)
-                dn[p, row] = np.sqrt(d2)
-                mx[p, row] = one_f[0]
-                sn[p, row] = np.sqrt(s2)
-                sd[p, row] = np.sqrt(z2)
+    """The compiled kernel (:mod:`tracediff.compare.fused`: numba compiles it once and caches it on
+    disk next to that module where it can; later processes load it)."""
+    from tracediff.compare.fused import kernel  # noqa: PLC0415
 
     return kernel
 
