@@ -28,6 +28,7 @@ from tracediff.store import (
     encode_bfloat16,
     pack_store,
 )
+from tracediff.store.files import ChunkFiles
 
 
 def _batch(first_row: int, rows: int, width: int, dtype: str) -> np.ndarray:
@@ -400,3 +401,35 @@ def test_a_label_chunk_of_the_wrong_length_is_a_one_line_error_naming_it(tmp_pat
     chunk.write_bytes(Zstd().encode(np.arange(10, dtype=np.int64).tobytes()))  # a valid frame, too short
     with pytest.raises(CorruptStoreError, match=r"position/c/0: chunk cannot be decoded to \d+ bytes \(it holds 80\)"):
         TraceStore(tmp_path / "s.zarr").tap_streams("fc_in")[0].label("position")
+
+
+@pytest.fixture(scope="module")
+def raw_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uncompressed store of 61 rows in chunks of 7 (rows read straight from the chunk files)."""
+    store = create_store(tmp_path_factory.mktemp("rows") / "s.zarr")
+    _write(store, "t", "w", [20, 30, 11], width=6, dtype="bfloat16", chunk_rows=7)
+    return store
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_read_rows_puts_every_row_at_its_destination_like_take(raw_store: Path, data: st.DataObject) -> None:
+    """Any rows (repeated, out of order, across chunks) to any distinct destinations of a larger
+    ``out``: runs whose destinations are consecutive go straight in, the rest through the staging
+    buffer; either way each row lands where asked and nothing else is written."""
+    rows = np.array(data.draw(st.lists(st.integers(0, 60), max_size=80)), dtype=np.int64)
+    spare = data.draw(st.integers(0, 5))
+    consecutive = data.draw(st.booleans())
+    if consecutive:  # the common case: destinations in the order rows were asked for
+        dest = np.arange(rows.size, dtype=np.int64) + spare
+    else:
+        dest = np.array(data.draw(st.permutations(range(rows.size + spare)))[: rows.size], dtype=np.int64)
+    with TraceStore(raw_store) as opened, ChunkFiles(limit=data.draw(st.integers(1, 4))) as files:
+        stream = opened.streams["t"][0]
+        assert stream.reads_rows_directly
+        out = np.full((rows.size + spare, 6), 0xFFFF, dtype=np.uint16)
+        stream.read_rows(rows, out=out, dest=dest, files=files)
+        expected = np.full_like(out, 0xFFFF)
+        if rows.size:
+            expected[dest] = stream.take(np.sort(rows))[np.argsort(np.argsort(rows, kind="stable"), kind="stable")]
+        assert np.array_equal(out, expected)

@@ -12,8 +12,6 @@ from tracediff.errors import (
     StoreError,
 )
 
-IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
-
 
 def file_kind(mode: int) -> str:
     if stat.S_ISDIR(mode):
@@ -79,6 +77,18 @@ class ChunkFiles:
 
         self.limit = max(1, int(limit))
         self._fds: OrderedDict[str, int] = OrderedDict()
+        self._scratch = memoryview(b"")
+
+    def scratch(self, nbytes: int) -> memoryview:
+        """A writable, 64-byte aligned buffer of at least ``nbytes`` bytes, the same one again for
+        calls that fit (the reading thread's staging area for rows read out of order)."""
+        if len(self._scratch) < nbytes:
+            import numpy as np  # noqa: PLC0415
+
+            raw = np.empty(nbytes + 64, dtype=np.uint8)
+            skip = -raw.ctypes.data % 64
+            self._scratch = memoryview(raw[skip : skip + nbytes]).cast("B")
+        return self._scratch
 
     def open(self, path: str, size: int) -> int:
         """File descriptor of chunk file ``path``, which must be a plain file of exactly ``size`` bytes

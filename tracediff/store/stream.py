@@ -16,7 +16,7 @@ from tracediff.errors import (
     UsageError,
     first_line,
 )
-from tracediff.store.files import IOV_MAX, ChunkFiles, open_chunk_file, open_plain_file, read_error
+from tracediff.store.files import ChunkFiles, open_chunk_file, open_plain_file, read_error
 from tracediff.store.format import LABEL_DTYPES, LABEL_FIELDS, MAX_CHUNK_BYTES, VALUE_DTYPES, decode_values
 from tracediff.store.location import remote_error
 
@@ -400,9 +400,10 @@ class TraceStream:
 
         The helper behind :meth:`read_chunk`'s ``rows`` mode, for uncompressed folder stores (see
         :attr:`reads_rows_directly`); other stores go through :meth:`take`. Rows are read straight
-        from the chunk files: one ``preadv`` per run of consecutive rows of a chunk, into one buffer
-        when their destinations are consecutive too, else one buffer per row. Copies from the page
-        cache run several times faster into a 64-byte aligned ``out``.
+        from the chunk files, one ``pread`` per run of consecutive rows of a chunk: into ``out`` when
+        the run's destinations are consecutive too, else into a staging buffer (``files``' scratch,
+        reused) from which one gather puts every such row in its place. Copies from the page cache
+        run several times faster into a 64-byte aligned ``out``.
         """
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         out, dest = self._rows_out(rows, out, dest)
@@ -420,34 +421,36 @@ class TraceStream:
             rows, dest = rows[order], dest[order]
         cr = self.chunk_rows
         row_bytes = self.width * VALUE_DTYPES[self.dtype].itemsize
-        chunk_bytes = cr * row_bytes
         chunk = rows // cr
-        # Runs: consecutive rows of one chunk. ``scattered`` counts destination breaks, so a run
-        # whose destinations are consecutive has the same count at both ends.
-        breaks = (np.flatnonzero((np.diff(rows) != 1) | (np.diff(chunk) != 0)) + 1).tolist()
-        scattered = np.concatenate(([0], np.cumsum(np.diff(dest) != 1))).tolist()
-        rows_l, dest_l, chunk_l = rows.tolist(), dest.tolist(), chunk.tolist()
+        # Runs: consecutive rows of one chunk. A run goes straight to ``out`` when its destinations
+        # are consecutive (the count of destination breaks is the same at both of its ends).
+        starts = np.flatnonzero(np.r_[True, (np.diff(rows) != 1) | (np.diff(chunk) != 0)])
+        ends = np.r_[starts[1:], n]
+        breaks = np.r_[0, np.cumsum(np.diff(dest) != 1)]
+        direct = breaks[ends - 1] == breaks[starts]
+        staged = None if bool(direct.all()) else np.repeat(~direct, ends - starts)
         flat = out.data.cast("B")
-        prefix = self._values_dir
         own = files is None
         files = ChunkFiles(limit=4) if files is None else files
+        stage = None if staged is None else files.scratch(n * row_bytes)
+        prefix = self._values_dir
+        chunk_bytes = cr * row_bytes
         try:
-            for a, b in zip([0, *breaks], [*breaks, n], strict=True):
-                c = chunk_l[a]
+            for a, b, c, r0, d0, straight in zip(starts.tolist(), ends.tolist(), chunk[starts].tolist(),
+                                                 rows[starts].tolist(), dest[starts].tolist(), direct.tolist(),
+                                                 strict=True):
                 path = f"{prefix}/c/{c}/0"
                 fd = files.open(path, chunk_bytes)
-                offset = (rows_l[a] - c * cr) * row_bytes
-                if scattered[b - 1] == scattered[a]:
-                    d0 = dest_l[a] * row_bytes
-                    self._pread(fd, path, [flat[d0 : d0 + (b - a) * row_bytes]], offset, (b - a) * row_bytes)
-                    continue
-                for k in range(a, b, IOV_MAX):
-                    k1 = min(b, k + IOV_MAX)
-                    buffers = [flat[d * row_bytes : (d + 1) * row_bytes] for d in dest_l[k:k1]]
-                    self._pread(fd, path, buffers, offset + (k - a) * row_bytes, (k1 - k) * row_bytes)
+                size = (b - a) * row_bytes
+                at = d0 * row_bytes if straight else a * row_bytes
+                self._pread(fd, path, [(flat if straight else stage)[at : at + size]], (r0 - c * cr) * row_bytes, size)
         finally:
             if own:
                 files.close()
+        if staged is not None:
+            k = np.flatnonzero(staged)
+            out.view(np.uint8).reshape(out.shape[0], row_bytes)[dest[k]] = (
+                np.frombuffer(stage, dtype=np.uint8, count=n * row_bytes).reshape(n, row_bytes)[k])
         if self._raw_dtype.byteorder not in ("=", "|", "<" if sys.byteorder == "little" else ">"):
             out[dest] = out[dest].byteswap()
         return out
