@@ -47,7 +47,7 @@ def _groups(index: RowIndex) -> list[_Group]:
     p_lo = int(position.min())
     span = int(position.max()) - p_lo + 1
     if (int(group.max()) + 1) * span < (1 << 62):
-        order = valid[np.argsort(group * span + (position - p_lo), kind="stable")]
+        order = valid[_stable_argsort(group * span + (position - p_lo))]
     else:
         order = valid[np.lexsort((valid, position, group))]
     g = index.group[order]
@@ -67,6 +67,19 @@ def _groups(index: RowIndex) -> list[_Group]:
         _Group(key=k, positions=positions[a:b], tokens=tokens[a:b], rows=rows[a:b], duplicates=d)
         for k, a, b, d in zip(kept_group[starts].tolist(), starts.tolist(), ends.tolist(), dups.tolist(), strict=True)
     ]
+
+
+def _stable_argsort(key: np.ndarray) -> np.ndarray:
+    """``np.argsort(key, kind="stable")`` for int64 keys, faster: nothing to do for keys already in
+    order (a trainer's rows), else numpy's vectorised sort of a unique key (the key, then the index)
+    where that fits in int64."""
+    n = key.size
+    if n < 2 or bool((key[1:] >= key[:-1]).all()):
+        return np.arange(n)
+    lo, hi = int(key.min()), int(key.max())
+    if (hi - lo + 1) * n < (1 << 62):
+        return np.argsort((key - lo) * n + np.arange(n))
+    return np.argsort(key, kind="stable")
 
 
 def _ngram_ok(tokens: np.ndarray, positions: np.ndarray, n: int, member: np.ndarray | None = None) -> np.ndarray:
@@ -440,7 +453,13 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     # retry) is a duplicate, set aside; another writer holding the same row (a tensor-parallel rank)
     # is a replica, compared like any row, so a rank that captured something else is seen.
     stream = alignment.candidate.stream[cand].astype(np.int64)
-    order = np.lexsort((cand, stream, ref))
+    n_cand = len(alignment.candidate)
+    if len(alignment.reference) * n_cand < (1 << 62):
+        # One unique int64 key: index order is (stream, row) order, and each candidate row is paired
+        # at most once, so any sort gives lexsort's order (numpy's vectorised sort, ~3x faster).
+        order = np.argsort(ref * n_cand + cand)
+    else:
+        order = np.lexsort((cand, stream, ref))
     cand, ref, stream = cand[order], ref[order], stream[order]
     first = np.ones(ref.size, dtype=bool)
     first[1:] = (ref[1:] != ref[:-1]) | (stream[1:] != stream[:-1])
@@ -449,8 +468,9 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     # ``ref`` is sorted here: its distinct rows are counted in one pass, no hash table.
     distinct = int(np.count_nonzero(ref[1:] != ref[:-1])) + 1 if ref.size else 0
     replicas = int(ref.size - distinct)
-    # Candidate storage order makes the streaming pass read the candidate sequentially.
-    order = np.lexsort((alignment.candidate.row[cand], alignment.candidate.stream[cand]))
+    # Candidate storage order makes the streaming pass read the candidate sequentially: the index's
+    # own order (stream by stream, row by row), and each candidate row appears once.
+    order = np.argsort(cand)
     return RowPairs(cand[order], ref[order], offset, unaligned, duplicates, prefix_rows, effective, replicas,
                     insertions, distinct, trailing)
 

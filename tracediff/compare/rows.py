@@ -30,6 +30,9 @@ def _sequence_groups(stream: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, l
     when the ids are small (always, for real traces); exact for any int64 ids otherwise."""
     if seq.size == 0:
         return np.empty(0, dtype=np.int64), []
+    if int(stream.max()) == 0:  # one stream: the sequence id alone is the key (no temporaries)
+        uniq, group = np.unique(seq, return_inverse=True)
+        return group.astype(np.int64, copy=False).reshape(-1), [(0, v) for v in uniq.tolist()]
     if int(seq.min()) >= -(1 << 39) and int(seq.max()) < (1 << 39):
         combined = stream.astype(np.int64) * (1 << 40) + (seq & ((1 << 40) - 1))
         uniq, group = np.unique(combined, return_inverse=True)
@@ -98,7 +101,9 @@ def stream_names(streams: Sequence[TraceStream]) -> list[str]:
 
 @dataclass
 class RowIndex:
-    """Labels of every committed row of one tap, across its writer groups (one entry per row)."""
+    """Labels of every committed row of one tap, across its writer groups (one entry per row), in
+    storage order: stream by stream, each stream's rows in order (the alignment relies on it: an
+    entry's index orders it as (stream, row) does)."""
 
     store: TraceStore | StoreSet  # a StoreSet: one trace over several stores
     tap: str
@@ -146,8 +151,9 @@ class RowIndex:
                 cols[k].append(arrays[k])
             stream_ids.append(np.full(n, i, dtype=np.int32))
             rows.append(np.arange(n, dtype=np.int64))
-        cat: dict[str, np.ndarray] = {
-            k: np.concatenate(v).astype(_INDEX_DTYPES[k], copy=False) if v else np.empty(0, dtype=_INDEX_DTYPES[k])
+        cat: dict[str, np.ndarray] = {  # one stream's columns as they are (no copy when of the dtype)
+            k: (v[0] if len(v) == 1 else np.concatenate(v)).astype(_INDEX_DTYPES[k], copy=False) if v
+            else np.empty(0, dtype=_INDEX_DTYPES[k])
             for k, v in cols.items()
         }
         stream = np.concatenate(stream_ids) if stream_ids else np.empty(0, dtype=np.int32)
