@@ -172,12 +172,29 @@ def row_ref(index: RowIndex, i: int) -> RowRef:
 
 
 def _quantiles(values: np.ndarray, *qs: float) -> list[float]:
-    """Quantiles of the finite values (NaN without any), one selection each: numpy's several-q call
-    rounds the float32 interpolation differently, and the reports stay bit-identical."""
+    """``float(np.quantile(finite, q))`` for each q, of the finite values (NaN without any): one copy
+    and one partition for every q together, and each q's interpolation done as numpy's single-q call
+    does it (a float32 lerp with a Python-float weight), so the reports stay bit-identical to that
+    call's (held to it by tests/test_metrics_quantiles.py)."""
     finite = values[np.isfinite(values)]
-    if not finite.size:
+    n = finite.size
+    if not n:
         return [float("nan")] * len(qs)
-    return [float(np.quantile(finite, q)) for q in qs]
+    where = []
+    for q in qs:
+        v = float((n - 1) * np.float64(q))  # numpy's virtual index for the "linear" method
+        if v >= n - 1:
+            where.append((n - 1, n - 1, v + 1.0))  # numpy: both bounds the last value
+        else:
+            lo = math.floor(v)
+            where.append((lo, lo + 1, v - lo))
+    finite.partition(sorted({k for lo, hi, _ in where for k in (lo, hi)}))
+    out = []
+    for lo, hi, t in where:
+        a, b = finite[lo], finite[hi]
+        diff = b - a
+        out.append(float(b - diff * (1 - t) if t >= 0.5 else a + diff * t))
+    return out
 
 
 def _smallest(rank: np.ndarray, k: int) -> np.ndarray:
