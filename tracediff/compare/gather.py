@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -81,6 +82,20 @@ def usable_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+def in_parallel(*calls: Callable[[], Any]) -> list[Any]:
+    """Each call's result, in order, the calls run on up to :func:`usable_cpus` threads (numpy's
+    large kernels release the GIL; the plan's steps are independent numpy work). An exception is
+    raised as the first failing call (in call order) raised it, after every call has ended."""
+    workers = min(len(calls), usable_cpus())
+    if workers <= 1:
+        return [call() for call in calls]
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="tracediff-plan") as ex:
+        futures = [ex.submit(call) for call in calls]
+    return [f.result() for f in futures]
 
 
 def reference_files() -> int:

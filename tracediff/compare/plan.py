@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from tracediff.compare.align import Alignment, RowPairs, pair_rows
-from tracediff.compare.gather import ChunkReader, aligned_empty
+from tracediff.compare.gather import ChunkReader, aligned_empty, in_parallel
 from tracediff.compare.metrics import ProfileRequest
 from tracediff.compare.noise import (
     ASSUMED_LIMIT_FACTOR,
@@ -234,20 +234,34 @@ def offset_search(
     # One robust scale estimate a side, from the first offset's sample, for every offset: the rows of
     # one side are the same population whatever the label offset pairs them with (issue #27: the
     # estimates were 1.5 of the 2.6 s of this search at 3 x 4096).
-    scales: tuple[SegmentScales, SegmentScales] | None = None
-    for off in sorted(OFFSETS, key=lambda o: (o != 0, o)):
+    scales: list[tuple[SegmentScales, SegmentScales]] = []
+
+    def score(off: int) -> tuple[float, RowPairs] | None:
         pairs = base if off == 0 else pair_rows(alignment, off, candidate_groups=groups)
         if len(pairs) == 0:
-            continue
+            return None
         pick = sample_pairs(pairs, opts.offset_sample_rows, opts.seed)
         c = read_rows(alignment.candidate, pairs.candidate[pick])
         r = read_rows(alignment.reference, pairs.reference[pick])
-        if scales is None:
-            scales = (segment_scales(c, size, compute_dtype), segment_scales(r, size, compute_dtype))
-        m = standardised_cosine_matrix(c, r, *scales)
+        if not scales:
+            scales.append((segment_scales(c, size, compute_dtype), segment_scales(r, size, compute_dtype)))
+        m = standardised_cosine_matrix(c, r, *scales[0])
         best_each = [float(np.nanmax(row)) for row in m if np.isfinite(row).any()]  # an all-NaN segment casts none
-        score = float(np.mean(best_each)) if best_each else float("nan")
-        results[off] = (score, pairs)
+        return (float(np.mean(best_each)) if best_each else float("nan")), pairs
+
+    # Offset 0 first (its sample makes the scales; with no rows, the first offset that has some does),
+    # then the others on both cores.
+    order = sorted(OFFSETS, key=lambda o: (o != 0, o))
+    first = 0
+    while first < len(order) and not scales:
+        got = score(order[first])
+        if got is not None:
+            results[order[first]] = got
+        first += 1
+    rest = order[first:]
+    for off, got in zip(rest, in_parallel(*(lambda o=o: score(o) for o in rest)), strict=True):
+        if got is not None:
+            results[off] = got
     scores = {str(k): v[0] for k, v in sorted(results.items())}
     if 0 not in results:
         if not results:
@@ -404,11 +418,14 @@ def plan_segments(cand: np.ndarray, ref: np.ndarray, size: int, dtype_ref: str, 
     """
     compute = compute or decide_compute_dtype({}, {})
     c, r = cand, ref  # non-finite segments of a row are left out pair by pair, never whole rows
-    cs, rs = segment_scales(c, size, compute.dtype), segment_scales(r, size, compute.dtype)
-    raw = segment_cosine_matrix(cand, ref, size)
-    std = standardised_cosine_matrix(c, r, cs, rs)
-    baseline = mismatched_rows_matrix(c, r, cs, rs)
-    floor = noise_floor(r, size, dtype_ref, dtype_cand, rs, seed=seed)
+    # Independent numpy work, on both cores: each answer is the same whichever thread computes it.
+    cs, rs = in_parallel(lambda: segment_scales(c, size, compute.dtype), lambda: segment_scales(r, size, compute.dtype))
+    raw, std, baseline, floor = in_parallel(
+        lambda: segment_cosine_matrix(cand, ref, size),
+        lambda: standardised_cosine_matrix(c, r, cs, rs),
+        lambda: mismatched_rows_matrix(c, r, cs, rs),
+        lambda: noise_floor(r, size, dtype_ref, dtype_cand, rs, seed=seed),
+    )
     kr = ref.shape[1] // size
     known = list(depths or [None] * kr)
     fallback = assumed_depth or DEFAULT_DEPTH

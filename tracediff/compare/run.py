@@ -20,6 +20,7 @@ from tracediff import __version__
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
 from tracediff.compare.align import align_sequences, pair_rows
 from tracediff.compare.findings import build_findings
+from tracediff.compare.gather import in_parallel
 from tracediff.compare.kernels import prepare_kernel
 from tracediff.compare.metadata import aux_config, config_diff, num_layers, same_recording, side_aux_layers
 from tracediff.compare.metrics import StreamResult, with_subset_profiles
@@ -138,8 +139,8 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
         # -- segment decisions on a sample
         _stage(opts, "planning: segment map")
         pick = _plan_pick(pairs, cand_index, opts, notes)
-        c_sample = read_rows(cand_index, pairs.candidate[pick])
-        r_sample = read_rows(ref_index, pairs.reference[pick])
+        c_sample, r_sample = in_parallel(lambda: read_rows(cand_index, pairs.candidate[pick]),
+                                         lambda: read_rows(ref_index, pairs.reference[pick]))
         require_finite_rows([(ref_store, rtap, r_sample), (cand_store, ctap, c_sample)], size)
         depths = _segment_depths(rl.width // size, ref_aux, cand_aux, ref_meta, cand_meta)
         calibration = _calibration_rows(ref_store, rtap, ref_index, rl.width, compute.dtype, notes)
