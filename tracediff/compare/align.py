@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tracediff.compare.gather import in_parallel
 from tracediff.compare.rows import RowIndex
 from tracediff.errors import CompareError
 
@@ -47,7 +48,7 @@ def _groups(index: RowIndex) -> list[_Group]:
     p_lo = int(position.min())
     span = int(position.max()) - p_lo + 1
     if (int(group.max()) + 1) * span < (1 << 62):
-        order = valid[_stable_argsort(group * span + (position - p_lo))]
+        order = valid[stable_argsort(group * span + (position - p_lo))]
     else:
         order = valid[np.lexsort((valid, position, group))]
     g = index.group[order]
@@ -69,17 +70,30 @@ def _groups(index: RowIndex) -> list[_Group]:
     ]
 
 
-def _stable_argsort(key: np.ndarray) -> np.ndarray:
-    """``np.argsort(key, kind="stable")`` for int64 keys, faster: nothing to do for keys already in
-    order (a trainer's rows), else numpy's vectorised sort of a unique key (the key, then the index)
-    where that fits in int64."""
+def stable_argsort(key: np.ndarray) -> np.ndarray:
+    """``np.argsort(key, kind="stable")``, faster for the index's large keys: nothing to sort for keys
+    already in order (a trainer's rows), else numpy's vectorised (unstable) sort, then only the runs
+    of equal keys put back in index order (they are few: repeated n-grams, duplicated rows)."""
     n = key.size
     if n < 2 or bool((key[1:] >= key[:-1]).all()):
         return np.arange(n)
-    lo, hi = int(key.min()), int(key.max())
-    if (hi - lo + 1) * n < (1 << 62):
-        return np.argsort((key - lo) * n + np.arange(n))
-    return np.argsort(key, kind="stable")
+    order = np.argsort(key)
+    ordered = key[order]
+    tied = ordered[1:] == ordered[:-1]
+    if tied.any():
+        inside = np.flatnonzero(np.r_[tied, False] | np.r_[False, tied])
+        run = np.cumsum(np.r_[True, ~tied])[inside]
+        order[inside] = order[inside][np.lexsort((order[inside], run))]
+    return order
+
+
+def _unique_first_counts(key: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(key, return_index=True, return_counts=True)`` through :func:`stable_argsort`."""
+    order = stable_argsort(key)
+    ordered = key[order]
+    new = np.r_[True, ordered[1:] != ordered[:-1]] if key.size else np.zeros(0, dtype=bool)
+    at = np.flatnonzero(new)
+    return ordered[at], order[at], np.diff(np.r_[at, key.size])
 
 
 def _ngram_ok(tokens: np.ndarray, positions: np.ndarray, n: int, member: np.ndarray | None = None) -> np.ndarray:
@@ -156,8 +170,9 @@ class Alignment:
 
 def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = _NGRAM) -> Alignment:
     """Match each candidate sequence to reference sequences by token n-gram votes."""
-    ref_groups = {g.key: g for g in _groups(reference)}
-    cand_groups = {g.key: g for g in _groups(candidate)}
+    ref_list, cand_list = in_parallel(lambda: _groups(reference), lambda: _groups(candidate))
+    ref_groups = {g.key: g for g in ref_list}
+    cand_groups = {g.key: g for g in cand_list}
     duplicates = sum(g.duplicates for g in cand_groups.values())
     if not ref_groups:
         raise CompareError(f"{reference.store.path}: tap {reference.tap!r} has no valid rows to compare against")
@@ -176,7 +191,7 @@ def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = _NGRA
             member = np.repeat(np.arange(keys.size, dtype=np.int64), [rg.tokens.size for rg in groups])
             ref_h, starts, owners = _ngram_hashes(np.concatenate([rg.tokens for rg in groups]),
                                                   np.concatenate([rg.positions for rg in groups]), n, member)
-            order = np.argsort(ref_h, kind="stable")
+            order = stable_argsort(ref_h)
             tables[n] = (ref_h[order], keys[owners[order]], starts[order])
         return tables[n]
 
@@ -271,7 +286,7 @@ def _votes_together(
     if len(groups) * o_span * d_span >= (1 << 62):
         return {g.key: _votes_alone(g, lambda _n: table, n) for g in groups}
     key = (cand * o_span + (owner - o_lo)) * d_span + (delta - d_lo)
-    uniq, first, votes = np.unique(key, return_index=True, return_counts=True)
+    uniq, first, votes = _unique_first_counts(key)
     u_delta = uniq % d_span + d_lo
     u_owner = (uniq // d_span) % o_span + o_lo
     u_cand = uniq // (d_span * o_span)

@@ -1,0 +1,38 @@
+"""The alignment's sorts: the fast paths give numpy's stable results exactly (the pairs, votes and
+every report built on them depend on the order of equal keys)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from tracediff.compare.align import _unique_first_counts, stable_argsort
+
+keys = st.one_of(
+    hnp.arrays(np.int64, st.integers(0, 400), elements=st.integers(-5, 5)),  # many ties
+    hnp.arrays(np.int64, st.integers(0, 400), elements=st.integers(-(2**63), 2**63 - 1)),
+    hnp.arrays(np.uint64, st.integers(0, 400), elements=st.integers(0, 2**64 - 1)),
+    st.integers(0, 300).map(lambda n: np.arange(n, dtype=np.int64) // 3),  # already in order, with ties
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(key=keys)
+def test_stable_argsort_is_numpys_stable_argsort(key: np.ndarray) -> None:
+    assert np.array_equal(stable_argsort(key), np.argsort(key, kind="stable"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=keys)
+def test_unique_first_counts_is_numpys_unique(key: np.ndarray) -> None:
+    expected = np.unique(key, return_index=True, return_counts=True)
+    for got, want in zip(_unique_first_counts(key), expected, strict=True):
+        assert np.array_equal(got, want)
+
+
+def test_a_million_random_hashes_sort_like_numpy() -> None:
+    rng = np.random.default_rng(5)
+    key = rng.integers(0, 2**20, 1_000_000).astype(np.uint64)  # ~1 tie in 2 values
+    assert np.array_equal(stable_argsort(key), np.argsort(key, kind="stable"))
