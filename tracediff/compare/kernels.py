@@ -106,10 +106,14 @@ TINY = 1e-30
 
 # ------------------------------------------------------------ which kernel a pass uses
 #: Stored bytes (both sides) from which a pass uses the fused kernel by default: numba's import and
-#: the cached kernel's load cost ~0.5-1.1 s of a process (measured here), the kernel saves ~1.5 s of
-#: CPU per GB over the numpy kernels (benchmarks/bench_kernel.py); the load also starts in the
-#: background as soon as the pass's size is known (:func:`prepare_kernel`), while the plan runs.
-FUSED_MIN_BYTES = 256 << 20
+#: the cached kernel's load cost 0.3-0.4 s of wall time and ~0.5 s of CPU in a process (measured
+#: here), taken from the plan, which now runs on both cores; the kernel saves ~1.2-2 s of CPU per GB
+#: over the numpy kernels (benchmarks/bench_kernel.py; more at narrow rows). Whole compares, fresh
+#: processes, medians: below ~1 GiB the numpy kernels finish first (0.25 GiB a side of 3 x 4096:
+#: 1.35 vs 1.68 s; 0.5 M rows of 3 x 64: 1.74 vs 2.08 s), above it the fused one (2 M rows of 3 x 64:
+#: 4.39 vs 5.06 s). The load starts in the background as soon as the pass's size is known
+#: (:func:`prepare_kernel`), while the plan runs.
+FUSED_MIN_BYTES = 1 << 30
 
 
 def use_fused_kernel(nbytes: int) -> bool:

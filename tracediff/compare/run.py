@@ -18,7 +18,7 @@ import numpy as np
 
 from tracediff import __version__
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
-from tracediff.compare.align import align_sequences, pair_rows
+from tracediff.compare.align import RowPairs, align_sequences, pair_rows
 from tracediff.compare.findings import build_findings
 from tracediff.compare.gather import in_parallel
 from tracediff.compare.kernels import prepare_kernel
@@ -45,7 +45,7 @@ from tracediff.compare.plan import (
 from tracediff.compare.remedy import attach_next_steps
 from tracediff.compare.results import Finding, Plan, Report, SegmentMatch, Side
 from tracediff.compare.rows import RowIndex, stream_names
-from tracediff.compare.segments import SegmentDecision
+from tracediff.compare.segments import SegmentDecision, segment_scales
 from tracediff.compare.stream import stream_metrics
 from tracediff.compare.subsets import describe_subset, find_subset, might_hold_subset, subset_labels
 from tracediff.drafts import recorded_d2t_problems
@@ -135,12 +135,32 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
         # -- label offset, then the pairs every later stage uses
         _stage(opts, "planning: label offset")
         compute = decide_compute_dtype(ref_meta, cand_meta)
-        offset, offset_scores, pairs = offset_search(alignment, size, opts, base_pairs, compute.dtype)
-        # -- segment decisions on a sample
-        _stage(opts, "planning: segment map")
-        pick = _plan_pick(pairs, cand_index, opts, notes)
-        c_sample, r_sample = in_parallel(lambda: read_rows(cand_index, pairs.candidate[pick]),
-                                         lambda: read_rows(ref_index, pairs.reference[pick]))
+
+        def plan_sample(of: RowPairs, sample_notes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+            pick = _plan_pick(of, cand_index, opts, sample_notes)
+            return in_parallel(lambda: read_rows(cand_index, of.candidate[pick]),
+                               lambda: read_rows(ref_index, of.reference[pick]))
+
+        def ahead_of_time() -> tuple[tuple[np.ndarray, np.ndarray], list[str]]:
+            ahead_notes: list[str] = []
+            c, r = plan_sample(base_pairs, ahead_notes)
+            for side in (c, r):  # remembered with the sample (segments._memo): the plan asks again
+                segment_scales(side, size, compute.dtype)
+            return (c, r), ahead_notes
+
+        # Offset 0's plan sample (the offset nearly always kept) is read, and its scales estimated, on
+        # the other core while the offset search runs; another offset reads its own afterwards. What
+        # the plan decides does not change: the same rows, the same numbers.
+        with ThreadPoolExecutor(1, thread_name_prefix="tracediff-plan") as ex:
+            ahead = ex.submit(ahead_of_time)
+            offset, offset_scores, pairs = offset_search(alignment, size, opts, base_pairs, compute.dtype)
+            # -- segment decisions on a sample
+            _stage(opts, "planning: segment map")
+            if pairs is base_pairs:
+                (c_sample, r_sample), ahead_notes = ahead.result()
+                notes += ahead_notes
+            else:
+                c_sample, r_sample = plan_sample(pairs, notes)
         require_finite_rows([(ref_store, rtap, r_sample), (cand_store, ctap, c_sample)], size)
         depths = _segment_depths(rl.width // size, ref_aux, cand_aux, ref_meta, cand_meta)
         calibration = _calibration_rows(ref_store, rtap, ref_index, rl.width, compute.dtype, notes)
