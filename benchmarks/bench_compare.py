@@ -238,9 +238,10 @@ def warm(*paths: Path) -> float:
 
 
 def child_compare(ref: str, cand: str) -> dict:
-    # Everything compare imports lazily is imported first: the measured call is the work itself.
-    import deepdiff  # noqa: PLC0415, F401
-    import torch  # noqa: PLC0415, F401
+    # What every compare imports (zarr, the findings) is imported first: the measured call is the
+    # work itself. Not torch nor deepdiff: a compare imports neither (issue #27), and importing them
+    # here would count ~250 MiB that a compare never holds in its peak RSS. numba is left to the call:
+    # a large pass loads it itself (in the background, while the plan runs).
     import zarr  # noqa: PLC0415, F401
 
     import tracediff.compare.findings  # noqa: PLC0415, F401
