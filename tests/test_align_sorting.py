@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tracediff.compare.align import _unique_first_counts, stable_argsort
+from tracediff.compare.rows import _sequence_groups
 
 keys = st.one_of(
     hnp.arrays(np.int64, st.integers(0, 400), elements=st.integers(-5, 5)),  # many ties
@@ -36,3 +37,16 @@ def test_a_million_random_hashes_sort_like_numpy() -> None:
     rng = np.random.default_rng(5)
     key = rng.integers(0, 2**20, 1_000_000).astype(np.uint64)  # ~1 tie in 2 values
     assert np.array_equal(stable_argsort(key), np.argsort(key, kind="stable"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(seq=hnp.arrays(np.int64, st.integers(1, 200),
+                      elements=st.integers(-50, 50) | st.integers(-(2**45), 2**45) | st.integers(0, 2**62)))
+def test_one_streams_sequence_groups_are_those_of_the_general_key(seq: np.ndarray) -> None:
+    """One stream takes a shortcut; its groups and their order must be what the (stream, seq) key
+    gives the same rows when another stream is present (whose rows all sort after stream 0's)."""
+    n = seq.size
+    one = _sequence_groups(np.zeros(n, dtype=np.int32), seq)
+    two = _sequence_groups(np.r_[np.zeros(n, dtype=np.int32), np.ones(1, dtype=np.int32)], np.r_[seq, [0]])
+    assert np.array_equal(one[0], two[0][:n])
+    assert one[1] == two[1][:-1]

@@ -30,7 +30,9 @@ def _sequence_groups(stream: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, l
     when the ids are small (always, for real traces); exact for any int64 ids otherwise."""
     if seq.size == 0:
         return np.empty(0, dtype=np.int64), []
-    if int(stream.max()) == 0:  # one stream: the sequence id alone is the key (no temporaries)
+    if int(stream.max()) == 0 and int(seq.min()) >= 0:
+        # One stream: the sequence id alone is the key (no temporaries), in the order the general key
+        # gives non-negative ids (negative ones sort after the others there: left to it).
         uniq, group = np.unique(seq, return_inverse=True)
         return group.astype(np.int64, copy=False).reshape(-1), [(0, v) for v in uniq.tolist()]
     if int(seq.min()) >= -(1 << 39) and int(seq.max()) < (1 << 39):

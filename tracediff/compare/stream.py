@@ -1,6 +1,7 @@
 """The streaming pass over aligned rows, and the findings drawn from the plan and its numbers.
 
-Memory: per worker thread one block of raw rows for both sides (about ``block_bytes``) and float32
+Memory: per worker thread one block of raw rows for both sides (about ``block_bytes``), a staging
+buffer for a side's rows read out of order (at most that side's share of a block), float32
 buffers of a sub-block (about 2 MiB), a small cache of decoded chunks for compressed stores only,
 and per-row float32 arrays the size of the row index. Throughput is bound by copying the rows out of
 the page cache and by the float32 kernels: rows of uncompressed chunk files are read straight into a
