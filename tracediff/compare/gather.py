@@ -111,16 +111,6 @@ def reference_files() -> int:
     return 512 if soft == resource.RLIM_INFINITY or soft >= 8192 else 64
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An empty array whose start is 64-byte aligned: copies from the page cache into a buffer that is
-    not (numpy's large allocations start 16 bytes into a page) run several times slower."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = np.empty(nbytes + 64, dtype=np.uint8)
-    skip = -raw.ctypes.data % 64
-    return raw[skip : skip + nbytes].view(dtype).reshape(shape)
-
-
 @dataclass(frozen=True)
 class StreamLocation:
     """Where one writer group's rows are: the store's location (path or URL), tap, writer, and the

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from tracediff.compare.align import Alignment, RowPairs, pair_rows
-from tracediff.compare.gather import ChunkReader, aligned_empty, in_parallel
+from tracediff.compare.gather import ChunkReader, in_parallel
 from tracediff.compare.metrics import ProfileRequest
 from tracediff.compare.noise import (
     ASSUMED_LIMIT_FACTOR,
@@ -59,6 +59,7 @@ from tracediff.compare.segments import (
 from tracediff.compare.transforms import TransformFit, best_transform, fit_transforms
 from tracediff.errors import CompareError
 from tracediff.store import VALUE_DTYPES, TraceStore
+from tracediff.store.files import aligned_empty
 
 OFFSETS = (-2, -1, 0, 1, 2)
 

@@ -87,12 +87,9 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
     rtap, ctap = pick_taps(ref_store, cand_store, opts)
     _stage(opts, "reading labels")
     rl, cl = stream_layout(ref_store, rtap), stream_layout(cand_store, ctap)
-    # The two row indexes load concurrently: reading labels is mostly zarr's per-chunk overhead.
-    with ThreadPoolExecutor(2, thread_name_prefix="tracediff-labels") as ex:
-        ref_future = ex.submit(RowIndex.load, ref_store, rtap)
-        cand_future = ex.submit(RowIndex.load, cand_store, ctap)
-        ref_index = ref_future.result()  # the reference's error first, as when loaded one by one
-        cand_index = cand_future.result()
+    # The two row indexes load concurrently (decoding label chunks); the reference's error first, as
+    # when loaded one by one.
+    ref_index, cand_index = in_parallel(lambda: RowIndex.load(ref_store, rtap), lambda: RowIndex.load(cand_store, ctap))
     notes = list(opts.extra_notes) + _store_set_notes(ref_store, "reference") + _store_set_notes(cand_store, "candidate")
 
     # -- sequences

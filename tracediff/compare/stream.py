@@ -35,7 +35,6 @@ from tracediff.compare.align import RowPairs
 from tracediff.compare.gather import (
     ChunkReader,
     StreamLocation,
-    aligned_empty,
     location_of,
     reference_files,
     usable_cpus,
@@ -61,6 +60,7 @@ from tracediff.compare.rows import RowIndex
 from tracediff.compare.segments import to_float32
 from tracediff.errors import CompareError
 from tracediff.store import VALUE_DTYPES, TraceStream
+from tracediff.store.files import aligned_empty
 
 Progress = Callable[[int], None]
 
