@@ -17,6 +17,7 @@ Bounded and reproducible: a fixed number of derandomized examples, no example da
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -34,7 +35,8 @@ from hypothesis import strategies as st
 from tracediff.compare import CompareOptions, compare_stores
 from tracediff.compare.align import align_sequences, pair_rows
 from tracediff.compare.identify import identify_segments
-from tracediff.compare.rows import RowIndex
+from tracediff.compare.pairing import check_token_pairing
+from tracediff.compare.rows import COMPACT_BOUND, RowIndex
 from tracediff.describe import describe_store
 from tracediff.errors import TracediffError
 from tracediff.store import ChunkFiles, TraceStore, open_store
@@ -306,6 +308,48 @@ def test_wild_labels_align_or_fail_with_a_tracediff_error(
             agree = (cand.token_id[c] == ref.token_id[r]) | (cand.token_id[c] < 0)
             assert agree.all(), "paired rows carry the same token"
         assert pairs.unaligned >= 0 and pairs.duplicates >= 0
+
+
+EDGES = st.sampled_from([0, 1, COMPACT_BOUND - 40, COMPACT_BOUND - 20, COMPACT_BOUND, -COMPACT_BOUND,
+                         -COMPACT_BOUND - 1, -COMPACT_BOUND + 3, 2**31 - 20, -(2**31), 2**40])
+
+
+def _wide(index: RowIndex) -> RowIndex:
+    """The same index with every integer column int64, as it was before the columns were compacted."""
+    return dataclasses.replace(index, **{k: getattr(index, k).astype(np.int64) for k in
+                                         ("stream", "row", "group", "seq", "position", "token_id", "next_token_id", "step")})
+
+
+@settings(FUZZ, max_examples=ALIGN_EXAMPLES)
+@given(n=st.integers(4, 30), ref_base=EDGES, cand_base=EDGES, token_base=EDGES, skip=st.integers(0, 3),
+       seq=EDGES, step=EDGES, tokens=st.lists(st.integers(0, 3), min_size=30, max_size=30), shuffle=st.randoms())
+def test_labels_near_the_compact_bound_pair_as_int64_labels_do(
+    streams: tuple[TraceStore, list[Any]], n: int, ref_base: int, cand_base: int, token_base: int, skip: int,
+    seq: int, step: int, tokens: list[int], shuffle: Any
+) -> None:
+    """Label columns within +-COMPACT_BOUND are held as int32; positions, deltas and offsets at the
+    bound (and past it, int64 then) must pair exactly the rows the int64 columns pair."""
+    tok = token_base + np.array(tokens[:n], dtype=np.int64)
+
+    def columns(base: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+        m = rows.size
+        return {"seq": np.full(m, seq, dtype=np.int64), "position": base + rows, "token_id": tok[rows],
+                "next_token_id": np.r_[tok[rows][1:], [-1]], "step": step + rows // 3,
+                "phase": np.ones(m, dtype=np.int8), "valid": np.ones(m, dtype=bool)}
+
+    cand_rows = np.arange(skip, n)
+    shuffle.shuffle(cand_rows)  # engine order
+    ref = RowIndex.from_labels(streams[0], "fc_in", streams[1], [columns(ref_base, np.arange(n))])
+    cand = RowIndex.from_labels(streams[0], "fc_in", streams[1], [columns(cand_base, cand_rows)])
+    assert ref.position.dtype == (np.int32 if ref_base >= -COMPACT_BOUND and ref_base + n <= COMPACT_BOUND else np.int64)
+    compact_al, wide_al = align_sequences(ref, cand), align_sequences(_wide(ref), _wide(cand))
+    assert [s.hypotheses for s in compact_al.sequences] == [s.hypotheses for s in wide_al.sequences]
+    for offset in (-2, -1, 0, 1, 2):
+        got, want = pair_rows(compact_al, offset), pair_rows(wide_al, offset)
+        assert got.candidate.tolist() == want.candidate.tolist() and got.reference.tolist() == want.reference.tolist()
+        assert (got.unaligned, got.duplicates, got.trailing, got.insertions, got.effective_delta) == (
+            want.unaligned, want.duplicates, want.trailing, want.insertions, want.effective_delta)
+        assert check_token_pairing(got, ref, cand) == check_token_pairing(want, _wide(ref), _wide(cand))
 
 
 def test_distinct_huge_sequence_ids_stay_distinct_sequences(streams: tuple[TraceStore, list[Any]]) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tracediff.compare.gather import in_parallel
-from tracediff.compare.rows import RowIndex
+from tracediff.compare.rows import COMPACT_BOUND, RowIndex
 from tracediff.errors import CompareError
 
 if TYPE_CHECKING:
@@ -48,7 +48,11 @@ def _groups(index: RowIndex) -> list[_Group]:
     p_lo = int(position.min())
     span = int(position.max()) - p_lo + 1
     if (int(group.max()) + 1) * span < (1 << 62):
-        order = valid[stable_argsort(group * span + (position - p_lo))]
+        key = np.multiply(group, span, dtype=np.int64)  # compact columns: the key widens
+        key += position
+        key -= p_lo
+        order = valid[stable_argsort(key)]
+        del key
     else:
         order = valid[np.lexsort((valid, position, group))]
     g = index.group[order]
@@ -382,6 +386,14 @@ class RowPairs:
         return int(np.unique(self.reference).size)
 
 
+def _shifted(positions: np.ndarray, delta: int, offset: int) -> np.ndarray:
+    """``positions - delta + offset`` as int64 arithmetic gives it: compact (int32) positions stay
+    int32 when the result fits (:data:`~tracediff.compare.rows.COMPACT_BOUND`), else widen first."""
+    if positions.dtype == np.int32 and abs(delta) + abs(offset) <= 2 * COMPACT_BOUND:
+        return positions - delta + offset
+    return positions.astype(np.int64, copy=False) - delta + offset
+
+
 def _find_positions(positions: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Index into sorted, distinct ``positions`` of each wanted position (clipped), and whether it
     is there. Positions without gaps (the common case) need no search."""
@@ -426,12 +438,12 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             rg = alignment.ref_groups[ref_key]
             free = ~taken
             # Token consistency under this hypothesis (label positions, before the offset).
-            idx_c, at = _find_positions(rg.positions, g.positions - delta)
+            idx_c, at = _find_positions(rg.positions, _shifted(g.positions, delta, 0))
             agree = at & (rg.tokens[idx_c] == g.tokens)
             unknown = g.tokens < 0
             ok = free & (agree | (unknown & (h_i == 0)) if alignment.by_tokens else free)
             # The value pairing: shift by the label offset.
-            vidx_c, vat = _find_positions(rg.positions, g.positions - delta + offset)
+            vidx_c, vat = _find_positions(rg.positions, _shifted(g.positions, delta, offset))
             seen = used.setdefault(ref_key, np.zeros(rg.rows.size, dtype=bool))
             use = ok & vat & ~seen[vidx_c]
             if h_i > 0 and ref_key != primary:

@@ -42,6 +42,12 @@ class TokenPairing:
         return asdict(self)
 
 
+def _lowest(n: int, dtype: np.dtype) -> np.ndarray:
+    """``n`` entries of the lowest value of ``dtype``: the start of a per-group maximum (``ufunc.at``
+    runs ~20x faster when the values are of the accumulator's own dtype)."""
+    return np.full(n, np.iinfo(dtype).min, dtype=dtype)
+
+
 def _last_in_step(index: RowIndex) -> np.ndarray:
     """Per row of ``index``: is it its sequence's last row in its step (writer, step, sequence)?"""
     n = len(index)
@@ -50,7 +56,7 @@ def _last_in_step(index: RowIndex) -> np.ndarray:
     keys = np.stack([index.group, index.step, index.stream.astype(np.int64)], axis=1)
     _, inverse = np.unique(keys, axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
-    top = np.full(int(inverse.max()) + 1, np.iinfo(np.int64).min, dtype=np.int64)
+    top = _lowest(int(inverse.max()) + 1, index.position.dtype)
     np.maximum.at(top, inverse, index.position)
     return index.position == top[inverse]
 
@@ -60,7 +66,7 @@ def _continues(index: RowIndex) -> np.ndarray:
     n = len(index)
     if n == 0:
         return np.zeros(0, dtype=bool)
-    top = np.full(int(index.group.max()) + 1, np.iinfo(np.int64).min, dtype=np.int64)
+    top = _lowest(int(index.group.max()) + 1, index.position.dtype)
     np.maximum.at(top, index.group, index.position)
     return index.position < top[index.group]
 

@@ -23,6 +23,25 @@ _INDEX_FIELDS = ("seq", "position", "token_id", "next_token_id", "step", "phase"
 _OPTIONAL_FIELDS = ("step",)  # label sets built in memory may leave these out (0 then)
 _INDEX_DTYPES = {"seq": np.int64, "position": np.int64, "token_id": np.int64, "next_token_id": np.int64,
                  "step": np.int64, "phase": np.int8, "valid": np.bool_}
+#: An integer column whose values all lie within +-2**28 is held as int32: a sum or difference of up
+#: to eight such values (a position shifted by a delta and an offset, two sides' positions) still fits,
+#: so the index's arithmetic needs no widening; keys that multiply widen to int64 themselves.
+COMPACT_BOUND = 1 << 28
+
+
+def compact(column: np.ndarray) -> np.ndarray:
+    """An integer label column as int32 when its values lie within :data:`COMPACT_BOUND` (real
+    labels: positions, token ids, steps, small sequence ids), else as int64. Half the index's memory."""
+    if column.dtype.kind not in "iu":
+        column = column.astype(np.int64)
+    if column.size == 0 or (int(column.min()) >= -COMPACT_BOUND and int(column.max()) < COMPACT_BOUND):
+        return column.astype(np.int32, copy=False)
+    return column.astype(np.int64, copy=False)
+
+
+def index_dtype(count: int) -> type:
+    """The dtype of indices below ``count``: int32 when they fit."""
+    return np.int32 if count < (1 << 31) else np.int64
 
 
 def _sequence_groups(stream: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
@@ -36,7 +55,7 @@ def _sequence_groups(stream: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, l
         uniq, group = np.unique(seq, return_inverse=True)
         return group.astype(np.int64, copy=False).reshape(-1), [(0, v) for v in uniq.tolist()]
     if int(seq.min()) >= -(1 << 39) and int(seq.max()) < (1 << 39):
-        combined = stream.astype(np.int64) * (1 << 40) + (seq & ((1 << 40) - 1))
+        combined = stream.astype(np.int64) * (1 << 40) + (seq.astype(np.int64) & ((1 << 40) - 1))
         uniq, group = np.unique(combined, return_inverse=True)
         pairs = []
         for u in uniq.tolist():
@@ -87,6 +106,15 @@ def _split_samples(group: np.ndarray, keys: list[str], position: np.ndarray,
     return new_group.astype(np.int64).reshape(-1), new_keys, int(split_groups.size)
 
 
+def _column(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    """One label column of the index from its streams' parts: integers compacted (:func:`compact`),
+    the others in their index dtype."""
+    if not parts:
+        return np.empty(0, dtype=dtype)
+    whole = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return compact(whole) if dtype is np.int64 else whole.astype(dtype, copy=False)
+
+
 def stream_names(streams: Sequence[TraceStream]) -> list[str]:
     """Each stream's name in row references: its writer, prefixed by its store's name when the
     streams come from several stores (one trace over many stores), so a row names where it lives."""
@@ -110,9 +138,10 @@ class RowIndex:
     store: TraceStore | StoreSet  # a StoreSet: one trace over several stores
     tap: str
     streams: list[TraceStream]
-    stream: np.ndarray  # int32: which stream
-    row: np.ndarray  # int64: row within that stream
-    group: np.ndarray  # int64: sequence group (stream, seq) -> dense id
+    # Integer columns are compact (:func:`compact`): int32 when their values allow, else int64.
+    stream: np.ndarray  # int16 (int32 past 32767 streams): which stream
+    row: np.ndarray  # int32 (int64 past 2**31 rows): row within that stream
+    group: np.ndarray  # int32: sequence group (stream, seq) -> dense id
     seq: np.ndarray
     position: np.ndarray
     token_id: np.ndarray
@@ -126,7 +155,10 @@ class RowIndex:
     @classmethod
     def load(cls, store: TraceStore | StoreSet, tap: str) -> RowIndex:
         streams = store.tap_streams(tap)
-        return cls.from_labels(store, tap, streams, [s.labels(_INDEX_FIELDS) for s in streams])
+        # Each column compacted as soon as it is read: one int64 column at a time held twice.
+        return cls.from_labels(store, tap, streams, [
+            {k: compact(s.label(k)) if _INDEX_DTYPES[k] is np.int64 else s.label(k) for k in _INDEX_FIELDS}
+            for s in streams])
 
     @classmethod
     def from_labels(
@@ -143,7 +175,7 @@ class RowIndex:
             if missing:
                 raise UsageError(f"{store.path}/{tap}/{s.writer}: label columns {missing} are missing")
             n_rows = np.asarray(columns["seq"]).reshape(-1).shape[0]
-            arrays = {k: np.asarray(columns[k]).reshape(-1) if k in columns else np.zeros(n_rows, dtype=np.int64)
+            arrays = {k: np.asarray(columns[k]).reshape(-1) if k in columns else np.zeros(n_rows, dtype=np.int32)
                       for k in _INDEX_FIELDS}
             lengths = {k: a.shape[0] for k, a in arrays.items()}
             if len(set(lengths.values())) != 1:
@@ -151,14 +183,12 @@ class RowIndex:
             n = lengths["seq"]
             for k in _INDEX_FIELDS:
                 cols[k].append(arrays[k])
-            stream_ids.append(np.full(n, i, dtype=np.int32))
-            rows.append(np.arange(n, dtype=np.int64))
-        cat: dict[str, np.ndarray] = {  # one stream's columns as they are (no copy when of the dtype)
-            k: (v[0] if len(v) == 1 else np.concatenate(v)).astype(_INDEX_DTYPES[k], copy=False) if v
-            else np.empty(0, dtype=_INDEX_DTYPES[k])
-            for k, v in cols.items()
+            stream_ids.append(np.full(n, i, dtype=np.int16 if len(streams) < (1 << 15) else np.int32))
+            rows.append(np.arange(n, dtype=index_dtype(n)))
+        cat: dict[str, np.ndarray] = {  # one stream's columns as they are (no copy when compact already)
+            k: _column(v, _INDEX_DTYPES[k]) for k, v in cols.items()
         }
-        stream = np.concatenate(stream_ids) if stream_ids else np.empty(0, dtype=np.int32)
+        stream = np.concatenate(stream_ids) if stream_ids else np.empty(0, dtype=np.int16)
         # Sequence ids are per writer process: (stream, seq) is the key of a sequence.
         group, pairs = _sequence_groups(stream, cat["seq"])
         keys = []
@@ -172,8 +202,8 @@ class RowIndex:
             tap=tap,
             streams=list(streams),
             stream=stream,
-            row=np.concatenate(rows) if rows else np.empty(0, dtype=np.int64),
-            group=group,
+            row=np.concatenate(rows) if rows else np.empty(0, dtype=np.int32),
+            group=group.astype(index_dtype(len(keys)), copy=False),
             seq=cat["seq"],
             position=cat["position"],
             token_id=cat["token_id"],
