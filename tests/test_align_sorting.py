@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tracediff.compare.align import _unique_first_counts, stable_argsort
-from tracediff.compare.rows import _sequence_groups
+from tracediff.compare.rows import _sequence_groups, _split_samples
 
 keys = st.one_of(
     hnp.arrays(np.int64, st.integers(0, 400), elements=st.integers(-5, 5)),  # many ties
@@ -50,3 +50,40 @@ def test_one_streams_sequence_groups_are_those_of_the_general_key(seq: np.ndarra
     two = _sequence_groups(np.r_[np.zeros(n, dtype=np.int32), np.ones(1, dtype=np.int32)], np.r_[seq, [0]])
     assert np.array_equal(one[0], two[0][:n])
     assert one[1] == two[1][:-1]
+
+
+def _split_by_hand(group: np.ndarray, keys: list[str], position: np.ndarray, valid: np.ndarray) -> tuple:
+    """What splitting packed samples means, row by row in recorded order: a valid row below its
+    sequence's previous valid position starts the next sample; invalid rows stay where they are."""
+    ordinal, last, count = [], {}, {}
+    for g, p, ok in zip(group.tolist(), position.tolist(), valid.tolist(), strict=True):
+        if ok:
+            if g in last and p < last[g]:
+                count[g] = count.get(g, 0) + 1
+            last[g] = p
+        ordinal.append(count.get(g, 0))
+    pairs = sorted(set(zip(group.tolist(), ordinal, strict=True)))
+    dense = {pair: i for i, pair in enumerate(pairs)}
+    names = [keys[g] if not count.get(g) else f"{keys[g]}#{k}" for g, k in pairs]
+    return [dense[pair] for pair in zip(group.tolist(), ordinal, strict=True)], names, len(count)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), n=st.integers(1, 120), groups=st.integers(1, 6), sorted_groups=st.booleans(),
+       all_valid=st.booleans(), int32=st.booleans())
+def test_packed_samples_split_where_positions_restart(data: st.DataObject, n: int, groups: int, sorted_groups: bool,
+                                                        all_valid: bool, int32: bool) -> None:
+    """The split of packed rows (sorted or interleaved sequences, all or some rows valid, compact
+    or int64 columns) is the row-by-row definition's."""
+    drawn = data.draw(st.lists(st.integers(0, groups - 1), min_size=n, max_size=n))
+    group = np.unique(drawn, return_inverse=True)[1].astype(np.int64)  # dense ids: every sequence has rows
+    if sorted_groups:
+        group.sort()
+    position = np.array(data.draw(st.lists(st.integers(0, 6), min_size=n, max_size=n)), dtype=np.int64)
+    valid = np.ones(n, dtype=bool) if all_valid else np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    if int32:
+        group, position = group.astype(np.int32), position.astype(np.int32)
+    keys = [f"s{k}" for k in range(int(group.max()) + 1)]
+    got_group, got_keys, got_split = _split_samples(group, keys, position, valid)
+    want_group, want_keys, want_split = _split_by_hand(group, keys, position, valid)
+    assert got_group.tolist() == want_group and got_keys == want_keys and got_split == want_split

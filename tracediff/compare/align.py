@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tracediff.compare.gather import in_parallel
-from tracediff.compare.rows import COMPACT_BOUND, RowIndex
+from tracediff.compare.rows import COMPACT_BOUND, RowIndex, index_dtype
 from tracediff.errors import CompareError
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ class _Group:
     key: int
     positions: np.ndarray
     tokens: np.ndarray
-    rows: np.ndarray  # index into the RowIndex
+    rows: np.ndarray  # index into the RowIndex (int32 below 2**31 rows)
     duplicates: int
 
 
@@ -60,7 +60,7 @@ def _groups(index: RowIndex) -> list[_Group]:
     # The first row of each (sequence, position); the rest are duplicates.
     new_group = np.r_[True, g[1:] != g[:-1]]
     keep = new_group | np.r_[True, pos[1:] != pos[:-1]]
-    rows = order[keep]
+    rows = order[keep].astype(index_dtype(len(index)), copy=False)  # what pairs hold: compact
     positions, tokens = pos[keep], index.token_id[rows]
     kept_group = g[keep]
     starts = np.flatnonzero(np.r_[True, kept_group[1:] != kept_group[:-1]])
@@ -359,7 +359,8 @@ def _align_by_labels(
 
 @dataclass
 class RowPairs:
-    """Candidate row i <-> reference row j, both as indices into their RowIndex."""
+    """Candidate row i <-> reference row j, both as indices into their RowIndex (int32 below 2**31
+    rows a side)."""
 
     candidate: np.ndarray
     reference: np.ndarray
@@ -474,17 +475,21 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             end = int(alignment.ref_groups[primary].positions[-1]) + int(seq.hypotheses[0][1])
             trailing += int((~taken & (g.positions > end)).sum())
         unaligned += int((~taken).sum())
-    cand = np.concatenate(cand_out) if cand_out else np.empty(0, dtype=np.int64)
-    ref = np.concatenate(ref_out) if ref_out else np.empty(0, dtype=np.int64)
+    rows_dtype = index_dtype(max(len(alignment.candidate), len(alignment.reference)))
+    cand = np.concatenate(cand_out) if cand_out else np.empty(0, dtype=rows_dtype)
+    ref = np.concatenate(ref_out) if ref_out else np.empty(0, dtype=rows_dtype)
     # One candidate row per reference row and writer group: a writer that records a row twice (a
     # retry) is a duplicate, set aside; another writer holding the same row (a tensor-parallel rank)
     # is a replica, compared like any row, so a rank that captured something else is seen.
-    stream = alignment.candidate.stream[cand].astype(np.int64)
+    stream = alignment.candidate.stream[cand]
     n_cand = len(alignment.candidate)
     if len(alignment.reference) * n_cand < (1 << 62):
         # One unique int64 key: index order is (stream, row) order, and each candidate row is paired
         # at most once, so any sort gives lexsort's order (numpy's vectorised sort, ~3x faster).
-        order = np.argsort(ref * n_cand + cand)
+        key = np.multiply(ref, n_cand, dtype=np.int64)
+        key += cand
+        order = np.argsort(key)
+        del key
     else:
         order = np.lexsort((cand, stream, ref))
     cand, ref, stream = cand[order], ref[order], stream[order]

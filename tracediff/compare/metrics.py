@@ -18,19 +18,44 @@ from tracediff.compare.rows import RowIndex
 
 @dataclass
 class Accumulator:
+    """One matched pair's totals over the pass: per row only what the quantiles, worst rows and the
+    localisation read (cosine, norm ratio, standardised error); rel_diff and max |diff| reduced
+    block by block (:meth:`add_reduced`)."""
+
     cand_seg: int
     ref_seg: int
     cos: np.ndarray
     ratio: np.ndarray
-    rel_diff: np.ndarray
-    max_abs: np.ndarray
     std_err: np.ndarray  # per row: squared standardised error |(c - r) / s|^2
+    rel_diff_sum: float = 0.0  # over the rows whose rel_diff is not NaN (inf counts, as in np.nanmean)
+    rel_diff_rows: int = 0
+    rel_diff_max: float = float("nan")  # np.nanmax: NaN rows left out
+    max_abs: float = float("nan")  # the largest non-NaN max |diff| of a row (np.nanargmax's), its row
+    max_abs_at: int = -1
+    max_abs_finite: bool = False  # some row's max |diff| is finite (else no max is reported)
     sq_err: float = 0.0
     std_num: float = 0.0  # sum over rows of |(c - r) / s|^2
     std_den: float = 0.0  # sum over rows of |(r - mean) / s|^2
     sq_ref: float = 0.0
     nonfinite_c: int = 0
     nonfinite_r: int = 0
+
+    def add_reduced(self, start: int, rel_diff: np.ndarray, max_abs: np.ndarray) -> None:
+        """Fold in one block's per-row rel_diff and max |diff| (rows ``start``...). In block order, the
+        sum is the same bits however the blocks ran; the maximum and its first row in any order."""
+        known = ~np.isnan(rel_diff)
+        count = int(known.sum())
+        if count:
+            self.rel_diff_rows += count
+            self.rel_diff_sum += float(rel_diff[known].sum(dtype=np.float64))
+            top = float(rel_diff[known].max())
+            self.rel_diff_max = top if math.isnan(self.rel_diff_max) else max(self.rel_diff_max, top)
+        self.max_abs_finite = self.max_abs_finite or bool(np.isfinite(max_abs).any())
+        if not np.isnan(max_abs).all():
+            k = int(np.nanargmax(max_abs))
+            value = float(max_abs[k])
+            if self.max_abs_at < 0 or value > self.max_abs or (value == self.max_abs and start + k < self.max_abs_at):
+                self.max_abs, self.max_abs_at = value, start + k
 
 
 #: Per-position series have at most this many position buckets.
@@ -239,10 +264,9 @@ def finish_metrics(acc: Accumulator, pairs: RowPairs, reference: RowIndex, candi
             )
     max_abs_row = None
     max_abs = float("nan")
-    if np.isfinite(acc.max_abs).any():
-        k = int(np.nanargmax(acc.max_abs))
-        max_abs = float(acc.max_abs[k])
-        max_abs_row = row_ref(candidate, pairs.candidate[k])
+    if acc.max_abs_finite:
+        max_abs = acc.max_abs
+        max_abs_row = row_ref(candidate, pairs.candidate[acc.max_abs_at])
     # Cosine and the decision metric by (reference) position, in the compare's position buckets.
     if buckets is None:
         buckets = PositionBuckets.of(reference.position[pairs.reference])
@@ -273,8 +297,8 @@ def finish_metrics(acc: Accumulator, pairs: RowPairs, reference: RowIndex, candi
         norm_ratio_p50=ratio_p50,
         norm_ratio_p99=ratio_p99,
         rel_l2=math.sqrt(acc.sq_err / acc.sq_ref) if acc.sq_ref > 0 else float("nan"),
-        rel_diff_mean=float(np.nanmean(acc.rel_diff)) if rows else float("nan"),
-        rel_diff_max=float(np.nanmax(acc.rel_diff)) if rows else float("nan"),
+        rel_diff_mean=acc.rel_diff_sum / acc.rel_diff_rows if rows and acc.rel_diff_rows else float("nan"),
+        rel_diff_max=acc.rel_diff_max if rows else float("nan"),
         max_abs_diff=max_abs,
         max_abs_diff_row=max_abs_row,
         nonfinite_candidate=acc.nonfinite_c,

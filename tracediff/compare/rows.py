@@ -52,6 +52,12 @@ def _sequence_groups(stream: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, l
     if int(stream.max()) == 0 and int(seq.min()) >= 0:
         # One stream: the sequence id alone is the key (no temporaries), in the order the general key
         # gives non-negative ids (negative ones sort after the others there: left to it).
+        top = int(seq.max())
+        if top < 2 * seq.size:  # dense ids (a trainer's sample numbers): ranks without a sort
+            present = np.zeros(top + 1, dtype=bool)
+            present[seq] = True
+            rank = np.cumsum(present, dtype=np.int32) - np.int32(1)
+            return rank[seq], [(0, v) for v in np.flatnonzero(present).tolist()]
         uniq, group = np.unique(seq, return_inverse=True)
         return group.astype(np.int64, copy=False).reshape(-1), [(0, v) for v in uniq.tolist()]
     if int(seq.min()) >= -(1 << 39) and int(seq.max()) < (1 << 39):
@@ -79,14 +85,25 @@ def _split_samples(group: np.ndarray, keys: list[str], position: np.ndarray,
     sequence) and how many sequences were split."""
     if group.size == 0:
         return group, keys, 0
-    order = np.argsort(group, kind="stable")  # each sequence's rows in recorded order
-    g, v = group[order], valid[order]
-    vrows = np.flatnonzero(v)
-    starts = np.zeros(order.size, dtype=bool)
-    if vrows.size > 1:
-        same = g[vrows[1:]] == g[vrows[:-1]]
-        back = position[order[vrows[1:]]] < position[order[vrows[:-1]]]
-        starts[vrows[1:][same & back]] = True
+    # Each sequence's rows in recorded order (a trainer's rows: already so).
+    order = None
+    if not bool((group[1:] >= group[:-1]).all()):
+        # numpy's stable sort is a radix sort for 16-bit keys (1.5x faster here)
+        order = np.argsort(group.astype(np.int16) if len(keys) < (1 << 15) else group, kind="stable")
+    g, v = (group, valid) if order is None else (group[order], valid[order])
+    starts = np.zeros(group.size, dtype=bool)
+    if bool(v.all()):  # every row valid (the common case): no row to skip
+        pos = position if order is None else position[order]
+        starts[1:] = (g[1:] == g[:-1]) & (pos[1:] < pos[:-1])
+        del pos
+    else:
+        vrows = np.flatnonzero(v)
+        if vrows.size > 1:
+            same = g[vrows[1:]] == g[vrows[:-1]]
+            pos = position[vrows if order is None else order[vrows]]
+            back = pos[1:] < pos[:-1]
+            del pos
+            starts[vrows[1:][same & back]] = True
     if not starts.any():
         return group, keys, 0
     first = np.r_[True, g[1:] != g[:-1]]
@@ -99,7 +116,7 @@ def _split_samples(group: np.ndarray, keys: list[str], position: np.ndarray,
     np.maximum.at(n_samples, g, ordinal)
     combined = np.empty(group.size, dtype=np.int64)
     width = int(n_samples.max()) + 1
-    combined[order] = g * width + ordinal
+    combined[slice(None) if order is None else order] = g.astype(np.int64) * width + ordinal
     uniq, new_group = np.unique(combined, return_inverse=True)
     new_keys = [keys[u // width] if n_samples[u // width] == 0 else f"{keys[u // width]}#{u % width}"
                 for u in uniq.tolist()]

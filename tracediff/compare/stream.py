@@ -119,9 +119,9 @@ class BlockResult:
     # squared standardised error; and [2] the sum and count of the squared standardised reference norm.
     profile_sums: list[np.ndarray] = field(default_factory=list)
     profile_den: list[np.ndarray] = field(default_factory=list)
-    # The block's place in the pass, and per row (of the block) and pair the float32 metrics the
-    # client writes into its per-row arrays: cosine, norm ratio, rel_diff, max abs diff, squared
-    # standardised error.
+    # The block's place in the pass, and per row (of the block) and pair the float32 metrics: the
+    # client writes cosine, norm ratio and squared standardised error into its per-row arrays, and
+    # reduces rel_diff and max abs diff (:meth:`tracediff.compare.metrics.Accumulator.add_reduced`).
     number: int = 0
     start: int = 0
     stop: int = 0
@@ -455,8 +455,10 @@ class _Merger:
         rm, sl = res.row_metrics, slice(res.start, res.stop)
         if rm is not None:
             for p, acc in enumerate(self.accs):
-                acc.cos[sl], acc.ratio[sl], acc.rel_diff[sl], acc.max_abs[sl], acc.std_err[sl] = rm[:, :, p]
-            res.row_metrics = None  # a held block keeps only its sums
+                acc.cos[sl], acc.ratio[sl], acc.std_err[sl] = rm[0, :, p], rm[1, :, p], rm[4, :, p]
+            # rel_diff and max |diff| reduce to a few numbers (in block order: the same sums however
+            # blocks ran); a held block keeps only those.
+            res.row_metrics = np.ascontiguousarray(rm[2:4])
         self.bytes_read += res.bytes_read
         self.pending[res.number] = res
         while self.next in self.pending:
@@ -472,7 +474,10 @@ class _Merger:
             self.first_c.setdefault(s, k)
         for s, k in res.first_r.items():
             self.first_r.setdefault(s, k)
+        reduced, res.row_metrics = res.row_metrics, None
         for p, acc in enumerate(self.accs):
+            if reduced is not None:
+                acc.add_reduced(res.start, reduced[0, :, p], reduced[1, :, p])
             acc.nonfinite_c += int(res.pair_bad_c[p])
             acc.nonfinite_r += int(res.pair_bad_r[p])
             acc.sq_err += float(res.sq_err[p])
@@ -564,7 +569,7 @@ def stream_metrics(
     plan = pass_plan(pairs, reference, candidate, matches, segment_size, scales, profiles, block_bytes)
     kc, kr = plan.candidate_width // segment_size, plan.reference_width // segment_size
     accs = [
-        Accumulator(i, j, *(np.full(n, np.nan, dtype=np.float32) for _ in range(5)))
+        Accumulator(i, j, *(np.full(n, np.nan, dtype=np.float32) for _ in range(3)))
         for i, j in matches
     ]
     if limits is None:
