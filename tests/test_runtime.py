@@ -53,3 +53,44 @@ def test_freed_blocks_go_back_to_the_system():
     assert not default_made
     # Without the setting, glibc's raised threshold keeps the freed blocks in its heap.
     assert default_after - default_base > 150, (default_base, default_after)
+
+
+def _second_round_faults(setting: bool) -> tuple[bool, int, int]:
+    """In a fresh interpreter, on a thread (its own malloc arena, as a streaming thread): allocate,
+    touch and free 24 blocks of 256 KiB twice; the page faults of the second round, and its pages."""
+    code = textwrap.dedent(f"""
+        import ctypes, resource, threading
+        from tracediff.runtime import return_freed_memory
+        made = return_freed_memory() if {setting} else False
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc.restype = ctypes.c_void_p
+        libc.malloc.argtypes = [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        size, count, out = 256 << 10, 24, []
+        def rounds():
+            for r in range(2):
+                before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+                blocks = [libc.malloc(size) for _ in range(count)]
+                for b in blocks:
+                    ctypes.memset(b, 1, size)
+                for b in reversed(blocks):
+                    libc.free(b)
+                out.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+        t = threading.Thread(target=rounds)
+        t.start(); t.join()
+        print(made, out[1], size * count // 4096)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=env).stdout.split()
+    return out[0] == "True", int(out[1]), int(out[2])
+
+
+def test_a_threads_freed_blocks_below_the_threshold_are_reused_without_page_faults():
+    """Blocks under 1 MiB stay in the thread's arena: freeing them and allocating again (a streaming
+    thread block after block) must not hand the pages back and fault them in again."""
+    if not sys.platform.startswith("linux"):
+        return
+    made, faults, pages = _second_round_faults(True)
+    assert made
+    assert faults < pages // 4, (faults, pages)

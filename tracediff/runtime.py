@@ -7,8 +7,10 @@ import ctypes
 import ctypes.util
 import sys
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+_M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
+_M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD = 1 << 20
+_TRIM_THRESHOLD = 8 << 20
 
 
 def return_freed_memory() -> bool:
@@ -19,6 +21,10 @@ def return_freed_memory() -> bool:
     blocks below it come from the heap, which it rarely returns: compare's plan frees and allocates
     many 10-100 MiB temporaries, and its peak RSS held ~100 MiB of freed heap at 3 x 4096. True when
     the setting was made (glibc on Linux), False elsewhere (nothing changes).
+
+    Setting that threshold also fixes the trim threshold at glibc's 128 KiB: each streaming thread's
+    arena then gave its freed top back after every block and page-faulted it in again at the next
+    (1.2 M page faults, +50% time of the pass at 8 M narrow rows); up to 8 MiB of free top stays.
     """
     if not sys.platform.startswith("linux"):
         return False
@@ -29,4 +35,4 @@ def return_freed_memory() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD))
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))

@@ -75,8 +75,10 @@ class PositionBuckets:
         top = int(positions.max()) + 1 if positions.size else 1
         count = max(1, min(POSITION_BUCKETS, top))
         edges = np.linspace(0, top, count + 1)
-        index = np.clip(np.searchsorted(edges, positions, side="right") - 1, 0, count - 1).astype(np.int16)
-        return cls(edges, index)
+        index = np.searchsorted(edges, positions, side="right")
+        index -= 1
+        np.clip(index, 0, count - 1, out=index)
+        return cls(edges, index.astype(np.int16))
 
     @property
     def count(self) -> int:
@@ -84,8 +86,9 @@ class PositionBuckets:
 
     def sums(self, index: np.ndarray, values: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per bucket: the sum of ``values`` where ``keep``, and how many rows that is."""
-        idx = index[keep]
-        return (np.bincount(idx, weights=values[keep].astype(np.float64), minlength=self.count),
+        # Every row kept (the common case): no copies (bincount widens the weights to float64 itself).
+        idx, w = (index, values) if bool(keep.all()) else (index[keep], values[keep])
+        return (np.bincount(idx, weights=w, minlength=self.count),
                 np.bincount(idx, minlength=self.count).astype(np.float64))
 
     def series(self, sums: np.ndarray, counts: np.ndarray, divide: float = 1.0, root: bool = False) -> list[list[float]]:
@@ -242,16 +245,21 @@ def finish_metrics(acc: Accumulator, pairs: RowPairs, reference: RowIndex, candi
     # Per-row error relative to the pair's mean reference size: one bad row stands out whatever its
     # own norm (a row near the mean would blow up a per-row ratio).
     mean_den = acc.std_den / max(1, int(np.isfinite(acc.std_err).sum()))
-    # In place: the squared numerators become the per-row errors the localisation reads.
+    # In place: the squared numerators become the per-row errors the localisation reads. (Whole-array
+    # temporaries are few: each is a fresh mapping the size of the pairs, paid for in page faults.)
     if mean_den > 0:
-        np.sqrt(acc.std_err / mean_den, out=acc.std_err)
+        np.divide(acc.std_err, mean_den, out=acc.std_err)
+        np.sqrt(acc.std_err, out=acc.std_err)
     else:
         acc.std_err[:] = np.nan
     row_err = acc.std_err
+    err_ok = np.isfinite(row_err)
     worst_rows = []
     if rows:
-        rank = np.where(np.isfinite(row_err), -row_err, np.inf)
+        rank = np.negative(row_err)
+        rank[~err_ok] = np.inf
         order = _smallest(rank, min(5, rows))
+        del rank
         for k in order:
             worst_rows.append(
                 {
@@ -271,12 +279,11 @@ def finish_metrics(acc: Accumulator, pairs: RowPairs, reference: RowIndex, candi
     if buckets is None:
         buckets = PositionBuckets.of(reference.position[pairs.reference])
     by_pos = buckets.series(*buckets.sums(buckets.index, cos, finite)) if rows else []
-    err_ok = np.isfinite(row_err)
-    err_by_pos = buckets.series(*buckets.sums(buckets.index, row_err.astype(np.float64) ** 2, err_ok), root=True)
+    err_by_pos = buckets.series(*buckets.sums(buckets.index, np.square(row_err, dtype=np.float64), err_ok), root=True)
     ratios = acc.ratio[np.isfinite(acc.ratio) & (acc.ratio > 0)]
     hist = {"edges": [], "counts": []}
     if ratios.size:
-        logr = np.log2(ratios)
+        logr = np.log2(ratios, out=ratios)
         lo, hi = float(logr.min()), float(logr.max())
         if hi - lo < 1e-3:
             lo, hi = lo - 0.05, hi + 0.05
@@ -309,7 +316,7 @@ def finish_metrics(acc: Accumulator, pairs: RowPairs, reference: RowIndex, candi
         std_rel_error=math.sqrt(acc.std_num / acc.std_den) if acc.std_den > 0 else float("nan"),
         std_row_error_p50=err_p50,
         std_row_error_p99=err_p99,
-        std_row_error_max=float(np.nanmax(row_err)) if np.isfinite(row_err).any() else float("nan"),
+        std_row_error_max=float(np.nanmax(row_err)) if err_ok.any() else float("nan"),
         std_error_by_position=err_by_pos,
         numerics_budget=float(limits[0]),
         drift_limit=float(limits[1]),

@@ -176,8 +176,10 @@ class BlockSpec:
 
 def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches: list[tuple[int, int]],
               segment_size: int, scales: list[tuple[np.ndarray, np.ndarray]] | None = None,
-              profiles: list[ProfileRequest] | None = None, block_bytes: int = 16 << 20) -> PassPlan:
-    """The :class:`PassPlan` of :func:`stream_metrics`'s arguments."""
+              profiles: list[ProfileRequest] | None = None, block_bytes: int = 16 << 20,
+              buckets: PositionBuckets | None = None) -> PassPlan:
+    """The :class:`PassPlan` of :func:`stream_metrics`'s arguments (``buckets``: the pairs' position
+    buckets, when already made)."""
     size = segment_size
     wc = candidate.streams[0].width
     wr = reference.streams[0].width
@@ -189,7 +191,8 @@ def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches
     sub = max(16, min(block, (2 << 20) // max(1, (wc + wr) * 4)))
     if scales is None:
         scales = [(np.zeros(size, np.float32), np.ones(size, np.float32)) for _ in matches]
-    buckets = PositionBuckets.of(reference.position[pairs.reference])
+    if buckets is None:
+        buckets = PositionBuckets.of(reference.position[pairs.reference])
     return PassPlan(tuple((int(i), int(j)) for i, j in matches), size, block, sub, tuple(scales),
                     tuple(profiles or ()), buckets.edges, wc, wr, cdt, rdt,
                     tuple(location_of(s) for s in candidate.streams), tuple(location_of(s) for s in reference.streams),
@@ -566,7 +569,8 @@ def stream_metrics(
     is the same function of the plan and its rows, and the totals merge in block order.
     """
     n = len(pairs)
-    plan = pass_plan(pairs, reference, candidate, matches, segment_size, scales, profiles, block_bytes)
+    buckets = PositionBuckets.of(reference.position[pairs.reference])
+    plan = pass_plan(pairs, reference, candidate, matches, segment_size, scales, profiles, block_bytes, buckets)
     kc, kr = plan.candidate_width // segment_size, plan.reference_width // segment_size
     accs = [
         Accumulator(i, j, *(np.full(n, np.nan, dtype=np.float32) for _ in range(3)))
@@ -575,7 +579,6 @@ def stream_metrics(
     if limits is None:
         limits = [(float("nan"), float("nan")) for _ in matches]
     profiles = list(plan.profiles)
-    buckets = PositionBuckets.of(reference.position[pairs.reference])
     spans = [(start, min(n, start + plan.block)) for start in range(0, n, plan.block)]
     merger = _Merger(accs, kc, kr, len(profiles), buckets.count, len(spans), progress)
     if runner is not None:
