@@ -8,7 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from tracediff.compare.align import _unique_first_counts, stable_argsort
+from tracediff.compare.align import (
+    _Group,
+    _unique_first_counts,
+    _votes_alone,
+    _votes_together,
+    ngram_table,
+    stable_argsort,
+)
 from tracediff.compare.rows import _sequence_groups, _split_samples
 
 keys = st.one_of(
@@ -87,3 +94,29 @@ def test_packed_samples_split_where_positions_restart(data: st.DataObject, n: in
     got_group, got_keys, got_split = _split_samples(group, keys, position, valid)
     want_group, want_keys, want_split = _split_by_hand(group, keys, position, valid)
     assert got_group.tolist() == want_group and got_keys == want_keys and got_split == want_split
+
+
+def _group(key: int, tokens: list[int], start: int) -> _Group:
+    n = len(tokens)
+    return _Group(key, np.arange(start, start + n, dtype=np.int32), np.array(tokens, dtype=np.int32),
+                  np.arange(n, dtype=np.int32), 0)
+
+
+sequences = st.lists(st.lists(st.integers(0, 3), min_size=4, max_size=90)
+                      | st.just([0] * 67) | st.integers(4, 90).map(lambda n: [0] * n), min_size=1, max_size=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(refs=sequences, cands=sequences, starts=st.lists(st.integers(-3, 3), min_size=12, max_size=12))
+def test_votes_of_many_sequences_at_once_are_each_sequences_own(refs: list[list[int]], cands: list[list[int]],
+                                                               starts: list[int]) -> None:
+    """The batched n-gram lookup (one search among the distinct reference hashes) gives every
+    candidate sequence the hypotheses its own lookup gives, in the same order; tokens from 4 values
+    repeat n-grams past the repeat limit, as padding does."""
+    ref_groups = [_group(k, t, starts[k]) for k, t in enumerate(refs)]
+    cand_groups = [_group(10 + k, t, starts[6 + k]) for k, t in enumerate(cands)]
+    table = ngram_table(ref_groups, 4)
+    together = _votes_together(cand_groups, table, 4)
+    for g in cand_groups:
+        alone = _votes_alone(g, lambda n: ngram_table(ref_groups, n), 4)
+        assert together.get(g.key, []) == alone

@@ -185,18 +185,11 @@ def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = _NGRA
     if not (reference.has_tokens and candidate.has_tokens):
         return _align_by_labels(reference, candidate, ref_groups, cand_groups, duplicates)
 
-    tables: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    tables: dict[int, tuple[np.ndarray, ...]] = {}
 
-    def table(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Reference n-grams sorted by hash: (hash, owner group, start position)."""
+    def table(n: int) -> tuple[np.ndarray, ...]:
         if n not in tables:
-            groups = list(ref_groups.values())
-            keys = np.array([rg.key for rg in groups], dtype=np.int64)
-            member = np.repeat(np.arange(keys.size, dtype=np.int64), [rg.tokens.size for rg in groups])
-            ref_h, starts, owners = _ngram_hashes(np.concatenate([rg.tokens for rg in groups]),
-                                                  np.concatenate([rg.positions for rg in groups]), n, member)
-            order = stable_argsort(ref_h)
-            tables[n] = (ref_h[order], keys[owners[order]], starts[order])
+            tables[n] = ngram_table(list(ref_groups.values()), n)
         return tables[n]
 
     # Sequences long enough for full n-grams vote together, in one lookup; shorter ones on their own.
@@ -219,6 +212,19 @@ def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = _NGRA
             hyps = _same_sample_first([h for h in hyps if h[2] * 10 >= top or h[2] >= 8], g, ref_groups)
         sequences.append(SequenceAlignment(g.key, hyps))
     return Alignment(reference, candidate, sequences, True, [], duplicates, ref_groups, cand_groups)
+
+
+def ngram_table(groups: list[_Group], n: int) -> tuple[np.ndarray, ...]:
+    """The reference's n-grams sorted by hash: (hash, owner group, start position), and the distinct
+    hashes with the index of their first n-gram and their count."""
+    keys = np.array([rg.key for rg in groups], dtype=np.int64)
+    member = np.repeat(np.arange(keys.size, dtype=np.int64), [rg.tokens.size for rg in groups])
+    ref_h, starts, owners = _ngram_hashes(np.concatenate([rg.tokens for rg in groups]),
+                                          np.concatenate([rg.positions for rg in groups]), n, member)
+    order = stable_argsort(ref_h)
+    ref_h = ref_h[order]
+    first = np.flatnonzero(np.r_[True, ref_h[1:] != ref_h[:-1]]) if ref_h.size else np.empty(0, dtype=np.int64)
+    return ref_h, keys[owners[order]], starts[order], ref_h[first], first, np.diff(np.r_[first, ref_h.size])
 
 
 def _same_sample_first(hyps: list[tuple[int, int, int]], g: _Group,
@@ -249,19 +255,19 @@ def _votes_alone(g: _Group, table: Any, ngram: int) -> list[tuple[int, int, int]
     h, p = _ngram_hashes(g.tokens, g.positions, n)
     if not h.size:
         return []
-    ref_h, ref_owner, ref_start = table(n)
+    ref_h, ref_owner, ref_start = table(n)[:3]
     lo = np.searchsorted(ref_h, h, side="left")
     hi = np.searchsorted(ref_h, h, side="right")
     return _ranked_votes(lo, hi, p, ref_owner, ref_start)[:_MAX_ALIGNMENTS]
 
 
 def _votes_together(
-    groups: list[_Group], table: tuple[np.ndarray, np.ndarray, np.ndarray], n: int
+    groups: list[_Group], table: tuple[np.ndarray, ...], n: int
 ) -> dict[int, list[tuple[int, int, int]]]:
     """:func:`_votes_alone` of every sequence at once (each at least n tokens long): one sorted
     lookup of all their n-grams instead of one per sequence, the same hypotheses in the same order.
     Candidate group -> its top hypotheses (sequences with none are left out)."""
-    ref_h, ref_owner, ref_start = table
+    _, ref_owner, ref_start, distinct, first, counts = table
     lengths = np.array([g.tokens.size for g in groups], dtype=np.int64)
     tokens = np.concatenate([g.tokens for g in groups])
     positions = np.concatenate([g.positions for g in groups])
@@ -269,18 +275,20 @@ def _votes_together(
     h, starts, window_group = _ngram_hashes(tokens, positions, n, member)
     if h.size == 0:
         return {}
-    # Sorted queries: each binary search starts where the previous one ended.
+    if distinct.size == 0:
+        return {}
+    # One search among the distinct hashes (sorted queries: each binary search starts where the
+    # previous one ended); a hash's n-grams are then first[k] .. first[k] + counts[k] - 1.
     order = np.argsort(h)
-    lo = np.empty(h.size, dtype=np.int64)
-    hi = np.empty(h.size, dtype=np.int64)
-    lo[order] = np.searchsorted(ref_h, h[order], side="left")
-    hi[order] = np.searchsorted(ref_h, h[order], side="right")
-    hit = np.flatnonzero((hi > lo) & (hi - lo <= _MAX_HASH_REPEAT))
+    at = np.empty(h.size, dtype=np.int64)
+    at[order] = np.searchsorted(distinct, h[order])
+    np.minimum(at, distinct.size - 1, out=at)
+    hit = np.flatnonzero((distinct[at] == h) & (counts[at] <= _MAX_HASH_REPEAT))
     if hit.size == 0:
         return {}
-    count = (hi - lo)[hit]
+    count = counts[at[hit]]
     window = np.repeat(hit, count)
-    j = np.repeat(lo[hit] - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
+    j = np.repeat(first[at[hit]] - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
     cand = window_group[window]
     owner = ref_owner[j].astype(np.int64)
     delta = (starts[window] - ref_start[j]).astype(np.int64)
