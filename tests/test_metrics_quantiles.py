@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from tracediff.compare.metrics import _quantiles
+from tracediff.compare.metrics import Accumulator, _quantiles, reduce_block
 
 QS = (0.0, 0.01, 0.25, 0.5, 0.75, 0.99, 1.0)
 
@@ -39,3 +39,40 @@ def test_quantiles_of_a_million_metric_like_values_equal_numpys() -> None:
                    np.where(rng.random(500_000) < 0.01, np.nan, rng.random(500_000)).astype(np.float32)):
         assert _same(_quantiles(values, 0.01, 0.5, 0.99), _numpy(values, 0.01, 0.5, 0.99))
     assert _same(_quantiles(np.array([np.nan, np.inf], np.float32), 0.5), [float("nan")])
+
+
+rows = hnp.arrays(np.float32, st.integers(1, 300),
+                  elements=st.sampled_from([0.0, 1.0, 2.5, 7.0, np.inf, np.nan]) | st.floats(0, 10, width=32))
+
+
+@settings(max_examples=400, deadline=None)
+@given(rel_diff=rows, max_abs=rows, cuts=st.lists(st.integers(1, 299), max_size=6), order=st.randoms())
+def test_block_reductions_folded_in_order_are_the_whole_arrays_statistics(
+    rel_diff: np.ndarray, max_abs: np.ndarray, cuts: list[int], order: object
+) -> None:
+    """rel_diff's mean and maximum and the max |diff| with its first row, reduced block by block
+    (blocks reduced in any order, folded in block order), are numpy's over the whole pass: the
+    maximum and its row exactly, the mean within float32 summation order."""
+    n = min(rel_diff.size, max_abs.size)
+    rel_diff, max_abs = rel_diff[:n], max_abs[:n]
+    bounds = sorted({0, n, *(c for c in cuts if c < n)})
+    spans = list(zip(bounds, bounds[1:], strict=False))
+    shuffled = list(range(len(spans)))
+    order.shuffle(shuffled)  # type: ignore[attr-defined]
+    parts = {b: reduce_block(spans[b][0], rel_diff[slice(*spans[b])], max_abs[slice(*spans[b])]) for b in shuffled}
+    acc = Accumulator(0, 0, np.empty(0), np.empty(0), np.empty(0))
+    for b in range(len(spans)):
+        acc.add_block(parts[b])
+    known = rel_diff[~np.isnan(rel_diff)]
+    if known.size:
+        assert acc.rel_diff_rows == known.size and acc.rel_diff_max == float(known.max())
+        want = float(np.mean(known, dtype=np.float64))
+        assert acc.rel_diff_sum / acc.rel_diff_rows == want or abs(acc.rel_diff_sum / acc.rel_diff_rows - want) <= 1e-6 * abs(want)
+    else:
+        assert acc.rel_diff_rows == 0 and np.isnan(acc.rel_diff_max)
+    assert acc.max_abs_finite == bool(np.isfinite(max_abs).any())
+    if not np.isnan(max_abs).all():
+        k = int(np.nanargmax(max_abs))
+        assert (acc.max_abs_at, acc.max_abs) == (k, float(max_abs[k]))
+    else:
+        assert acc.max_abs_at == -1

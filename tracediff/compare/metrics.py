@@ -20,7 +20,7 @@ from tracediff.compare.rows import RowIndex
 class Accumulator:
     """One matched pair's totals over the pass: per row only what the quantiles, worst rows and the
     localisation read (cosine, norm ratio, standardised error); rel_diff and max |diff| reduced
-    block by block (:meth:`add_reduced`)."""
+    block by block (:func:`reduce_block`, :meth:`add_block`)."""
 
     cand_seg: int
     ref_seg: int
@@ -40,22 +40,45 @@ class Accumulator:
     nonfinite_c: int = 0
     nonfinite_r: int = 0
 
-    def add_reduced(self, start: int, rel_diff: np.ndarray, max_abs: np.ndarray) -> None:
-        """Fold in one block's per-row rel_diff and max |diff| (rows ``start``...). In block order, the
-        sum is the same bits however the blocks ran; the maximum and its first row in any order."""
-        known = ~np.isnan(rel_diff)
-        count = int(known.sum())
-        if count:
-            self.rel_diff_rows += count
-            self.rel_diff_sum += float(rel_diff[known].sum(dtype=np.float64))
-            top = float(rel_diff[known].max())
-            self.rel_diff_max = top if math.isnan(self.rel_diff_max) else max(self.rel_diff_max, top)
-        self.max_abs_finite = self.max_abs_finite or bool(np.isfinite(max_abs).any())
-        if not np.isnan(max_abs).all():
-            k = int(np.nanargmax(max_abs))
-            value = float(max_abs[k])
-            if self.max_abs_at < 0 or value > self.max_abs or (value == self.max_abs and start + k < self.max_abs_at):
-                self.max_abs, self.max_abs_at = value, start + k
+    def add_block(self, part: BlockReduction) -> None:
+        """Fold in one block's :func:`reduce_block` (blocks in order: the sum is then the same bits
+        however the blocks ran; the maximum and its first row do not depend on the order)."""
+        if part.rel_diff_rows:
+            self.rel_diff_rows += part.rel_diff_rows
+            self.rel_diff_sum += part.rel_diff_sum
+            self.rel_diff_max = (part.rel_diff_max if math.isnan(self.rel_diff_max)
+                                 else max(self.rel_diff_max, part.rel_diff_max))
+        self.max_abs_finite = self.max_abs_finite or part.max_abs_finite
+        if part.max_abs_at >= 0 and (self.max_abs_at < 0 or part.max_abs > self.max_abs
+                                     or (part.max_abs == self.max_abs and part.max_abs_at < self.max_abs_at)):
+            self.max_abs, self.max_abs_at = part.max_abs, part.max_abs_at
+
+
+@dataclass(frozen=True)
+class BlockReduction:
+    """One block's rel_diff and max |diff| of one pair, reduced: what :class:`Accumulator` keeps of them."""
+
+    rel_diff_sum: float
+    rel_diff_rows: int
+    rel_diff_max: float
+    max_abs: float
+    max_abs_at: int  # the pass's row (-1: every row NaN)
+    max_abs_finite: bool
+
+
+def reduce_block(start: int, rel_diff: np.ndarray, max_abs: np.ndarray) -> BlockReduction:
+    """rel_diff and max |diff| of the rows ``start``... of one block: the float64 sum, count and maximum
+    of the non-NaN rel_diff (inf counts, as in ``np.nanmean``), and the largest non-NaN max |diff| with
+    its first row (``np.nanargmax``'s)."""
+    known = ~np.isnan(rel_diff)
+    count = int(known.sum())
+    total = float(rel_diff[known].sum(dtype=np.float64)) if count else 0.0
+    top = float(rel_diff[known].max()) if count else float("nan")
+    at, value = -1, float("nan")
+    if not np.isnan(max_abs).all():
+        k = int(np.nanargmax(max_abs))
+        at, value = start + k, float(max_abs[k])
+    return BlockReduction(total, count, top, value, at, bool(np.isfinite(max_abs).any()))
 
 
 #: Per-position series have at most this many position buckets.

@@ -50,11 +50,13 @@ from tracediff.compare.kernels import (
 )
 from tracediff.compare.metrics import (
     Accumulator,
+    BlockReduction,
     PositionBuckets,
     ProfileRequest,
     StreamResult,
     finish_metrics,
     profile_of,
+    reduce_block,
 )
 from tracediff.compare.rows import RowIndex
 from tracediff.compare.segments import to_float32
@@ -121,7 +123,7 @@ class BlockResult:
     profile_den: list[np.ndarray] = field(default_factory=list)
     # The block's place in the pass, and per row (of the block) and pair the float32 metrics: the
     # client writes cosine, norm ratio and squared standardised error into its per-row arrays, and
-    # reduces rel_diff and max abs diff (:meth:`tracediff.compare.metrics.Accumulator.add_reduced`).
+    # reduces rel_diff and max abs diff (:func:`tracediff.compare.metrics.reduce_block`).
     number: int = 0
     start: int = 0
     stop: int = 0
@@ -451,6 +453,7 @@ class _Merger:
         self.bytes_read = 0
         self.next = 0
         self.pending: dict[int, BlockResult] = {}
+        self.reduced: dict[int, list[BlockReduction]] = {}  # per block, per pair
 
     def add(self, res: BlockResult) -> None:
         if not self.next <= res.number < self.blocks or res.number in self.pending:
@@ -459,9 +462,10 @@ class _Merger:
         if rm is not None:
             for p, acc in enumerate(self.accs):
                 acc.cos[sl], acc.ratio[sl], acc.std_err[sl] = rm[0, :, p], rm[1, :, p], rm[4, :, p]
-            # rel_diff and max |diff| reduce to a few numbers (in block order: the same sums however
-            # blocks ran); a held block keeps only those.
-            res.row_metrics = np.ascontiguousarray(rm[2:4])
+            # rel_diff and max |diff| reduce to a few numbers at once; they are folded in block order.
+            self.reduced[res.number] = [reduce_block(res.start, rm[2, :, p], rm[3, :, p])
+                                        for p in range(len(self.accs))]
+            res.row_metrics = None  # a held block keeps only its sums
         self.bytes_read += res.bytes_read
         self.pending[res.number] = res
         while self.next in self.pending:
@@ -477,10 +481,10 @@ class _Merger:
             self.first_c.setdefault(s, k)
         for s, k in res.first_r.items():
             self.first_r.setdefault(s, k)
-        reduced, res.row_metrics = res.row_metrics, None
+        reduced = self.reduced.pop(res.number, None)
         for p, acc in enumerate(self.accs):
             if reduced is not None:
-                acc.add_reduced(res.start, reduced[0, :, p], reduced[1, :, p])
+                acc.add_block(reduced[p])
             acc.nonfinite_c += int(res.pair_bad_c[p])
             acc.nonfinite_r += int(res.pair_bad_r[p])
             acc.sq_err += float(res.sq_err[p])

@@ -432,9 +432,7 @@ class TraceStream:
         flat = out.data.cast("B")
         own = files is None
         files = ChunkFiles(limit=4) if files is None else files
-        # The staging area, and after it room for the staged rows in their gathered order (no fresh
-        # buffer a call: a compare's pass reads thousands of blocks).
-        stage = None if staged is None else files.scratch(2 * n * row_bytes)
+        stage = None if staged is None else files.scratch(n * row_bytes)
         prefix = self._values_dir
         chunk_bytes = cr * row_bytes
         try:
@@ -451,10 +449,8 @@ class TraceStream:
                 files.close()
         if staged is not None:
             k = np.flatnonzero(staged)
-            gathered = np.frombuffer(stage, dtype=np.uint8, count=k.size * row_bytes, offset=n * row_bytes)
-            np.take(np.frombuffer(stage, dtype=np.uint8, count=n * row_bytes).reshape(n, row_bytes), k, axis=0,
-                    out=gathered.reshape(k.size, row_bytes))
-            out.view(np.uint8).reshape(out.shape[0], row_bytes)[dest[k]] = gathered.reshape(k.size, row_bytes)
+            out.view(np.uint8).reshape(out.shape[0], row_bytes)[dest[k]] = (
+                np.frombuffer(stage, dtype=np.uint8, count=n * row_bytes).reshape(n, row_bytes)[k])
         if self._raw_dtype.byteorder not in ("=", "|", "<" if sys.byteorder == "little" else ">"):
             out[dest] = out[dest].byteswap()
         return out
