@@ -576,3 +576,45 @@ def test_a_push_killed_midway_leaves_a_readable_store_and_the_rerun_completes_it
     assert skipped >= 30
     there, here = _stream_arrays(url), _stream_arrays(local)
     assert all(np.array_equal(there[k], here[k]) for k in here)
+
+
+def test_an_orphaned_request_task_whose_connection_reset_stays_off_stderr(caplog: pytest.LogCaptureFixture) -> None:
+    """aiohttp's body-writing task of a request whose connection resets ends with the request's own
+    error, and no one awaits it: asyncio logged "Task exception was never retrieved" with a
+    traceback on the host's stderr (seen in CI while an endpoint was away). On fsspec's and zarr's
+    loops, once a URL is opened, such a transport error goes to tracediff's debug log; any other
+    orphaned exception still reaches asyncio's handler, and a handler the host set stays in front."""
+    import asyncio
+    import logging
+
+    import aiohttp
+    from fsspec.asyn import get_loop, sync
+    from zarr.core.sync import _get_loop
+
+    seen_by_host: list[str] = []
+    zarr_loop = _get_loop()
+    zarr_loop.set_exception_handler(lambda loop, context: seen_by_host.append(context["message"]))
+    Location("s3://bucket/x.zarr").zarr_store(read_only=True)  # what a URL store does first
+
+    async def fail(exc: BaseException) -> None:
+        raise exc
+
+    def orphan(loop: asyncio.AbstractEventLoop, exc: BaseException) -> None:
+        async def spawn() -> None:
+            asyncio.ensure_future(fail(exc))  # dropped unawaited, as aiohttp drops write_bytes
+            await asyncio.sleep(0.01)
+
+        sync(loop, spawn)
+
+    reset = aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+    with caplog.at_level(logging.DEBUG):
+        orphan(get_loop(), reset)
+        orphan(get_loop(), ConnectionRefusedError(111, "refused"))
+        orphan(get_loop(), ValueError("a bug stays loud"))
+        orphan(zarr_loop, reset)
+        orphan(zarr_loop, KeyError("also loud"))
+    loud = [r for r in caplog.records if r.name == "asyncio"]
+    assert [r.exc_info[1].args[0] for r in loud if r.exc_info] == ["a bug stays loud"], caplog.text
+    assert len(seen_by_host) == 1 and "never retrieved" in seen_by_host[0]  # the KeyError, via the host's handler
+    quiet = [r.getMessage() for r in caplog.records if r.name == "tracediff"]
+    assert len(quiet) == 3 and all("helper task ended with" in m for m in quiet), quiet

@@ -17,14 +17,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tracediff.errors import CorruptStoreError, RemoteStoreError, StoreError, UsageError, first_line
+
+log = logging.getLogger("tracediff")
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 #: Object requests one operation keeps in flight (each a chunk of a few MiB at most).
@@ -194,6 +198,7 @@ class Location:
                     f"{self.display}: reading URLs needs fsspec (pip install 'tracediff[remote]')"
                 ) from exc
             self._fs = self._make_fs(fsspec, asynchronous=False)
+            quiet_lost_connections(zarr_loop=False)
         return self._fs
 
     def _make_fs(self, fsspec: Any, *, asynchronous: bool) -> Any:
@@ -239,6 +244,7 @@ class Location:
         from zarr.storage import FsspecStore  # noqa: PLC0415
 
         allowed = {"allowed_exceptions": ()} if read_only else {}
+        quiet_lost_connections()
         if not getattr(self.fs, "async_impl", False):  # zarr wraps a sync filesystem itself
             return FsspecStore.from_url(self.url, storage_options=self.storage_options, read_only=read_only, **allowed)
         return FsspecStore(fs=self._make_fs(fsspec, asynchronous=True), path=self.root, read_only=read_only, **allowed)
@@ -367,6 +373,63 @@ class Location:
         except Exception as exc:  # noqa: BLE001
             raise remote_error(self.where(key), exc, "listed") from exc
         return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
+
+
+# -- the event loops' orphaned transport errors ---------------------------------------------------
+_quiet_lock = threading.Lock()
+_ORPHAN_MESSAGES = ("Task exception was never retrieved", "Future exception was never retrieved")
+_TRANSPORT_MODULES = ("aiohttp", "aiobotocore", "botocore", "s3fs", "gcsfs", "adlfs")
+
+
+def lost_connection(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a request's transport failing (a reset, refused or closed connection, a
+    timeout): what the request itself raises too, and its caller retries or reports."""
+    if exc is None:
+        return False
+    if isinstance(exc, (OSError, TimeoutError, asyncio.TimeoutError)):
+        return True
+    return any(type(exc).__module__.split(".")[0] == m for m in _TRANSPORT_MODULES)
+
+
+def quiet_lost_connections(*, zarr_loop: bool = True) -> None:
+    """Keep aiohttp's orphaned helper tasks off the host's stderr. When a connection resets while a
+    request is sent, aiohttp's body-writing task ends with the same error the request raises; no
+    one awaits that task, so asyncio logs "Task exception was never retrieved" with a traceback
+    when it is collected, on a loop thread inside a trainer or server. The request's own error is
+    retried and reported in one line (remote_writer, push, read_objects): the orphan's copy goes to
+    the debug log. Installed on fsspec's and zarr's I/O loops, in front of the handler each has (again
+    if the host set its own since); every other exception still reaches that handler.
+    ``zarr_loop=False``: fsspec's loop only (a sync filesystem's; zarr's loop is not started for it)."""
+    loops = []
+    with contextlib.suppress(ImportError):
+        from fsspec.asyn import get_loop  # noqa: PLC0415
+
+        loops.append(get_loop())
+    if zarr_loop:
+        with contextlib.suppress(ImportError):
+            from zarr.core.sync import _get_loop  # noqa: PLC0415  (the loop zarr's sync() runs on)
+
+            loops.append(_get_loop())
+    with _quiet_lock:
+        for loop in loops:
+            current = loop.get_exception_handler()
+            if not getattr(current, "tracediff_quiet", False):
+                loop.set_exception_handler(_orphan_handler(current))
+
+
+def _orphan_handler(previous: Any) -> Any:
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if str(context.get("message", "")).startswith(_ORPHAN_MESSAGES) and lost_connection(exc):
+            log.debug("tracediff: an object-store request's helper task ended with %s: %s", type(exc).__name__, exc)
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    handle.tracediff_quiet = True  # type: ignore[attr-defined]
+    return handle
 
 
 def remote_error(where: str, exc: BaseException, verb: str = "read") -> StoreError:
