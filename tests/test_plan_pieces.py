@@ -4,12 +4,17 @@ plan's decisions and every number a report shows must not move with the batch si
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tracediff.compare.plan as plan
 import tracediff.compare.segments as segments
+from tracediff.compare.rows import RowIndex
+from tracediff.store import TraceWriter, create_store, open_store
 
 
 def _sample(seed: int, n: int, k: int, size: int, holes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -59,3 +64,42 @@ def test_cosine_matrices_of_a_wide_sample_equal_whole_chunks(monkeypatch: pytest
     monkeypatch.undo()
     for a, b in zip(whole, _matrices(c, r, 4096), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("compressor", ["none", "zstd"])
+def test_sample_rows_read_a_few_at_a_time_are_the_stored_values_widened(
+    tmp_path: Path, dtype: str, compressor: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`read_rows` of any rows, in any order, from real stores (uncompressed chunk files are read row
+    by row through a staging buffer a few rows at a time; compressed chunks are decoded whole): the
+    stored values widened to float32 exactly, as one gather of every row then widened."""
+    rng = np.random.default_rng(5)
+    path = tmp_path / f"{dtype}-{compressor}.zarr"
+    create_store(path, role="trainer")
+    n, width = 700, 96
+    values = (rng.standard_normal((n, width)) * 40).astype(np.float32)
+    values[3, 5], values[9, 0], values[11, 7] = np.nan, np.inf, -np.inf
+    stored = (values.view(np.uint32) >> 16).astype(np.uint16) if dtype == "bfloat16" else values.astype(dtype)
+    for w, part in enumerate((slice(0, 300), slice(300, n))):  # two writer groups: rows of two streams
+        writer = TraceWriter(path, "fc_in", f"w{w}", width=width, dtype=dtype, chunk_rows=64, compressor=compressor)
+        rows = np.arange(n)[part]
+        writer.append(stored[part], {"seq": rows // 50, "position": rows % 50, "token_id": rows % 97})
+        writer.close()
+    store = open_store(path)
+    index = RowIndex.load(store, "fc_in")
+    assert index.streams[0].reads_rows_directly == (compressor == "none")
+    if dtype == "bfloat16":
+        expected_all = (stored.astype(np.uint32) << 16).view(np.float32)
+    else:
+        expected_all = stored.astype(np.float32)
+    # Each index entry's stored row, found by its labels (the index orders rows its own way).
+    where = {(int(s), int(p)): i for i, (s, p) in enumerate(zip(np.arange(n) // 50, np.arange(n) % 50, strict=True))}
+    by_entry = np.array([where[(int(s), int(p))] for s, p in zip(index.seq, index.position, strict=True)])
+    for stage in (1, 200, 1 << 19):  # one row at a time, a few, all at once
+        monkeypatch.setattr(plan, "_STAGE_BYTES", stage)
+        for rows in (np.arange(len(index)), rng.permutation(len(index))[:333], np.array([5, 5, 699, 0, 5])):
+            got = plan.read_rows(index, rows)
+            assert got.dtype == np.float32 and got.shape == (rows.size, width) and not got.flags.writeable
+            np.testing.assert_array_equal(got.view(np.uint32), expected_all[by_entry[rows]].view(np.uint32))
+    store.close()

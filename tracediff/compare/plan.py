@@ -55,6 +55,7 @@ from tracediff.compare.segments import (
     split,
     standardised_cosine_matrix,
     to_float32,
+    widen_into,
 )
 from tracediff.compare.transforms import TransformFit, best_transform, fit_transforms
 from tracediff.errors import CompareError
@@ -174,17 +175,34 @@ def sample_pairs(pairs: RowPairs, k: int, seed: int) -> np.ndarray:
     return np.sort(rng.choice(n, size=k, replace=False))
 
 
+#: Stored bytes of the rows read at a time before they are widened into the float32 sample.
+_STAGE_BYTES = 1 << 19
+
+
 def read_rows(index: RowIndex, rows: np.ndarray) -> np.ndarray:
-    """The stored rows ``rows`` of ``index`` as a read-only float32 array [len(rows), width]."""
+    """The stored rows ``rows`` of ``index`` as a read-only float32 array [len(rows), width].
+
+    Rows of uncompressed chunk files (read straight from the files) go through a small staging
+    buffer, a few at a time, widened into the float32 array as they come: no whole sample of stored
+    values is held (or page-faulted in) beside it. Other stores are gathered whole (each chunk is
+    decoded once whatever the order of rows), then widened."""
     width = index.streams[0].width
     dtype = index.streams[0].dtype
-    buf = aligned_empty((rows.size, width), VALUE_DTYPES[dtype])
-    reader = ChunkReader(index.streams, max_chunks=16)  # reads each chunk once whatever the order of rows
+    reader = ChunkReader(index.streams, max_chunks=16)
     try:
-        reader.gather(index, rows, buf)
+        if dtype == "float32" or not all(s.reads_rows_directly for s in index.streams):
+            buf = aligned_empty((rows.size, width), VALUE_DTYPES[dtype])
+            reader.gather(index, rows, buf)
+            return frozen(to_float32(buf, dtype))
+        out = aligned_empty((rows.size, width), np.float32)
+        step = max(1, _STAGE_BYTES // (width * VALUE_DTYPES[dtype].itemsize))
+        stage = aligned_empty((min(step, rows.size), width), VALUE_DTYPES[dtype])
+        for a in range(0, rows.size, step):
+            b = min(rows.size, a + step)
+            widen_into(reader.gather(index, rows[a:b], stage), dtype, out[a:b])
+        return frozen(out)
     finally:
         reader.close()
-    return frozen(to_float32(buf, dtype))
 
 
 def require_finite_rows(

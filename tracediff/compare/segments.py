@@ -39,6 +39,15 @@ def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
     return np.ascontiguousarray(raw).astype(np.float32, copy=False)
 
 
+def widen_into(raw: np.ndarray, dtype: str, out: np.ndarray) -> np.ndarray:
+    """:func:`to_float32` of ``raw`` written into ``out`` (float32, the same shape): the same bits."""
+    if dtype == "bfloat16":
+        np.left_shift(np.ascontiguousarray(raw).view(np.uint16), 16, dtype=np.uint32, out=out.view(np.uint32))
+    else:
+        np.copyto(out, raw, casting="unsafe")
+    return out
+
+
 def split(rows: np.ndarray, size: int) -> np.ndarray:
     """[n, K*size] -> [n, K, size] (a view)."""
     n, width = rows.shape
