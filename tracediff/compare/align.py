@@ -9,6 +9,7 @@ a chat template can prepend tokens, a server can truncate, rows arrive in engine
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -193,17 +194,22 @@ def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = _NGRA
         return tables[n]
 
     # Sequences long enough for full n-grams vote together, in one lookup; shorter ones on their own.
-    # In batches of about _VOTE_BATCH_ROWS rows: the lookup's temporaries stay bounded.
+    # In batches of about _VOTE_BATCH_ROWS rows: the lookup's temporaries stay bounded. Batches are
+    # independent (each candidate sequence is in one): they run on both cores (numpy's sorts,
+    # searches and gathers release the GIL), a batch per core at a time.
     whole = [g for g in cand_groups.values() if g.tokens.size >= ngram]
-    found: dict[int, list[tuple[int, int, int]]] = {}
-    batch: list[_Group] = []
+    batches: list[list[_Group]] = [[]]
     held = 0
-    for i, g in enumerate(whole):
-        batch.append(g)
+    for g in whole:
+        if held >= _VOTE_BATCH_ROWS:
+            batches.append([])
+            held = 0
+        batches[-1].append(g)
         held += int(g.tokens.size)
-        if held >= _VOTE_BATCH_ROWS or i == len(whole) - 1:
-            found.update(_votes_together(batch, table(ngram), ngram))
-            batch, held = [], 0
+    full = table(ngram) if whole else None
+    found: dict[int, list[tuple[int, int, int]]] = {}
+    for votes in in_parallel(*(functools.partial(_votes_together, b, full, ngram) for b in batches if b)):
+        found.update(votes)
     sequences = []
     for g in cand_groups.values():
         hyps = found.get(g.key, []) if g.tokens.size >= ngram else _votes_alone(g, table, ngram)
