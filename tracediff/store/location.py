@@ -388,7 +388,12 @@ def lost_connection(exc: BaseException | None) -> bool:
         return False
     if isinstance(exc, (OSError, TimeoutError, asyncio.TimeoutError)):
         return True
-    return any(type(exc).__module__.split(".")[0] == m for m in _TRANSPORT_MODULES)
+    # The clients' own connection errors (aiohttp's ServerDisconnectedError, botocore's
+    # EndpointConnectionError, ReadTimeoutError...); their other errors (a refused request, a bad
+    # URL) are not the transport's.
+    name = type(exc).__name__
+    return type(exc).__module__.split(".")[0] in _TRANSPORT_MODULES and any(
+        word in name for word in ("Connection", "Disconnect", "Timeout", "Payload"))
 
 
 def quiet_lost_connections(*, zarr_loop: bool = True) -> None:
