@@ -607,14 +607,17 @@ def test_an_orphaned_request_task_whose_connection_reset_stays_off_stderr(caplog
         sync(loop, spawn)
 
     reset = aiohttp.ClientConnectionResetError("Cannot write to closing transport")
-    with caplog.at_level(logging.DEBUG):
-        orphan(get_loop(), reset)
-        orphan(get_loop(), ConnectionRefusedError(111, "refused"))
-        orphan(get_loop(), aiohttp.ServerDisconnectedError())
-        orphan(get_loop(), ValueError("a bug stays loud"))
-        orphan(get_loop(), aiohttp.InvalidURL("not a transport error: loud too"))
-        orphan(zarr_loop, reset)
-        orphan(zarr_loop, KeyError("also loud"))
+    try:
+        with caplog.at_level(logging.DEBUG):
+            orphan(get_loop(), reset)
+            orphan(get_loop(), ConnectionRefusedError(111, "refused"))
+            orphan(get_loop(), aiohttp.ServerDisconnectedError())
+            orphan(get_loop(), ValueError("a bug stays loud"))
+            orphan(get_loop(), aiohttp.InvalidURL("not a transport error: loud too"))
+            orphan(zarr_loop, reset)
+            orphan(zarr_loop, KeyError("also loud"))
+    finally:
+        zarr_loop.set_exception_handler(None)  # the stand-in host handler goes (the next URL opened reinstalls ours)
     loud = [r for r in caplog.records if r.name == "asyncio"]
     assert [str(r.exc_info[1]) for r in loud if r.exc_info] == ["a bug stays loud", "not a transport error: loud too"], caplog.text
     assert len(seen_by_host) == 1 and "never retrieved" in seen_by_host[0]  # the KeyError, via the host's handler

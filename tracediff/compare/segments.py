@@ -34,8 +34,7 @@ MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23, "float64": 52}
 def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
     """Stored rows -> float32 array (bf16 bits widened exactly: the 16 bits are a float32's top half)."""
     if dtype == "bfloat16":
-        bits = np.ascontiguousarray(raw).view(np.uint16)
-        return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
+        return widen_into(raw, dtype, np.empty(raw.shape, dtype=np.float32))
     return np.ascontiguousarray(raw).astype(np.float32, copy=False)
 
 
