@@ -316,8 +316,9 @@ EDGES = st.sampled_from([0, 1, COMPACT_BOUND - 40, COMPACT_BOUND - 20, COMPACT_B
 
 def _wide(index: RowIndex) -> RowIndex:
     """The same index with every integer column int64, as it was before the columns were compacted."""
-    return dataclasses.replace(index, **{k: getattr(index, k).astype(np.int64) for k in
-                                         ("stream", "row", "group", "seq", "position", "token_id", "next_token_id", "step")})
+    aside = index.column
+    return dataclasses.replace(index, **{k: getattr(index, k).astype(np.int64) for k in ("group", "position", "token_id")},
+                               _aside=lambda k: aside(k).astype(np.int64))
 
 
 @settings(FUZZ, max_examples=ALIGN_EXAMPLES)

@@ -95,7 +95,7 @@ def test_sample_rows_read_a_few_at_a_time_are_the_stored_values_widened(
         expected_all = stored.astype(np.float32)
     # Each index entry's stored row, found by its labels (the index orders rows its own way).
     where = {(int(s), int(p)): i for i, (s, p) in enumerate(zip(np.arange(n) // 50, np.arange(n) % 50, strict=True))}
-    by_entry = np.array([where[(int(s), int(p))] for s, p in zip(index.seq, index.position, strict=True)])
+    by_entry = np.array([where[(int(s), int(p))] for s, p in zip(index.column("seq"), index.position, strict=True)])
     for stage in (1, 200, 1 << 19):  # one row at a time, a few, all at once
         monkeypatch.setattr(plan, "_STAGE_BYTES", stage)
         for rows in (np.arange(len(index)), rng.permutation(len(index))[:333], np.array([5, 5, 699, 0, 5])):

@@ -495,7 +495,7 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     # One candidate row per reference row and writer group: a writer that records a row twice (a
     # retry) is a duplicate, set aside; another writer holding the same row (a tensor-parallel rank)
     # is a replica, compared like any row, so a rank that captured something else is seen.
-    stream = alignment.candidate.stream[cand]
+    stream = alignment.candidate.stream_of(cand)
     n_cand = len(alignment.candidate)
     if len(alignment.reference) * n_cand < (1 << 62):
         # One unique int64 key: index order is (stream, row) order, and each candidate row is paired

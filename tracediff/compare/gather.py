@@ -51,7 +51,8 @@ class ChunkReader:
     def gather(self, index: RowIndex, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Raw values of RowIndex entries ``rows`` into ``out[:len(rows)]``."""
         rows = np.asarray(rows)
-        return self.gather_at(index.stream[rows], index.row[rows], out)
+        streams = index.stream_of(rows)
+        return self.gather_at(streams, index.row_of(rows, streams), out)
 
     def gather_at(self, stream: np.ndarray, within: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Raw values of the rows ``within[k]`` of streams ``stream[k]`` into ``out[:len(stream)]``."""

@@ -53,7 +53,7 @@ def _last_in_step(index: RowIndex) -> np.ndarray:
     n = len(index)
     if n == 0:
         return np.zeros(0, dtype=bool)
-    keys = np.stack([index.group, index.step, index.stream.astype(np.int64)], axis=1)
+    keys = np.stack([index.group, index.column("step"), index.stream.astype(np.int64)], axis=1)
     _, inverse = np.unique(keys, axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
     top = _lowest(int(inverse.max()) + 1, index.position.dtype)
@@ -80,8 +80,8 @@ def check_token_pairing(pairs: RowPairs, reference: RowIndex, candidate: RowInde
     follows that sequence (the end of a request, the next turn of a longer sample, the next sample
     of a packed row), which the other side need not share.
     """
-    ref_next = reference.next_token_id[pairs.reference]
-    cand_next = candidate.next_token_id[pairs.candidate]
+    ref_next = reference.column("next_token_id")[pairs.reference]
+    cand_next = candidate.column("next_token_id")[pairs.candidate]
     known = (ref_next >= 0) & (cand_next >= 0)
     if pairs.insertions:
         edges = {(i["group"], i["position"] - 1) for i in pairs.insertions}
@@ -97,12 +97,13 @@ def check_token_pairing(pairs: RowPairs, reference: RowIndex, candidate: RowInde
     if not bad.any():
         return result
     rows = pairs.candidate[bad]
+    steps = candidate.column("step")
     for k in np.flatnonzero(bad)[:5].tolist():
         c = int(pairs.candidate[k])
         result.examples.append({
             "seq": candidate.group_keys[int(candidate.group[c])], "position": int(candidate.position[c]),
             "token_id": int(candidate.token_id[c]), "phase": _phase(candidate.phase[c]),
-            "step": int(candidate.step[c]),
+            "step": int(steps[c]),
             "reference_next_token_id": int(ref_next[k]), "candidate_next_token_id": int(cand_next[k]),
         })
     result.pattern, result.pattern_evidence = _pattern(pairs, candidate, bad, rows)

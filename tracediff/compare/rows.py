@@ -7,7 +7,7 @@ arrays alone; the values are never read here.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -132,6 +132,15 @@ def _column(parts: list[np.ndarray], dtype: type) -> np.ndarray:
     return compact(whole) if dtype is np.int64 else whole.astype(dtype, copy=False)
 
 
+def _stream_dtype(streams: int) -> type:
+    return np.int16 if streams < (1 << 15) else np.int32
+
+
+def _stream_ids(offsets: np.ndarray, streams: int) -> np.ndarray:
+    """Per entry, its stream: stream i holds entries ``offsets[i]..offsets[i + 1]``."""
+    return np.repeat(np.arange(streams, dtype=_stream_dtype(streams)), np.diff(offsets))
+
+
 def stream_names(streams: Sequence[TraceStream]) -> list[str]:
     """Each stream's name in row references: its writer, prefixed by its store's name when the
     streams come from several stores (one trace over many stores), so a row names where it lives."""
@@ -146,94 +155,148 @@ def stream_names(streams: Sequence[TraceStream]) -> list[str]:
     return [f"{names[next(k for k, t in enumerate(stores) if s.store is t)]}/{s.writer}" for s in streams]
 
 
+#: Label columns the compare reads once or twice after the alignment (the token pairing, the subset
+#: search): not held by the index, read again from the store when asked (:meth:`RowIndex.column`).
+_ASIDE_FIELDS = ("seq", "next_token_id", "step")
+_HELD_FIELDS = tuple(k for k in _INDEX_FIELDS if k not in _ASIDE_FIELDS)
+
+
 @dataclass
 class RowIndex:
     """Labels of every committed row of one tap, across its writer groups (one entry per row), in
     storage order: stream by stream, each stream's rows in order (the alignment relies on it: an
-    entry's index orders it as (stream, row) does)."""
+    entry's index orders it as (stream, row) does). Which stream and stored row an entry is are
+    computed from the streams' row counts (:meth:`stream_of`, :meth:`row_of`); the labels read only
+    after the alignment (sequence id, next token, step) are read again when asked
+    (:meth:`column`). About 14 bytes an entry."""
 
     store: TraceStore | StoreSet  # a StoreSet: one trace over several stores
     tap: str
     streams: list[TraceStream]
+    offsets: np.ndarray  # int64 [streams + 1]: the first entry of each stream, then the entry count
     # Integer columns are compact (:func:`compact`): int32 when their values allow, else int64.
-    stream: np.ndarray  # int16 (int32 past 32767 streams): which stream
-    row: np.ndarray  # int32 (int64 past 2**31 rows): row within that stream
     group: np.ndarray  # int32: sequence group (stream, seq) -> dense id
-    seq: np.ndarray
     position: np.ndarray
     token_id: np.ndarray
-    next_token_id: np.ndarray
-    step: np.ndarray
     phase: np.ndarray
     valid: np.ndarray
     group_keys: list[str]
     split_sequences: int = 0  # labelled sequences whose positions restart: split into their samples
+    #: Reads one of :data:`_ASIDE_FIELDS` (the store's, or the label sets the index was made of).
+    _aside: Any = field(default=None, repr=False)
 
     @classmethod
     def load(cls, store: TraceStore | StoreSet, tap: str) -> RowIndex:
         streams = store.tap_streams(tap)
-        # Each column compacted as soon as it is read: one int64 column at a time held twice.
-        return cls.from_labels(store, tap, streams, [
-            {k: compact(s.label(k)) if _INDEX_DTYPES[k] is np.int64 else s.label(k) for k in _INDEX_FIELDS}
-            for s in streams])
+
+        def read(s: TraceStream, k: str) -> np.ndarray:
+            # Integer columns read as int32 where their values allow (TraceStream.label: chunk by
+            # chunk, no int64 copy of a whole column), else int64 and compacted here.
+            return compact(s.label(k, COMPACT_BOUND)) if _INDEX_DTYPES[k] is np.int64 else s.label(k)
+
+        def aside(k: str) -> np.ndarray:
+            return _column([read(s, k) for s in streams], _INDEX_DTYPES[k])
+
+        fields = (*_HELD_FIELDS, "seq")  # the sequence ids make the groups, then are let go
+        return cls.from_labels(store, tap, streams, [{k: read(s, k) for k in fields} for s in streams], aside)
 
     @classmethod
     def from_labels(
-        cls, store: TraceStore | StoreSet, tap: str, streams: Sequence[TraceStream], labels: Sequence[dict[str, np.ndarray]]
+        cls, store: TraceStore | StoreSet, tap: str, streams: Sequence[TraceStream], labels: Sequence[dict[str, np.ndarray]],
+        aside: Any = None,
     ) -> RowIndex:
         """The index of label columns already read: ``labels[i]`` holds stream i's columns
-        (:data:`_INDEX_FIELDS`), one entry per row. Any int64 values are accepted."""
+        (:data:`_INDEX_FIELDS`), one entry per row. Any int64 values are accepted. ``aside(name)``
+        reads a column of :data:`_ASIDE_FIELDS` later; without it, the ones given here are kept
+        for :meth:`column`."""
         if len(labels) != len(streams):
             raise UsageError(f"RowIndex: {len(labels)} label sets for {len(streams)} streams")
-        cols: dict[str, list[np.ndarray]] = {k: [] for k in _INDEX_FIELDS}
-        stream_ids, rows = [], []
-        for i, (s, columns) in enumerate(zip(streams, labels, strict=True)):
-            missing = [k for k in _INDEX_FIELDS if k not in columns and k not in _OPTIONAL_FIELDS]
+        required = _INDEX_FIELDS if aside is None else (*_HELD_FIELDS, "seq")
+        cols: dict[str, list[np.ndarray]] = {k: [] for k in required}
+        counts = []
+        for s, columns in zip(streams, labels, strict=True):
+            missing = [k for k in required if k not in columns and k not in _OPTIONAL_FIELDS]
             if missing:
                 raise UsageError(f"{store.path}/{tap}/{s.writer}: label columns {missing} are missing")
             n_rows = np.asarray(columns["seq"]).reshape(-1).shape[0]
             arrays = {k: np.asarray(columns[k]).reshape(-1) if k in columns else np.zeros(n_rows, dtype=np.int32)
-                      for k in _INDEX_FIELDS}
+                      for k in required}
             lengths = {k: a.shape[0] for k, a in arrays.items()}
             if len(set(lengths.values())) != 1:
                 raise UsageError(f"{store.path}/{tap}/{s.writer}: label columns differ in length {lengths}")
-            n = lengths["seq"]
-            for k in _INDEX_FIELDS:
+            for k in required:
                 cols[k].append(arrays[k])
-            stream_ids.append(np.full(n, i, dtype=np.int16 if len(streams) < (1 << 15) else np.int32))
-            rows.append(np.arange(n, dtype=index_dtype(n)))
+            counts.append(lengths["seq"])
         cat: dict[str, np.ndarray] = {  # one stream's columns as they are (no copy when compact already)
             k: _column(v, _INDEX_DTYPES[k]) for k, v in cols.items()
         }
-        stream = np.concatenate(stream_ids) if stream_ids else np.empty(0, dtype=np.int16)
+        del cols
+        offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
         # Sequence ids are per writer process: (stream, seq) is the key of a sequence.
+        stream = _stream_ids(offsets, len(streams))
         group, pairs = _sequence_groups(stream, cat["seq"])
+        del stream
         keys = []
         writers = stream_names(streams)
         for s_idx, seq in pairs:
             name = streams[s_idx].seq_names.get(seq, str(seq))
             keys.append(name if len(streams) == 1 else f"{writers[s_idx]}:{name}")
         group, keys, split = _split_samples(group, keys, cat["position"], cat["valid"])
+        if aside is None:
+            kept = {k: cat[k] for k in _ASIDE_FIELDS}
+
+            def aside(k: str) -> np.ndarray:
+                return kept[k]
+
         return cls(
             store=store,
             tap=tap,
             streams=list(streams),
-            stream=stream,
-            row=np.concatenate(rows) if rows else np.empty(0, dtype=np.int32),
+            offsets=offsets,
             group=group.astype(index_dtype(len(keys)), copy=False),
-            seq=cat["seq"],
             position=cat["position"],
             token_id=cat["token_id"],
-            next_token_id=cat["next_token_id"],
-            step=cat["step"],
             phase=cat["phase"],
             valid=cat["valid"],
             group_keys=keys,
             split_sequences=split,
+            _aside=aside,
         )
 
+    def column(self, name: str) -> np.ndarray:
+        """One of the labels the index does not hold (:data:`_ASIDE_FIELDS`: ``seq``,
+        ``next_token_id``, ``step``), one entry per index entry, compact: read again from the store
+        at each call (hold the result while it is needed)."""
+        if name not in _ASIDE_FIELDS:
+            raise UsageError(f"RowIndex.column: {name!r} is not one of {', '.join(_ASIDE_FIELDS)} (held as attributes)")
+        out = self._aside(name)
+        if out.shape[0] != len(self):
+            raise UsageError(f"{self.store.path}/{self.tap}: label {name!r} holds {out.shape[0]} rows, the index {len(self)}")
+        return out
+
+    @property
+    def stream(self) -> np.ndarray:
+        """Per entry: which stream holds it (int16; int32 past 32767 streams). Computed at each call."""
+        return _stream_ids(self.offsets, len(self.streams))
+
+    def stream_of(self, entries: np.ndarray) -> np.ndarray:
+        """Which stream holds each of ``entries`` (indices into the index), as :attr:`stream`."""
+        entries = np.asarray(entries)
+        dtype = _stream_dtype(len(self.streams))
+        if len(self.streams) == 1:
+            return np.zeros(entries.shape, dtype=dtype)
+        return (np.searchsorted(self.offsets, entries, side="right") - 1).astype(dtype)
+
+    def row_of(self, entries: np.ndarray, streams: np.ndarray | None = None) -> np.ndarray:
+        """The stored row of each of ``entries`` within its stream (``streams``: their
+        :meth:`stream_of`, when at hand)."""
+        entries = np.asarray(entries)
+        if len(self.streams) == 1:
+            return entries
+        return entries - self.offsets[self.stream_of(entries) if streams is None else streams]
+
     def __len__(self) -> int:
-        return int(self.stream.shape[0])
+        return int(self.offsets[-1])
 
     @property
     def has_tokens(self) -> bool:

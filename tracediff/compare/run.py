@@ -189,7 +189,7 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
 
     if pairs.replicas:
         names = stream_names(cand_index.streams)
-        writers = sorted({names[int(k)] for k in np.unique(cand_index.stream[pairs.candidate])})
+        writers = sorted({names[int(k)] for k in np.unique(cand_index.stream_of(pairs.candidate))})
         notes.append(f"{pairs.replicas} aligned rows are held by more than one candidate writer group "
                      f"({', '.join(writers)}): tensor-parallel replicas (ranks, or stores of replicas), each compared with the reference")
     if isinstance(ref_store, StoreSet):  # (single stores: reports unchanged)
@@ -332,7 +332,7 @@ def _reference_replica_notes(alignment: Any, ref_index: RowIndex) -> list[str]:
             copies += 1
             rows += int(g.rows.size)
             for k in (first, key):
-                writers.add(names[int(ref_index.stream[alignment.ref_groups[k].rows[0]])])
+                writers.add(names[int(ref_index.stream_of(alignment.ref_groups[k].rows[0]))])
     if not copies:
         return []
     return [f"{copies} reference sequences ({rows} rows) are held whole by more than one reference writer group "

@@ -172,8 +172,9 @@ class BlockSpec:
     def of(cls, pairs: RowPairs, reference: RowIndex, candidate: RowIndex, buckets: PositionBuckets,
            number: int, start: int, stop: int) -> BlockSpec:
         c, r = pairs.candidate[start:stop], pairs.reference[start:stop]
-        return cls(number, start, stop, candidate.stream[c], candidate.row[c], reference.stream[r],
-                   reference.row[r], buckets.index[start:stop])
+        cs, rs = candidate.stream_of(c), reference.stream_of(r)
+        return cls(number, start, stop, cs, candidate.row_of(c, cs), rs, reference.row_of(r, rs),
+                   buckets.index[start:stop])
 
 
 def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches: list[tuple[int, int]],

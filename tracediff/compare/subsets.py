@@ -63,7 +63,7 @@ def _rows_per_step(index: RowIndex) -> np.ndarray:
     """Per row of ``index``: how many rows its (writer, step) has (the batch size of that forward)."""
     if len(index) == 0:
         return np.zeros(0, dtype=np.int64)
-    keys = np.stack([index.stream.astype(np.int64), index.step], axis=1)
+    keys = np.stack([index.stream.astype(np.int64), index.column("step")], axis=1)
     _, inverse, counts = np.unique(keys, axis=0, return_inverse=True, return_counts=True)
     return counts[inverse.reshape(-1)]
 
@@ -117,7 +117,7 @@ def subset_labels(pairs: RowPairs, candidate: RowIndex) -> list[Dimension]:
         ("rows_per_step", _rows_per_step(candidate)[rows], True),
     ]
     if len(candidate.streams) > 1:
-        dims.append(("writer", candidate.stream[rows].astype(np.int64), False))
+        dims.append(("writer", candidate.stream_of(rows).astype(np.int64), False))
     dims.append(("position", candidate.position[rows], True))
     if len(np.unique(candidate.group[rows])) >= 3:
         dims.append(("sequence", candidate.group[rows], False))
@@ -254,15 +254,16 @@ def _other_rows(pick: np.ndarray, pairs: RowPairs, reference: RowIndex, candidat
     ref_key = {(int(g), int(p)): i for i, (g, p) in enumerate(zip(reference.group[pairs.reference].tolist(),
                                                                   reference.position[pairs.reference].tolist(),
                                                                   strict=True))}
-    step_of = candidate.step[pairs.candidate]
+    steps = candidate.column("step")
+    step_of = steps[pairs.candidate]
     group_of = candidate.group[pairs.candidate]
-    stream_of = candidate.stream[pairs.candidate]
+    stream_of = candidate.stream_of(pairs.candidate)
     hits = {"other_request": 0, "neighbour_position": 0}
     checked = 0
     for at, (k, row) in enumerate(zip(pick[:32].tolist(), cand_rows[:32].tolist(), strict=True)):
         checked += 1
         # Other requests' rows of the same forward (rows of the same sequence are neighbours, below).
-        same_step = np.flatnonzero((step_of == candidate.step[row]) & (stream_of == candidate.stream[row])
+        same_step = np.flatnonzero((step_of == steps[row]) & (stream_of == candidate.stream_of(row))
                                    & (group_of != candidate.group[row]))
         g, p = int(reference.group[pairs.reference[k]]), int(reference.position[pairs.reference[k]])
         neighbours = [ref_key[(g, p + d)] for d in (-1, 1) if (g, p + d) in ref_key]

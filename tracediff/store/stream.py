@@ -26,6 +26,32 @@ READ_AHEAD_CHUNKS = 16
 READ_AHEAD_BYTES = 64 << 20
 
 
+class _Column:
+    """A label column filled chunk by chunk. With a ``bound``, an integer column is held as int32
+    while every value lies in ``[-bound, bound)`` and widened to int64 at the first chunk that holds
+    another (the index's compact columns, :func:`tracediff.compare.rows.compact`, without a whole
+    int64 copy of the column)."""
+
+    def __init__(self, rows: int, dtype: np.dtype, bound: int | None) -> None:
+        self.bound = bound
+        self.data = np.empty(rows, dtype=np.int32 if bound is not None else dtype)
+
+    @staticmethod
+    def fits(values: np.ndarray, bound: int) -> bool:
+        return values.size == 0 or (int(values.min()) >= -bound and int(values.max()) < bound)
+
+    @classmethod
+    def compact(cls, values: np.ndarray, bound: int) -> np.ndarray:
+        return values.astype(np.int32) if cls.fits(values, bound) else values
+
+    def put(self, start: int, values: np.ndarray) -> None:
+        if self.data.dtype == np.int32 and self.bound is not None and not self.fits(values, self.bound):
+            wide = np.empty(self.data.shape, dtype=np.int64)
+            wide[:start] = self.data[:start]
+            self.data = wide
+        self.data[start : start + values.size] = values
+
+
 @dataclass
 class TraceStream:
     """The committed rows of one (tap, writer) group, read lazily and in bounded chunks."""
@@ -66,8 +92,11 @@ class TraceStream:
         names = self.commit.get("seq_names") or {}
         return {int(v): str(k) for k, v in names.items()} if isinstance(names, dict) else {}
 
-    def label(self, name: str) -> np.ndarray:
-        """One committed label column as numpy (small: 8 bytes a row)."""
+    def label(self, name: str, compact_below: int | None = None) -> np.ndarray:
+        """One committed label column as numpy (small: 8 bytes a row). With ``compact_below``, an
+        integer column is returned as int32 when every value lies in ``[-compact_below,
+        compact_below)``, else as int64 (the same values); columns read straight from their chunk
+        files are then decoded chunk by chunk into the int32 column, without an int64 copy of it."""
         if name not in LABEL_FIELDS:
             raise UsageError(f"unknown label field {name!r}; fields: {', '.join(LABEL_FIELDS)}")
         where = f"{self.store.path}/{self.tap}/{self.writer}/{name}"
@@ -76,41 +105,42 @@ class TraceStream:
             raise CorruptStoreError(f"{where}: label array is missing")
         if arr.ndim != 1 or arr.shape[0] < self.rows:
             raise CorruptStoreError(f"{where}: has shape {arr.shape}, expected at least {self.rows} rows")
+        dtype = LABEL_DTYPES[name]
+        bound = compact_below if dtype == np.int64 else None
         if self.rows == 0:
-            return np.empty(0, dtype=LABEL_DTYPES[name])
+            return np.empty(0, dtype=np.int32 if bound is not None else dtype)
         direct = self._label_direct.get(name)
         if direct is not None and direct[1] == arr.chunks[0]:
-            data = self._read_label_direct(name, *direct)
+            data = self._read_label_direct(name, *direct, bound)
         else:
             data = self._read_array(name, np.arange(0, -(-self.rows // arr.chunks[0])), lambda a: a[: self.rows])
-        if data.shape != (self.rows,) or data.dtype != LABEL_DTYPES[name]:
-            raise CorruptStoreError(
-                f"{where}: read {data.shape} {data.dtype}, expected ({self.rows},) {LABEL_DTYPES[name]}"
-            )
+            if data.shape == (self.rows,) and data.dtype == dtype and bound is not None:
+                data = _Column.compact(data, bound)
+        if data.shape != (self.rows,) or (data.dtype != dtype and not (bound is not None and data.dtype == np.int32)):
+            raise CorruptStoreError(f"{where}: read {data.shape} {data.dtype}, expected ({self.rows},) {dtype}")
         return data
 
     def labels(self, names: Sequence[str] = LABEL_FIELDS) -> dict[str, np.ndarray]:
         return {name: self.label(name) for name in names}
 
-    def _read_label_direct(self, name: str, endian: str, chunk_rows: int) -> np.ndarray:
+    def _read_label_direct(self, name: str, endian: str, chunk_rows: int, bound: int | None = None) -> np.ndarray:
         """One label column decoded straight from its zstd chunk files (zarr's per-chunk machinery
         costs ~0.65 ms a chunk; this, the file read and the decompression). The same checks as
-        through zarr: every chunk a plain file, each decoding to exactly one chunk of the dtype."""
+        through zarr: every chunk a plain file, each decoding to exactly one chunk of the dtype.
+        ``bound``: as :meth:`label`'s ``compact_below``."""
         from numcodecs import Zstd  # noqa: PLC0415
 
         dtype = LABEL_DTYPES[name].newbyteorder("<" if endian == "little" else ">")
         expect = chunk_rows * dtype.itemsize
-        out = np.empty(-(-self.rows // chunk_rows) * chunk_rows, dtype=LABEL_DTYPES[name])
+        count = -(-self.rows // chunk_rows)
+        out = _Column(count * chunk_rows, LABEL_DTYPES[name], bound)
         codec = Zstd()
-        count = out.shape[0] // chunk_rows
         if self.store._remote is not None:  # the chunk objects, fetched together
             keys = [f"{self.tap}/{self.writer}/{name}/c/{index}" for index in range(count)]
             blobs = self.store._chunk_objects(keys, None, MAX_CHUNK_BYTES)
             for index, (key, blob) in enumerate(zip(keys, blobs, strict=True)):
-                out[index * chunk_rows : (index + 1) * chunk_rows] = self._decode_label(
-                    codec, blob, self.store._display(key), expect, dtype
-                )
-            return out[: self.rows]
+                out.put(index * chunk_rows, self._decode_label(codec, blob, self.store._display(key), expect, dtype))
+            return out.data[: self.rows]
         folder = os.fspath(self.store.path / self.tap / self.writer / name / "c")
         for index in range(count):
             path = f"{folder}/{index}"
@@ -126,8 +156,8 @@ class TraceStream:
                 raise read_error(path, exc) from exc
             finally:
                 os.close(fd)
-            out[index * chunk_rows : (index + 1) * chunk_rows] = self._decode_label(codec, blob, path, expect, dtype)
-        return out[: self.rows]
+            out.put(index * chunk_rows, self._decode_label(codec, blob, path, expect, dtype))
+        return out.data[: self.rows]
 
     @staticmethod
     def _decode_label(codec: Any, blob: bytes, where: str, expect: int, dtype: np.dtype) -> np.ndarray:
