@@ -1,0 +1,71 @@
+"""The row index holds 14 bytes an entry (issue #27): which stream and stored row an entry is are
+computed from the streams' row counts, and the labels read only after the alignment (sequence id,
+next token, step) are read again from the store. Both must give exactly what the stored labels say,
+over several writer groups of different lengths, with label values on both sides of the int32 bound."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tracediff.compare.rows import COMPACT_BOUND, RowIndex
+from tracediff.errors import UsageError
+from tracediff.store import TraceWriter, create_store, open_store
+
+
+def _store(path: Path, lengths: list[int], huge_step_at: int | None) -> list[dict[str, np.ndarray]]:
+    """A store of ``len(lengths)`` writer groups; the labels each was given."""
+    rng = np.random.default_rng(len(lengths))
+    create_store(path, role="server")
+    written = []
+    for w, n in enumerate(lengths):
+        rows = np.arange(n, dtype=np.int64)
+        labels = {"seq": 1000 * w + rows // 37, "position": rows % 37, "token_id": rng.integers(0, 50_000, n),
+                  "next_token_id": rng.integers(-1, 50_000, n), "step": 3 * w + rows // 5}
+        if huge_step_at is not None and w == 1:
+            labels["step"][huge_step_at:] += COMPACT_BOUND  # past the bound from a later chunk on
+        writer = TraceWriter(path, "fc_in", f"w{w}", width=8, dtype="float32", chunk_rows=64, compressor="none")
+        writer.append(rng.standard_normal((n, 8)).astype(np.float32), labels)
+        writer.close()
+        written.append(labels)
+    return written
+
+
+@pytest.mark.parametrize("huge_step_at", [None, 0, 4500])
+def test_an_entry_names_its_stream_row_and_labels_as_stored(tmp_path: Path, huge_step_at: int | None) -> None:
+    lengths = [5000, 9000, 1, 3100]
+    written = _store(tmp_path / "s.zarr", lengths, huge_step_at)
+    store = open_store(tmp_path / "s.zarr")
+    index = RowIndex.load(store, "fc_in")
+    assert len(index) == sum(lengths)
+    writers = [s.writer for s in index.streams]
+    order = [int(w[1:]) for w in writers]  # the streams in the index's order
+    want_stream = np.concatenate([np.full(lengths[w], k) for k, w in enumerate(order)])
+    want_row = np.concatenate([np.arange(lengths[w]) for w in order])
+    assert index.stream.tolist() == want_stream.tolist()
+    rng = np.random.default_rng(0)
+    for entries in (np.arange(len(index)), rng.integers(0, len(index), 777), np.array([0, len(index) - 1, 5000])):
+        assert index.stream_of(entries).tolist() == want_stream[entries].tolist()
+        assert index.row_of(entries).tolist() == want_row[entries].tolist()
+    # The labels set aside, read again: the stored values, compact where they fit.
+    for name in ("seq", "next_token_id", "step"):
+        got = index.column(name)
+        want = np.concatenate([written[w][name] for w in order])
+        assert got.tolist() == want.tolist()
+        fits = bool(want.min() >= -COMPACT_BOUND and want.max() < COMPACT_BOUND)
+        assert got.dtype == (np.int32 if fits else np.int64)
+    # The held columns: the stored labels, each entry its own row's.
+    positions = np.concatenate([written[w]["position"] for w in order])
+    assert index.position.tolist() == positions.tolist()
+    for s in index.streams:  # the compact read gives the int64 read's values
+        for name in ("seq", "position", "step"):
+            a, b = s.label(name, COMPACT_BOUND), s.label(name)
+            assert a.tolist() == b.tolist() and b.dtype == np.int64
+            assert a.dtype == (np.int32 if b.min() >= -COMPACT_BOUND and b.max() < COMPACT_BOUND else np.int64)
+    held = sum(getattr(index, k).nbytes for k in ("group", "position", "token_id", "phase", "valid"))
+    assert held <= 14 * len(index)
+    with pytest.raises(UsageError, match="position"):
+        index.column("position")
+    store.close()
