@@ -41,34 +41,47 @@ class _Group:
 
 
 def _groups(index: RowIndex) -> list[_Group]:
-    valid = np.flatnonzero(index.valid)
-    if valid.size == 0:
+    n = len(index)
+    every = n > 0 and bool(index.valid.all())  # every row valid (the common case): no row to skip
+    valid = None if every else np.flatnonzero(index.valid)
+    if n == 0 or (valid is not None and valid.size == 0):
         return []
-    group, position = index.group[valid], index.position[valid]
+    group = index.group if valid is None else index.group[valid]
+    position = index.position if valid is None else index.position[valid]
     # Rows by (sequence, position, row): one int64 key when it fits (Python ints: no wrap-around).
+    # ``within``: the order of the valid rows; None when they are in it already (a trainer's rows).
     p_lo = int(position.min())
     span = int(position.max()) - p_lo + 1
     if (int(group.max()) + 1) * span < (1 << 62):
         key = np.multiply(group, span, dtype=np.int64)  # compact columns: the key widens
         key += position
         key -= p_lo
-        order = valid[stable_argsort(key)]
+        within = None if bool((key[1:] >= key[:-1]).all()) else stable_argsort(key)
         del key
     else:
-        order = valid[np.lexsort((valid, position, group))]
-    g = index.group[order]
-    pos = index.position[order]
+        within = np.lexsort((np.arange(group.size), position, group))
+    del group, position
+    order = valid if within is None else (within if valid is None else valid[within])  # None: every row
+    g = index.group if order is None else index.group[order]
+    pos = index.position if order is None else index.position[order]
     # The first row of each (sequence, position); the rest are duplicates.
     new_group = np.r_[True, g[1:] != g[:-1]]
     keep = new_group | np.r_[True, pos[1:] != pos[:-1]]
-    rows = order[keep].astype(index_dtype(len(index)), copy=False)  # what pairs hold: compact
-    positions, tokens = pos[keep], index.token_id[rows]
-    kept_group = g[keep]
+    every_kept = bool(keep.all())
+    rows_dtype = index_dtype(n)  # what pairs hold: compact
+    if order is None:
+        rows = np.arange(n, dtype=rows_dtype) if every_kept else np.flatnonzero(keep).astype(rows_dtype)
+    else:
+        rows = (order if every_kept else order[keep]).astype(rows_dtype, copy=False)
+    # Rows in index order, each kept: positions and tokens are the index's own columns (views).
+    positions = pos if every_kept else pos[keep]
+    tokens = index.token_id if order is None and every_kept else index.token_id[rows]
+    kept_group = g if every_kept else g[keep]
     starts = np.flatnonzero(np.r_[True, kept_group[1:] != kept_group[:-1]])
     ends = np.r_[starts[1:], rows.size]
-    # Duplicates per group: its rows in ``order`` minus the ones kept.
+    # Duplicates per group: its valid rows minus the ones kept.
     all_starts = np.flatnonzero(new_group)
-    dups = np.diff(np.r_[all_starts, order.size]) - (ends - starts)
+    dups = np.diff(np.r_[all_starts, g.size]) - (ends - starts)
     return [
         _Group(key=k, positions=positions[a:b], tokens=tokens[a:b], rows=rows[a:b], duplicates=d)
         for k, a, b, d in zip(kept_group[starts].tolist(), starts.tolist(), ends.tolist(), dups.tolist(), strict=True)
@@ -125,12 +138,20 @@ def _ngram_hashes(
         empty = (np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.int64))
         return (*empty, np.empty(0, dtype=np.int64)) if member is not None else empty
     count = tokens.size - n + 1
+    # h = h * mult + (token + 1), wrapping in uint64, window by window: in place, one term buffer.
     h = np.zeros(count, dtype=np.uint64)
-    mult = np.uint64(1_000_003)
+    term = np.empty(count, dtype=np.uint64)
+    mult, one = np.uint64(1_000_003), np.uint64(1)
     with np.errstate(over="ignore"):
         for k in range(n):
-            h = h * mult + (tokens[k : k + count].astype(np.uint64) + np.uint64(1))
+            h *= mult
+            term[:] = tokens[k : k + count]  # as astype(np.uint64): negative ids wrap (their windows are dropped)
+            term += one
+            h += term
+    del term
     ok = _ngram_ok(tokens, positions, n, member)
+    if bool(ok.all()):  # every window counts (the common case): no copies
+        return (h, positions[:count], member[:count]) if member is not None else (h, positions[:count])
     if member is not None:
         return h[ok], positions[:count][ok], member[:count][ok]
     return h[ok], positions[:count][ok]
@@ -221,16 +242,16 @@ def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = _NGRA
 
 
 def ngram_table(groups: list[_Group], n: int) -> tuple[np.ndarray, ...]:
-    """The reference's n-grams sorted by hash: (hash, owner group, start position), and the distinct
-    hashes with the index of their first n-gram and their count."""
-    keys = np.array([rg.key for rg in groups], dtype=np.int64)
-    member = np.repeat(np.arange(keys.size, dtype=np.int64), [rg.tokens.size for rg in groups])
+    """The reference's n-grams sorted by hash (ties in sequence order): (hash, owner group, start
+    position). A hash's n-grams are found by two sorted searches (:func:`_votes_together`)."""
+    top = max((rg.key for rg in groups), default=0) + 1
+    keys = np.array([rg.key for rg in groups], dtype=index_dtype(top))
+    member = np.repeat(np.arange(keys.size, dtype=index_dtype(keys.size)), [rg.tokens.size for rg in groups])
     ref_h, starts, owners = _ngram_hashes(np.concatenate([rg.tokens for rg in groups]),
                                           np.concatenate([rg.positions for rg in groups]), n, member)
+    del member
     order = stable_argsort(ref_h)
-    ref_h = ref_h[order]
-    first = np.flatnonzero(np.r_[True, ref_h[1:] != ref_h[:-1]]) if ref_h.size else np.empty(0, dtype=np.int64)
-    return ref_h, keys[owners[order]], starts[order], ref_h[first], first, np.diff(np.r_[first, ref_h.size])
+    return ref_h[order], keys[owners[order]], starts[order]
 
 
 def _same_sample_first(hyps: list[tuple[int, int, int]], g: _Group,
@@ -273,7 +294,7 @@ def _votes_together(
     """:func:`_votes_alone` of every sequence at once (each at least n tokens long): one sorted
     lookup of all their n-grams instead of one per sequence, the same hypotheses in the same order.
     Candidate group -> its top hypotheses (sequences with none are left out)."""
-    _, ref_owner, ref_start, distinct, first, counts = table
+    ref_h, ref_owner, ref_start = table[:3]
     lengths = np.array([g.tokens.size for g in groups], dtype=np.int64)
     tokens = np.concatenate([g.tokens for g in groups])
     positions = np.concatenate([g.positions for g in groups])
@@ -281,20 +302,23 @@ def _votes_together(
     h, starts, window_group = _ngram_hashes(tokens, positions, n, member)
     if h.size == 0:
         return {}
-    if distinct.size == 0:
+    if ref_h.size == 0:
         return {}
-    # One search among the distinct hashes (sorted queries: each binary search starts where the
-    # previous one ended); a hash's n-grams are then first[k] .. first[k] + counts[k] - 1.
+    # A hash's reference n-grams are lo .. hi - 1: two searches with sorted queries (each binary
+    # search starts where the previous one ended).
     order = np.argsort(h)
-    at = np.empty(h.size, dtype=np.int64)
-    at[order] = np.searchsorted(distinct, h[order])
-    np.minimum(at, distinct.size - 1, out=at)
-    hit = np.flatnonzero((distinct[at] == h) & (counts[at] <= _MAX_HASH_REPEAT))
+    queries = h[order]
+    lo, hi = np.empty(h.size, dtype=np.int64), np.empty(h.size, dtype=np.int64)
+    lo[order] = np.searchsorted(ref_h, queries, side="left")
+    hi[order] = np.searchsorted(ref_h, queries, side="right")
+    del queries, order
+    hi -= lo  # each window's count of reference n-grams
+    hit = np.flatnonzero((hi > 0) & (hi <= _MAX_HASH_REPEAT))
     if hit.size == 0:
         return {}
-    count = counts[at[hit]]
+    count = hi[hit]
     window = np.repeat(hit, count)
-    j = np.repeat(first[at[hit]] - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
+    j = np.repeat(lo[hit] - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
     cand = window_group[window]
     owner = ref_owner[j].astype(np.int64)
     delta = (starts[window] - ref_start[j]).astype(np.int64)
