@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from subset_traces import record_subset_traces
 
@@ -104,3 +105,30 @@ def test_each_subset_group_is_profiled_apart_from_the_other_rows(traces):
         assert group.std_cos_by_position == [] and math.isnan(group.std_cos_mean)
     # A subset explains its pair: no wiring profile is left for it.
     assert {p.kind for p in report.position_profiles} == {"segment_subset"}
+
+
+def _buckets_whole(positions: np.ndarray) -> tuple[list[float], list[int]]:
+    """The buckets as computed before issue #27, on the whole gathered column at once."""
+    top = int(positions.max()) + 1 if positions.size else 1
+    count = max(1, min(64, top))
+    edges = np.linspace(0, top, count + 1)
+    index = np.searchsorted(edges, positions, side="right") - 1
+    return edges.tolist(), np.clip(index, 0, count - 1).astype(np.int16).tolist()
+
+
+@pytest.mark.parametrize("rows_at_a_time", [1, 7, 1 << 17])
+def test_position_buckets_a_few_rows_at_a_time_equal_the_whole(monkeypatch: pytest.MonkeyPatch, rows_at_a_time: int) -> None:
+    """PositionBuckets.of buckets the pairs' positions a few rows at a time (issue #27: no whole
+    gathered or float64 copy): the same edges and buckets as the whole column at once, negative
+    positions and huge ones too."""
+    import tracediff.compare.metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "_BUCKET_ROWS", rows_at_a_time)
+    rng = np.random.default_rng(rows_at_a_time)
+    for column in (rng.integers(0, 5000, 3001).astype(np.int32), rng.integers(-40, -1, 50), np.arange(3),
+                   np.zeros(0, dtype=np.int32), rng.integers(0, 2**40, 999)):
+        rows = rng.integers(0, max(1, column.size), column.size)
+        got = metrics_module.PositionBuckets.of(column, rows)
+        edges, index = _buckets_whole(column[rows])
+        assert got.edges.tolist() == edges
+        assert got.index.dtype == np.int16 and got.index.tolist() == index

@@ -83,6 +83,7 @@ def reduce_block(start: int, rel_diff: np.ndarray, max_abs: np.ndarray) -> Block
 
 #: Per-position series have at most this many position buckets.
 POSITION_BUCKETS = 64
+_BUCKET_ROWS = 1 << 17  # rows bucketed at a time (PositionBuckets.of)
 
 
 @dataclass(frozen=True)
@@ -94,14 +95,25 @@ class PositionBuckets:
     index: np.ndarray  # per aligned row: its bucket (int16)
 
     @classmethod
-    def of(cls, positions: np.ndarray) -> PositionBuckets:
-        top = int(positions.max()) + 1 if positions.size else 1
+    def of(cls, positions: np.ndarray, rows: np.ndarray | None = None) -> PositionBuckets:
+        """The buckets of ``positions`` (``positions[rows]`` with ``rows``: an index's column and the
+        pairs' rows), a few rows at a time: no whole float64 or gathered copy beside the result."""
+        n = positions.size if rows is None else rows.size
+        highest = None
+        for a in range(0, n, _BUCKET_ROWS):
+            part = positions[a : a + _BUCKET_ROWS] if rows is None else positions[rows[a : a + _BUCKET_ROWS]]
+            highest = int(part.max()) if highest is None else max(highest, int(part.max()))
+        top = highest + 1 if highest is not None else 1
         count = max(1, min(POSITION_BUCKETS, top))
         edges = np.linspace(0, top, count + 1)
-        index = np.searchsorted(edges, positions, side="right")
-        index -= 1
-        np.clip(index, 0, count - 1, out=index)
-        return cls(edges, index.astype(np.int16))
+        index = np.empty(n, dtype=np.int16)
+        for a in range(0, n, _BUCKET_ROWS):
+            part = positions[a : a + _BUCKET_ROWS] if rows is None else positions[rows[a : a + _BUCKET_ROWS]]
+            at = np.searchsorted(edges, part, side="right")
+            at -= 1
+            np.clip(at, 0, count - 1, out=at)
+            index[a : a + at.size] = at
+        return cls(edges, index)
 
     @property
     def count(self) -> int:
@@ -300,7 +312,7 @@ def finish_metrics(acc: Accumulator, pairs: RowPairs, reference: RowIndex, candi
         max_abs_row = row_ref(candidate, pairs.candidate[acc.max_abs_at])
     # Cosine and the decision metric by (reference) position, in the compare's position buckets.
     if buckets is None:
-        buckets = PositionBuckets.of(reference.position[pairs.reference])
+        buckets = PositionBuckets.of(reference.position, pairs.reference)
     by_pos = buckets.series(*buckets.sums(buckets.index, cos, finite)) if rows else []
     err_by_pos = buckets.series(*buckets.sums(buckets.index, np.square(row_err, dtype=np.float64), err_ok), root=True)
     ratios = acc.ratio[np.isfinite(acc.ratio) & (acc.ratio > 0)]

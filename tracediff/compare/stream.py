@@ -195,7 +195,7 @@ def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches
     if scales is None:
         scales = [(np.zeros(size, np.float32), np.ones(size, np.float32)) for _ in matches]
     if buckets is None:
-        buckets = PositionBuckets.of(reference.position[pairs.reference])
+        buckets = PositionBuckets.of(reference.position, pairs.reference)
     return PassPlan(tuple((int(i), int(j)) for i, j in matches), size, block, sub, tuple(scales),
                     tuple(profiles or ()), buckets.edges, wc, wr, cdt, rdt,
                     tuple(location_of(s) for s in candidate.streams), tuple(location_of(s) for s in reference.streams),
@@ -574,7 +574,7 @@ def stream_metrics(
     is the same function of the plan and its rows, and the totals merge in block order.
     """
     n = len(pairs)
-    buckets = PositionBuckets.of(reference.position[pairs.reference])
+    buckets = PositionBuckets.of(reference.position, pairs.reference)
     plan = pass_plan(pairs, reference, candidate, matches, segment_size, scales, profiles, block_bytes, buckets)
     kc, kr = plan.candidate_width // segment_size, plan.reference_width // segment_size
     accs = [
