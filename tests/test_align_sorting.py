@@ -10,13 +10,14 @@ from hypothesis.extra import numpy as hnp
 
 from tracediff.compare.align import (
     _Group,
+    _groups,
     _unique_first_counts,
     _votes_alone,
     _votes_together,
     ngram_table,
     stable_argsort,
 )
-from tracediff.compare.rows import _sequence_groups, _split_samples
+from tracediff.compare.rows import RowIndex, _sequence_groups, _split_samples
 
 keys = st.one_of(
     hnp.arrays(np.int64, st.integers(0, 400), elements=st.integers(-5, 5)),  # many ties
@@ -110,7 +111,7 @@ sequences = st.lists(st.lists(st.integers(0, 3), min_size=4, max_size=90)
 @given(refs=sequences, cands=sequences, starts=st.lists(st.integers(-3, 3), min_size=12, max_size=12))
 def test_votes_of_many_sequences_at_once_are_each_sequences_own(refs: list[list[int]], cands: list[list[int]],
                                                                starts: list[int]) -> None:
-    """The batched n-gram lookup (one search among the distinct reference hashes) gives every
+    """The batched n-gram lookup (two sorted searches among the reference hashes) gives every
     candidate sequence the hypotheses its own lookup gives, in the same order; tokens from 4 values
     repeat n-grams past the repeat limit, as padding does."""
     ref_groups = [_group(k, t, starts[k]) for k, t in enumerate(refs)]
@@ -120,3 +121,36 @@ def test_votes_of_many_sequences_at_once_are_each_sequences_own(refs: list[list[
     for g in cand_groups:
         alone = _votes_alone(g, lambda n: ngram_table(ref_groups, n), 4)
         assert together.get(g.key, []) == alone
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), n=st.integers(1, 150), groups=st.integers(1, 5), in_order=st.booleans(),
+       all_valid=st.booleans(), repeats=st.booleans())
+def test_sequence_rows_are_each_positions_first_valid_row(data: st.DataObject, n: int, groups: int, in_order: bool,
+                                                          all_valid: bool, repeats: bool) -> None:
+    """``_groups``: each sequence's rows ordered by position, the first valid row of each position kept
+    (the others counted as duplicates), whether the index's rows are all valid and already in order
+    (a trainer's: its columns are used as they are) or not (an engine's, a padded batch)."""
+    group = np.sort(data.draw(hnp.arrays(np.int32, n, elements=st.integers(0, groups - 1))))
+    position = np.zeros(n, dtype=np.int32)
+    for g in np.unique(group).tolist():
+        at = np.flatnonzero(group == g)
+        position[at] = np.arange(at.size) // (2 if repeats else 1)
+    order = np.arange(n) if in_order else np.array(data.draw(st.permutations(list(range(n)))))
+    group, position = group[order], position[order]
+    token = data.draw(hnp.arrays(np.int32, n, elements=st.integers(-1, 9)))
+    valid = np.ones(n, dtype=bool) if all_valid else data.draw(hnp.arrays(np.bool_, n))
+    index = RowIndex(store=None, tap="fc_in", streams=[], offsets=np.array([0, n]), group=group, position=position,
+                     token_id=token, phase=np.zeros(n, dtype=np.int8), valid=valid,
+                     group_keys=[str(g) for g in range(groups)])
+    got = {g.key: g for g in _groups(index)}
+    want_keys = sorted({int(group[i]) for i in range(n) if valid[i]})
+    assert sorted(got) == want_keys
+    for k in want_keys:
+        rows = sorted((int(position[i]), i) for i in range(n) if valid[i] and group[i] == k)
+        kept = [i for j, (p, i) in enumerate(rows) if j == 0 or rows[j - 1][0] != p]
+        g = got[k]
+        assert g.rows.tolist() == kept and g.rows.dtype == np.int32
+        assert g.positions.tolist() == position[kept].tolist()
+        assert g.tokens.tolist() == token[kept].tolist()
+        assert g.duplicates == len(rows) - len(kept)
