@@ -30,10 +30,11 @@ class _Column:
     """A label column filled chunk by chunk. With a ``bound``, an integer column is held as int32
     while every value lies in ``[-bound, bound)`` and widened to int64 at the first chunk that holds
     another (the index's compact columns, :func:`tracediff.compare.rows.compact`, without a whole
-    int64 copy of the column)."""
+    int64 copy of the column). Only the first ``committed`` rows count: the last chunk's padding
+    never widens the column."""
 
-    def __init__(self, rows: int, dtype: np.dtype, bound: int | None) -> None:
-        self.bound = bound
+    def __init__(self, rows: int, dtype: np.dtype, bound: int | None, committed: int) -> None:
+        self.bound, self.committed = bound, committed
         self.data = np.empty(rows, dtype=np.int32 if bound is not None else dtype)
 
     @staticmethod
@@ -45,7 +46,8 @@ class _Column:
         return values.astype(np.int32) if cls.fits(values, bound) else values
 
     def put(self, start: int, values: np.ndarray) -> None:
-        if self.data.dtype == np.int32 and self.bound is not None and not self.fits(values, self.bound):
+        if (self.data.dtype == np.int32 and self.bound is not None
+                and not self.fits(values[: max(0, self.committed - start)], self.bound)):
             wide = np.empty(self.data.shape, dtype=np.int64)
             wide[:start] = self.data[:start]
             self.data = wide
@@ -133,7 +135,7 @@ class TraceStream:
         dtype = LABEL_DTYPES[name].newbyteorder("<" if endian == "little" else ">")
         expect = chunk_rows * dtype.itemsize
         count = -(-self.rows // chunk_rows)
-        out = _Column(count * chunk_rows, LABEL_DTYPES[name], bound)
+        out = _Column(count * chunk_rows, LABEL_DTYPES[name], bound, self.rows)
         codec = Zstd()
         if self.store._remote is not None:  # the chunk objects, fetched together
             keys = [f"{self.tap}/{self.writer}/{name}/c/{index}" for index in range(count)]
