@@ -12,6 +12,9 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 from subset_traces import record_subset_traces
 
 from tracediff.compare import compare_stores
@@ -132,3 +135,30 @@ def test_position_buckets_a_few_rows_at_a_time_equal_the_whole(monkeypatch: pyte
         edges, index = _buckets_whole(column[rows])
         assert got.edges.tolist() == edges
         assert got.index.dtype == np.int16 and got.index.tolist() == index
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), n=st.integers(0, 400), count=st.integers(1, 64), rows_at_a_time=st.sampled_from([1, 7, 64, 1 << 17]),
+       dtype=st.sampled_from([np.float32, np.float64]), square=st.booleans())
+def test_position_bucket_sums_are_bincounts_bits(data: st.DataObject, n: int, count: int, rows_at_a_time: int,
+                                                 dtype: type, square: bool) -> None:
+    """PositionBuckets.sums a chunk of rows at a time (issue #27: no whole float64 copy) gives
+    np.bincount's sums bit for bit: float64, each bucket summed in row order; values huge, tiny,
+    of mixed signs, some rows left out."""
+    import tracediff.compare.metrics as metrics_module
+
+    index = data.draw(hnp.arrays(np.int16, n, elements=st.integers(0, count - 1)))
+    values = data.draw(hnp.arrays(dtype, n, elements=st.floats(width=32, allow_nan=False, allow_infinity=False)))
+    keep = data.draw(hnp.arrays(np.bool_, n))
+    buckets = metrics_module.PositionBuckets(np.linspace(0, count, count + 1), index)
+    old = metrics_module._BUCKET_ROWS
+    metrics_module._BUCKET_ROWS = rows_at_a_time
+    try:
+        for mask in (keep, np.ones(n, dtype=bool)):
+            got_sums, got_counts = buckets.sums(index, values, mask, square=square)
+            w = np.square(values, dtype=np.float64) if square else values
+            want_sums = np.bincount(index[mask], weights=w[mask], minlength=count)
+            assert got_sums.view(np.int64).tolist() == want_sums.view(np.int64).tolist()
+            assert got_counts.tolist() == np.bincount(index[mask], minlength=count).astype(np.float64).tolist()
+    finally:
+        metrics_module._BUCKET_ROWS = old

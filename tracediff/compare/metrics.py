@@ -119,12 +119,23 @@ class PositionBuckets:
     def count(self) -> int:
         return int(self.edges.size) - 1
 
-    def sums(self, index: np.ndarray, values: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per bucket: the sum of ``values`` where ``keep``, and how many rows that is."""
-        # Every row kept (the common case): no copies (bincount widens the weights to float64 itself).
-        idx, w = (index, values) if bool(keep.all()) else (index[keep], values[keep])
-        return (np.bincount(idx, weights=w, minlength=self.count),
-                np.bincount(idx, minlength=self.count).astype(np.float64))
+    def sums(self, index: np.ndarray, values: np.ndarray, keep: np.ndarray,
+             square: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Per bucket: the sum of ``values`` (of their squares in float64, with ``square``) where
+        ``keep``, and how many rows that is. ``np.bincount``'s sums exactly (float64, each bucket
+        summed in row order), a chunk of rows at a time: no whole float64 or index-sized copies."""
+        total = np.zeros(self.count)
+        counts = np.zeros(self.count, dtype=np.int64)
+        every = bool(keep.all())
+        for a in range(0, index.size, _BUCKET_ROWS):
+            idx, w = index[a : a + _BUCKET_ROWS], values[a : a + _BUCKET_ROWS]
+            if not every:
+                k = keep[a : a + _BUCKET_ROWS]
+                idx, w = idx[k], w[k]
+            # ufunc.at adds value after value in row order, as bincount does: the same bits.
+            np.add.at(total, idx.astype(np.intp), np.square(w, dtype=np.float64) if square else w.astype(np.float64))
+            counts += np.bincount(idx, minlength=self.count)
+        return total, counts.astype(np.float64)
 
     def series(self, sums: np.ndarray, counts: np.ndarray, divide: float = 1.0, root: bool = False) -> list[list[float]]:
         """``[[bucket start, sum / (rows x divide), rows], ...]`` (its square root if ``root``) for the
@@ -314,7 +325,7 @@ def finish_metrics(acc: Accumulator, pairs: RowPairs, reference: RowIndex, candi
     if buckets is None:
         buckets = PositionBuckets.of(reference.position, pairs.reference)
     by_pos = buckets.series(*buckets.sums(buckets.index, cos, finite)) if rows else []
-    err_by_pos = buckets.series(*buckets.sums(buckets.index, np.square(row_err, dtype=np.float64), err_ok), root=True)
+    err_by_pos = buckets.series(*buckets.sums(buckets.index, row_err, err_ok, square=True), root=True)
     ratios = acc.ratio[np.isfinite(acc.ratio) & (acc.ratio > 0)]
     hist = {"edges": [], "counts": []}
     if ratios.size:
