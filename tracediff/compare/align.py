@@ -453,7 +453,12 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     them; the offset search tries -2..2. A hypothesis is used for a row only if the row's token agrees
     with the reference token at p - delta (rows without a token take the best hypothesis).
     """
-    cand_out, ref_out = [], []
+    # Pairs written into two buffers as large as the candidate (each candidate row pairs at most
+    # once; the pages past the last pair are never touched): no list of small arrays left behind in
+    # the allocator's heap, no concatenated copy.
+    cand_buf = np.empty(len(alignment.candidate), dtype=index_dtype(len(alignment.candidate)))
+    ref_buf = np.empty(len(alignment.candidate), dtype=index_dtype(len(alignment.reference)))
+    held = 0
     unaligned = trailing = 0
     insertions: list[dict] = []
     prefix_rows: dict[int, np.ndarray] = {}
@@ -490,8 +495,10 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
                 # row matching a longer sample is where the sequences diverge, not a pairing).
                 use &= _runs_of_at_least(use, _NGRAM)
             seen[vidx_c[use]] = True
-            cand_out.append(g.rows[use])
-            ref_out.append(rg.rows[vidx_c[use]])
+            got = g.rows[use]
+            cand_buf[held : held + got.size] = got
+            ref_buf[held : held + got.size] = rg.rows[vidx_c[use]]
+            held += got.size
             taken |= use
             row_delta[use] = delta
             if h_i == 0:
@@ -514,8 +521,9 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             trailing += int((~taken & (g.positions > end)).sum())
         unaligned += int((~taken).sum())
     rows_dtype = index_dtype(max(len(alignment.candidate), len(alignment.reference)))
-    cand = np.concatenate(cand_out) if cand_out else np.empty(0, dtype=rows_dtype)
-    ref = np.concatenate(ref_out) if ref_out else np.empty(0, dtype=rows_dtype)
+    cand = cand_buf[:held] if held else np.empty(0, dtype=rows_dtype)
+    ref = ref_buf[:held] if held else np.empty(0, dtype=rows_dtype)
+    del cand_buf, ref_buf
     # One candidate row per reference row and writer group: a writer that records a row twice (a
     # retry) is a duplicate, set aside; another writer holding the same row (a tensor-parallel rank)
     # is a replica, compared like any row, so a rank that captured something else is seen.
