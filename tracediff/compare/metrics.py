@@ -6,6 +6,7 @@ arrays the subset localisation reads. Pure numpy over the pass's results; no I/O
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,12 +172,13 @@ class StreamResult:
     nonfinite_reference: dict[int, tuple[int, int | None]]
     bytes_read: int
     # Per matched pair: each aligned row's standardised error over the pair's mean reference size
-    # (float32, NaN where not finite), for localising the rows that differ.
-    row_errors: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
-    # Per matched pair, each aligned row's raw cosine and norm ratio (the same arrays the metrics came
-    # from), for the per-position profiles of a subset's row groups.
-    row_cosines: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
-    row_norm_ratios: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    # (float32, NaN where not finite), for localising the rows that differ. Mappings that may read
+    # each lookup from a file (tracediff.compare.rowcolumns): hold an array while it is needed.
+    row_errors: Mapping[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    # Per matched pair, each aligned row's raw cosine and norm ratio (the same numbers the metrics
+    # came from), for the per-position profiles of a subset's row groups.
+    row_cosines: Mapping[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    row_norm_ratios: Mapping[tuple[int, int], np.ndarray] = field(default_factory=dict)
     limits: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (budget, drift limit)
     buckets: PositionBuckets | None = None
     profiles: list[SegmentProfile] = field(default_factory=list)

@@ -58,6 +58,7 @@ from tracediff.compare.metrics import (
     profile_of,
     reduce_block,
 )
+from tracediff.compare.rowcolumns import COSINE, NORM_RATIO, STD_ERROR, RowColumns
 from tracediff.compare.rows import RowIndex
 from tracediff.compare.segments import to_float32
 from tracediff.errors import CompareError
@@ -442,9 +443,9 @@ class _Merger:
     in any order); its sums are added in block order whatever order blocks finish in, so the totals
     are the same bits as one thread adding block after block."""
 
-    def __init__(self, accs: list[Accumulator], kc: int, kr: int, profiles: int, buckets: int, blocks: int,
-                 progress: Progress | None) -> None:
-        self.accs, self.blocks, self.progress = accs, blocks, progress
+    def __init__(self, accs: list[Accumulator], columns: RowColumns, kc: int, kr: int, profiles: int, buckets: int,
+                 blocks: int, progress: Progress | None) -> None:
+        self.accs, self.columns, self.blocks, self.progress = accs, columns, blocks, progress
         self.nf_c = np.zeros(kc, dtype=np.int64)
         self.nf_r = np.zeros(kr, dtype=np.int64)
         self.first_c: dict[int, int] = {}
@@ -459,10 +460,16 @@ class _Merger:
     def add(self, res: BlockResult) -> None:
         if not self.next <= res.number < self.blocks or res.number in self.pending:
             raise CompareError(f"streaming pass: block {res.number} arrived twice or was never asked for")
-        rm, sl = res.row_metrics, slice(res.start, res.stop)
-        if rm is not None:
-            for p, acc in enumerate(self.accs):
-                acc.cos[sl], acc.ratio[sl], acc.std_err[sl] = rm[0, :, p], rm[1, :, p], rm[4, :, p]
+        rm = res.row_metrics
+        if rm is None:  # no per-row metrics from this block: its rows stay NaN
+            nan = np.full(res.stop - res.start, np.nan, dtype=np.float32)
+            for p in range(len(self.accs)):
+                for column in (COSINE, NORM_RATIO, STD_ERROR):
+                    self.columns.write(p, column, res.start, nan)
+        else:
+            for p in range(len(self.accs)):
+                for column, k in ((COSINE, 0), (NORM_RATIO, 1), (STD_ERROR, 4)):
+                    self.columns.write(p, column, res.start, rm[k, :, p])
             # rel_diff and max |diff| reduce to a few numbers at once; they are folded in block order.
             self.reduced[res.number] = [reduce_block(res.start, rm[2, :, p], rm[3, :, p])
                                         for p in range(len(self.accs))]
@@ -577,40 +584,53 @@ def stream_metrics(
     buckets = PositionBuckets.of(reference.position, pairs.reference)
     plan = pass_plan(pairs, reference, candidate, matches, segment_size, scales, profiles, block_bytes, buckets)
     kc, kr = plan.candidate_width // segment_size, plan.reference_width // segment_size
-    accs = [
-        Accumulator(i, j, *(np.full(n, np.nan, dtype=np.float32) for _ in range(3)))
-        for i, j in matches
-    ]
+    # Per-row metrics in memory, or past RowColumns' size in an unlinked temporary file (each pair's
+    # read back for its metrics, its subset search and its profiles).
+    columns = RowColumns(len(matches), n)
+    accs = [Accumulator(i, j, *(np.empty(0, dtype=np.float32) for _ in range(3))) for i, j in matches]
     if limits is None:
         limits = [(float("nan"), float("nan")) for _ in matches]
     profiles = list(plan.profiles)
     spans = [(start, min(n, start + plan.block)) for start in range(0, n, plan.block)]
-    merger = _Merger(accs, kc, kr, len(profiles), buckets.count, len(spans), progress)
-    if runner is not None:
-        specs = (BlockSpec.of(pairs, reference, candidate, buckets, b, start, stop)
-                 for b, (start, stop) in enumerate(spans))
-        runner.run(plan, specs, len(spans), merger.add)
-    else:
-        direct = all(s.reads_rows_directly for s in (*candidate.streams, *reference.streams))
-        if workers is None:
-            workers = usable_cpus() if direct else 1
-        workers = max(1, min(int(workers), len(spans)))
-        # Each spec is made on the thread that runs it: slicing the index is part of the block's work.
-        lazy = [functools.partial(BlockSpec.of, pairs, reference, candidate, buckets, b, start, stop)
-                for b, (start, stop) in enumerate(spans)]
-        for res in run_blocks(plan, reference.streams, candidate.streams, lazy, workers):  # type: ignore[arg-type]
-            merger.add(res)
-    merger.check_complete()
-    metrics = [finish_metrics(acc, pairs, reference, candidate, buckets, lim) for acc, lim in zip(accs, limits, strict=True)]
+    merger = _Merger(accs, columns, kc, kr, len(profiles), buckets.count, len(spans), progress)
+    try:
+        if runner is not None:
+            specs = (BlockSpec.of(pairs, reference, candidate, buckets, b, start, stop)
+                     for b, (start, stop) in enumerate(spans))
+            runner.run(plan, specs, len(spans), merger.add)
+        else:
+            direct = all(s.reads_rows_directly for s in (*candidate.streams, *reference.streams))
+            if workers is None:
+                workers = usable_cpus() if direct else 1
+            workers = max(1, min(int(workers), len(spans)))
+            # Each spec is made on the thread that runs it: slicing the index is part of the block's work.
+            lazy = [functools.partial(BlockSpec.of, pairs, reference, candidate, buckets, b, start, stop)
+                    for b, (start, stop) in enumerate(spans)]
+            for res in run_blocks(plan, reference.streams, candidate.streams, lazy, workers):  # type: ignore[arg-type]
+                merger.add(res)
+        merger.check_complete()
+        metrics = []
+        for p, (acc, lim) in enumerate(zip(accs, limits, strict=True)):
+            # One pair's rows at a time; finish_metrics turns the error numerators into the per-row
+            # errors the subset search reads: written back where the columns live in the file.
+            acc.cos, acc.ratio, acc.std_err = (columns.read(p, c) for c in (COSINE, NORM_RATIO, STD_ERROR))
+            metrics.append(finish_metrics(acc, pairs, reference, candidate, buckets, lim))
+            if columns.spilled:
+                columns.write(p, STD_ERROR, 0, acc.std_err)
+                acc.cos = acc.ratio = acc.std_err = np.empty(0, dtype=np.float32)
+    except BaseException:
+        columns.close()
+        raise
     nf_c, nf_r = merger.nf_c, merger.nf_r
+    keys = [(acc.cand_seg, acc.ref_seg) for acc in accs]
     return StreamResult(
         metrics,
         {int(s): (int(nf_c[s]), merger.first_c.get(int(s))) for s in range(kc) if nf_c[s]},
         {int(s): (int(nf_r[s]), merger.first_r.get(int(s))) for s in range(kr) if nf_r[s]},
         merger.bytes_read,
-        {(acc.cand_seg, acc.ref_seg): acc.std_err for acc in accs},
-        row_cosines={(acc.cand_seg, acc.ref_seg): acc.cos for acc in accs},
-        row_norm_ratios={(acc.cand_seg, acc.ref_seg): acc.ratio for acc in accs},
+        columns.mapping(keys, STD_ERROR),
+        row_cosines=columns.mapping(keys, COSINE),
+        row_norm_ratios=columns.mapping(keys, NORM_RATIO),
         limits={(acc.cand_seg, acc.ref_seg): lim for acc, lim in zip(accs, limits, strict=True)},
         buckets=buckets,
         profiles=[profile_of(r, merger.profile_sums[q], merger.profile_den[q], buckets) for q, r in enumerate(profiles)],
