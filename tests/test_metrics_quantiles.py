@@ -76,3 +76,58 @@ def test_block_reductions_folded_in_order_are_the_whole_arrays_statistics(
         assert (acc.max_abs_at, acc.max_abs) == (k, float(max_abs[k]))
     else:
         assert acc.max_abs_at == -1
+
+
+columns_of = st.integers(0, 60).flatmap(lambda n: st.tuples(*(
+    hnp.arrays(np.float32, n, elements=st.floats(0, 4, width=32) | st.sampled_from([np.nan, np.inf, 0.0]))
+    for _ in range(3))))
+
+
+@settings(max_examples=300, deadline=None)
+@given(columns=columns_of, std_den=st.sampled_from([0.0, 1.0, 37.5]))
+def test_finish_metrics_reads_one_column_at_a_time_to_the_same_metrics(columns: tuple[np.ndarray, ...],
+                                                                       std_den: float) -> None:
+    """finish_metrics with its columns read one after the other (a pass whose columns live in a
+    file) gives the metrics of the held arrays, and its worst rows are the definition's: the five
+    largest per-row errors (ties in row order), as many as rows with a finite cosine."""
+    from tracediff.compare.align import RowPairs
+    from tracediff.compare.metrics import finish_metrics
+    from tracediff.compare.rows import RowIndex
+
+    cos, ratio, num = columns
+    n = cos.size
+    index = RowIndex(store=None, tap="fc_in", streams=[], offsets=np.array([0, n]), group=np.zeros(n, np.int32),
+                     position=np.arange(n, dtype=np.int32), token_id=np.arange(n, dtype=np.int32) + 7,
+                     phase=np.zeros(n, np.int8), valid=np.ones(n, bool), group_keys=["s"])
+    pairs = RowPairs(np.arange(n, dtype=np.int32)[::-1].copy(), np.arange(n, dtype=np.int32), 0, 0, 0, {}, {})
+
+    def acc(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> Accumulator:
+        return Accumulator(1, 2, a, b, c, std_num=3.0, std_den=std_den, sq_err=1.0, sq_ref=2.0)
+
+    held = finish_metrics(acc(cos.copy(), ratio.copy(), num.copy()), pairs, index, index)
+    read: list[str] = []
+    kept: list[np.ndarray] = []
+    store = {"cosine": cos.copy(), "norm_ratio": ratio.copy(), "std_error": num.copy()}
+
+    def rows_of(name: str) -> np.ndarray:
+        read.append(name)
+        return store[name].copy()  # a fresh array each read, as from a file
+
+    empty = np.empty(0, np.float32)
+    streamed = finish_metrics(acc(empty, empty, empty), pairs, index, index, rows_of=rows_of, keep_errors=kept.append)
+    assert read == ["std_error", "cosine", "norm_ratio"]
+    assert repr(streamed) == repr(held)
+    # The per-row errors handed back: the numerators over the mean reference size, square-rooted.
+    finite_num = int(np.isfinite(num).sum())
+    mean_den = std_den / max(1, finite_num)
+    with np.errstate(all="ignore"):
+        err = np.sqrt(num / np.float32(mean_den)) if mean_den > 0 else np.full(n, np.nan, np.float32)
+    np.testing.assert_array_equal(kept[0], err)
+    rows = int(np.isfinite(cos).sum())
+    rank = np.where(np.isfinite(err), -err, np.inf)
+    order = np.argsort(rank, kind="stable")[: min(5, rows)] if rows else []
+    # (repr: NaN equals NaN there)
+    assert repr([w["std_error"] for w in held.worst_rows]) == repr([float(err[k]) for k in order])
+    assert repr([(w["cosine"], w["norm_ratio"]) for w in held.worst_rows]) == repr(
+        [(float(cos[k]), float(ratio[k])) for k in order])
+    assert [w["candidate"]["position"] for w in held.worst_rows] == [int(n - 1 - k) for k in order]

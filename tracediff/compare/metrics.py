@@ -6,7 +6,7 @@ arrays the subset localisation reads. Pure numpy over the pass's results; no I/O
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -286,49 +286,61 @@ def _smallest(rank: np.ndarray, k: int) -> np.ndarray:
 
 def finish_metrics(acc: Accumulator, pairs: RowPairs, reference: RowIndex, candidate: RowIndex,
             buckets: PositionBuckets | None = None, limits: tuple[float, float] = (float("nan"), float("nan")),
-            ) -> SegmentMetrics:
-    cos = acc.cos
-    finite = np.isfinite(cos)
-    rows = int(finite.sum())
-    # Per-row error relative to the pair's mean reference size: one bad row stands out whatever its
-    # own norm (a row near the mean would blow up a per-row ratio).
-    mean_den = acc.std_den / max(1, int(np.isfinite(acc.std_err).sum()))
-    # In place: the squared numerators become the per-row errors the localisation reads. (Whole-array
-    # temporaries are few: each is a fresh mapping the size of the pairs, paid for in page faults.)
-    if mean_den > 0:
-        np.divide(acc.std_err, mean_den, out=acc.std_err)
-        np.sqrt(acc.std_err, out=acc.std_err)
-    else:
-        acc.std_err[:] = np.nan
-    row_err = acc.std_err
-    err_ok = np.isfinite(row_err)
-    worst_rows = []
-    if rows:
-        rank = np.negative(row_err)
-        rank[~err_ok] = np.inf
-        order = _smallest(rank, min(5, rows))
-        del rank
-        for k in order:
-            worst_rows.append(
-                {
-                    "cosine": float(cos[k]),
-                    "std_error": float(row_err[k]),
-                    "norm_ratio": float(acc.ratio[k]),
-                    "candidate": row_ref(candidate, pairs.candidate[k]).__dict__,
-                    "reference": row_ref(reference, pairs.reference[k]).__dict__,
-                }
-            )
-    max_abs_row = None
-    max_abs = float("nan")
-    if acc.max_abs_finite:
-        max_abs = acc.max_abs
-        max_abs_row = row_ref(candidate, pairs.candidate[acc.max_abs_at])
-    # Cosine and the decision metric by (reference) position, in the compare's position buckets.
+            rows_of: Callable[[str], np.ndarray] | None = None,
+            keep_errors: Callable[[np.ndarray], None] | None = None) -> SegmentMetrics:
+    """One matched pair's metrics from the pass's totals and its per-row columns: the accumulator's
+    arrays, or ``rows_of(name)`` for each of "std_error", "cosine", "norm_ratio" (read one after the
+    other, each let go before the next: a pass whose columns live in a file). The error column's
+    squared numerators become the per-row errors the subset search reads: in place, and handed to
+    ``keep_errors`` when given."""
+
+    def column(name: str, held: np.ndarray) -> np.ndarray:
+        return held if rows_of is None else rows_of(name)
+
     if buckets is None:
         buckets = PositionBuckets.of(reference.position, pairs.reference)
-    by_pos = buckets.series(*buckets.sums(buckets.index, cos, finite)) if rows else []
+    # -- per-row errors. Relative to the pair's mean reference size: one bad row stands out whatever
+    # its own norm (a row near the mean would blow up a per-row ratio).
+    row_err = column("std_error", acc.std_err)
+    mean_den = acc.std_den / max(1, int(np.isfinite(row_err).sum()))
+    # In place: the squared numerators become the per-row errors. (Whole-array temporaries are few:
+    # each is a fresh mapping the size of the pairs, paid for in page faults.)
+    if mean_den > 0:
+        np.divide(row_err, mean_den, out=row_err)
+        np.sqrt(row_err, out=row_err)
+    else:
+        row_err[:] = np.nan
+    if keep_errors is not None:
+        keep_errors(row_err)
+    err_ok = np.isfinite(row_err)
+    # The worst rows: the five largest errors (of the rows with a finite cosine: a prefix, below).
+    worst = np.zeros(0, dtype=np.int64)
+    if row_err.size:
+        rank = np.negative(row_err)
+        rank[~err_ok] = np.inf
+        worst = _smallest(rank, min(5, row_err.size))
+        del rank
+    worst_err = row_err[worst]
     err_by_pos = buckets.series(*buckets.sums(buckets.index, row_err, err_ok, square=True), root=True)
-    ratios = acc.ratio[np.isfinite(acc.ratio) & (acc.ratio > 0)]
+    err_p50, err_p99 = _quantiles(row_err, 0.5, 0.99)
+    err_max = float(np.nanmax(row_err)) if err_ok.any() else float("nan")
+    del row_err, err_ok
+    # -- cosines
+    cos = column("cosine", acc.cos)
+    finite = np.isfinite(cos)
+    rows = int(finite.sum())
+    worst = worst[: min(5, rows)]  # the smallest-k of the ranking are a prefix of its smallest 5
+    worst_cos = cos[worst]
+    # Cosine by (reference) position, in the compare's position buckets.
+    by_pos = buckets.series(*buckets.sums(buckets.index, cos, finite)) if rows else []
+    (cos_p1,) = _quantiles(cos, 0.01)
+    cos_mean = float(np.nanmean(cos)) if rows else float("nan")
+    cos_min = float(np.nanmin(cos)) if rows else float("nan")
+    del cos, finite
+    # -- norm ratios
+    ratio = column("norm_ratio", acc.ratio)
+    worst_ratio = ratio[worst]
+    ratios = ratio[np.isfinite(ratio) & (ratio > 0)]
     hist = {"edges": [], "counts": []}
     if ratios.size:
         logr = np.log2(ratios, out=ratios)
@@ -337,17 +349,33 @@ def finish_metrics(acc: Accumulator, pairs: RowPairs, reference: RowIndex, candi
             lo, hi = lo - 0.05, hi + 0.05
         counts_h, edges_h = np.histogram(logr, bins=40, range=(lo, hi))
         hist = {"edges": [float(e) for e in edges_h], "counts": [float(c) for c in counts_h]}
-    (cos_p1,) = _quantiles(cos, 0.01)
-    ratio_p1, ratio_p50, ratio_p99 = _quantiles(acc.ratio, 0.01, 0.5, 0.99)
-    err_p50, err_p99 = _quantiles(row_err, 0.5, 0.99)
+    del ratios
+    ratio_p1, ratio_p50, ratio_p99 = _quantiles(ratio, 0.01, 0.5, 0.99)
+    ratio_mean = float(np.nanmean(ratio)) if rows else float("nan")
+    del ratio
+    worst_rows = [
+        {
+            "cosine": float(worst_cos[n]),
+            "std_error": float(worst_err[n]),
+            "norm_ratio": float(worst_ratio[n]),
+            "candidate": row_ref(candidate, pairs.candidate[k]).__dict__,
+            "reference": row_ref(reference, pairs.reference[k]).__dict__,
+        }
+        for n, k in enumerate(worst.tolist())
+    ] if rows else []
+    max_abs_row = None
+    max_abs = float("nan")
+    if acc.max_abs_finite:
+        max_abs = acc.max_abs
+        max_abs_row = row_ref(candidate, pairs.candidate[acc.max_abs_at])
     return SegmentMetrics(
         candidate=acc.cand_seg,
         reference=acc.ref_seg,
         rows=rows,
-        cos_mean=float(np.nanmean(cos)) if rows else float("nan"),
+        cos_mean=cos_mean,
         cos_p1=cos_p1,
-        cos_min=float(np.nanmin(cos)) if rows else float("nan"),
-        norm_ratio_mean=float(np.nanmean(acc.ratio)) if rows else float("nan"),
+        cos_min=cos_min,
+        norm_ratio_mean=ratio_mean,
         norm_ratio_p1=ratio_p1,
         norm_ratio_p50=ratio_p50,
         norm_ratio_p99=ratio_p99,
@@ -364,7 +392,7 @@ def finish_metrics(acc: Accumulator, pairs: RowPairs, reference: RowIndex, candi
         std_rel_error=math.sqrt(acc.std_num / acc.std_den) if acc.std_den > 0 else float("nan"),
         std_row_error_p50=err_p50,
         std_row_error_p99=err_p99,
-        std_row_error_max=float(np.nanmax(row_err)) if err_ok.any() else float("nan"),
+        std_row_error_max=err_max,
         std_error_by_position=err_by_pos,
         numerics_budget=float(limits[0]),
         drift_limit=float(limits[1]),

@@ -58,7 +58,7 @@ from tracediff.compare.metrics import (
     profile_of,
     reduce_block,
 )
-from tracediff.compare.rowcolumns import COSINE, NORM_RATIO, STD_ERROR, RowColumns
+from tracediff.compare.rowcolumns import COLUMNS, COSINE, NORM_RATIO, STD_ERROR, RowColumns
 from tracediff.compare.rows import RowIndex
 from tracediff.compare.segments import to_float32
 from tracediff.errors import CompareError
@@ -552,6 +552,10 @@ def run_blocks(plan: PassPlan, reference: Sequence[TraceStream], candidate: Sequ
             bufs.ref.close()
 
 
+def _read_column(columns: RowColumns, pair: int, name: str) -> np.ndarray:
+    return columns.read(pair, COLUMNS.index(name))
+
+
 def stream_metrics(
     pairs: RowPairs,
     reference: RowIndex,
@@ -611,13 +615,13 @@ def stream_metrics(
         merger.check_complete()
         metrics = []
         for p, (acc, lim) in enumerate(zip(accs, limits, strict=True)):
-            # One pair's rows at a time; finish_metrics turns the error numerators into the per-row
-            # errors the subset search reads: written back where the columns live in the file.
-            acc.cos, acc.ratio, acc.std_err = (columns.read(p, c) for c in (COSINE, NORM_RATIO, STD_ERROR))
-            metrics.append(finish_metrics(acc, pairs, reference, candidate, buckets, lim))
-            if columns.spilled:
-                columns.write(p, STD_ERROR, 0, acc.std_err)
-                acc.cos = acc.ratio = acc.std_err = np.empty(0, dtype=np.float32)
+            # One pair's columns, one column at a time (held arrays in memory, fresh reads from the
+            # file); the per-row errors finish_metrics makes of the numerators are written back to
+            # the file (in memory, made in place).
+            metrics.append(finish_metrics(
+                acc, pairs, reference, candidate, buckets, lim,
+                rows_of=functools.partial(_read_column, columns, p),
+                keep_errors=functools.partial(columns.write, p, STD_ERROR, 0) if columns.spilled else None))
     except BaseException:
         columns.close()
         raise
