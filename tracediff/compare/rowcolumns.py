@@ -38,9 +38,11 @@ def _spill_file(size: int) -> IO[bytes] | None:
     f = None
     try:
         f = tempfile.TemporaryFile(prefix="tracediff-rows-")  # noqa: SIM115  (held by RowColumns, closed there)
-        os.posix_fallocate(f.fileno(), 0, size)
+        allocate = getattr(os, "posix_fallocate", None)  # not on macOS: a full disk then shows on a write
+        if allocate is not None:
+            allocate(f.fileno(), 0, size)
         return f
-    except (OSError, AttributeError) as exc:  # no room, no fallocate, no temporary directory
+    except OSError as exc:  # no room, no temporary directory, a filesystem without preallocation
         if f is not None:
             f.close()
         log.warning("tracediff compare: keeping %d MiB of per-row metrics in memory: no temporary file in %s (%s)",
