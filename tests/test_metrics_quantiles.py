@@ -60,7 +60,7 @@ def test_block_reductions_folded_in_order_are_the_whole_arrays_statistics(
     shuffled = list(range(len(spans)))
     order.shuffle(shuffled)  # type: ignore[attr-defined]
     parts = {b: reduce_block(spans[b][0], rel_diff[slice(*spans[b])], max_abs[slice(*spans[b])]) for b in shuffled}
-    acc = Accumulator(0, 0, np.empty(0), np.empty(0), np.empty(0))
+    acc = Accumulator(0, 0)
     for b in range(len(spans)):
         acc.add_block(parts[b])
     known = rel_diff[~np.isnan(rel_diff)]
@@ -85,13 +85,17 @@ columns_of = st.integers(0, 60).flatmap(lambda n: st.tuples(*(
 
 @settings(max_examples=300, deadline=None)
 @given(columns=columns_of, std_den=st.sampled_from([0.0, 1.0, 37.5]))
-def test_finish_metrics_reads_one_column_at_a_time_to_the_same_metrics(columns: tuple[np.ndarray, ...],
-                                                                       std_den: float) -> None:
-    """finish_metrics with its columns read one after the other (a pass whose columns live in a
-    file) gives the metrics of the held arrays, and its worst rows are the definition's: the five
-    largest per-row errors (ties in row order), as many as rows with a finite cosine."""
+def test_finish_metrics_from_file_or_memory_columns_gives_the_defined_metrics(columns: tuple[np.ndarray, ...],
+                                                                              std_den: float) -> None:
+    """finish_metrics reads a pair's columns one after the other (errors, cosines, norm ratios): the
+    same metrics whether the columns live in memory or in the pass's temporary file, the per-row
+    errors written back, and the worst rows as defined: the five largest per-row errors (ties in row
+    order), as many as rows with a finite cosine."""
+    import functools
+
     from tracediff.compare.align import RowPairs
     from tracediff.compare.metrics import finish_metrics
+    from tracediff.compare.rowcolumns import COLUMNS, STD_ERROR, RowColumns
     from tracediff.compare.rows import RowIndex
 
     cos, ratio, num = columns
@@ -100,29 +104,32 @@ def test_finish_metrics_reads_one_column_at_a_time_to_the_same_metrics(columns: 
                      position=np.arange(n, dtype=np.int32), token_id=np.arange(n, dtype=np.int32) + 7,
                      phase=np.zeros(n, np.int8), valid=np.ones(n, bool), group_keys=["s"])
     pairs = RowPairs(np.arange(n, dtype=np.int32)[::-1].copy(), np.arange(n, dtype=np.int32), 0, 0, 0, {}, {})
+    results, errors = [], []
+    for spill in (False, True):
+        store = RowColumns(1, n, spill_bytes=0 if spill else 1 << 62)
+        assert store.spilled == (spill and n > 0)
+        for c, values in enumerate((cos, ratio, num)):
+            store.write(0, c, 0, values)
+        read: list[str] = []
 
-    def acc(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> Accumulator:
-        return Accumulator(1, 2, a, b, c, std_num=3.0, std_den=std_den, sq_err=1.0, sq_ref=2.0)
+        def rows_of(name: str, store: RowColumns = store, read: list[str] = read) -> np.ndarray:
+            read.append(name)
+            return store.read(0, COLUMNS.index(name))
 
-    held = finish_metrics(acc(cos.copy(), ratio.copy(), num.copy()), pairs, index, index)
-    read: list[str] = []
-    kept: list[np.ndarray] = []
-    store = {"cosine": cos.copy(), "norm_ratio": ratio.copy(), "std_error": num.copy()}
-
-    def rows_of(name: str) -> np.ndarray:
-        read.append(name)
-        return store[name].copy()  # a fresh array each read, as from a file
-
-    empty = np.empty(0, np.float32)
-    streamed = finish_metrics(acc(empty, empty, empty), pairs, index, index, rows_of=rows_of, keep_errors=kept.append)
-    assert read == ["std_error", "cosine", "norm_ratio"]
-    assert repr(streamed) == repr(held)
-    # The per-row errors handed back: the numerators over the mean reference size, square-rooted.
-    finite_num = int(np.isfinite(num).sum())
-    mean_den = std_den / max(1, finite_num)
+        acc = Accumulator(1, 2, std_num=3.0, std_den=std_den, sq_err=1.0, sq_ref=2.0)
+        keep = functools.partial(store.write, 0, STD_ERROR, 0) if store.spilled else None
+        results.append(finish_metrics(acc, rows_of, pairs, index, index, keep_errors=keep))
+        assert read == ["std_error", "cosine", "norm_ratio"]
+        errors.append(store.read(0, STD_ERROR).copy())
+        store.close()
+    assert repr(results[0]) == repr(results[1])
+    held = results[0]
+    # The per-row errors kept: the numerators over the mean reference size, square-rooted.
+    mean_den = std_den / max(1, int(np.isfinite(num).sum()))
     with np.errstate(all="ignore"):
         err = np.sqrt(num / np.float32(mean_den)) if mean_den > 0 else np.full(n, np.nan, np.float32)
-    np.testing.assert_array_equal(kept[0], err)
+    for kept in errors:
+        np.testing.assert_array_equal(kept, err)
     rows = int(np.isfinite(cos).sum())
     rank = np.where(np.isfinite(err), -err, np.inf)
     order = np.argsort(rank, kind="stable")[: min(5, rows)] if rows else []

@@ -19,15 +19,12 @@ from tracediff.compare.rows import RowIndex
 
 @dataclass
 class Accumulator:
-    """One matched pair's totals over the pass: per row only what the quantiles, worst rows and the
-    localisation read (cosine, norm ratio, standardised error); rel_diff and max |diff| reduced
-    block by block (:func:`reduce_block`, :meth:`add_block`)."""
+    """One matched pair's totals over the pass; rel_diff and max |diff| reduced block by block
+    (:func:`reduce_block`, :meth:`add_block`). Its per-row columns (cosine, norm ratio, squared
+    standardised error) live in :class:`tracediff.compare.rowcolumns.RowColumns`."""
 
     cand_seg: int
     ref_seg: int
-    cos: np.ndarray
-    ratio: np.ndarray
-    std_err: np.ndarray  # per row: squared standardised error |(c - r) / s|^2
     rel_diff_sum: float = 0.0  # over the rows whose rel_diff is not NaN (inf counts, as in np.nanmean)
     rel_diff_rows: int = 0
     rel_diff_max: float = float("nan")  # np.nanmax: NaN rows left out
@@ -84,7 +81,7 @@ def reduce_block(start: int, rel_diff: np.ndarray, max_abs: np.ndarray) -> Block
 
 #: Per-position series have at most this many position buckets.
 POSITION_BUCKETS = 64
-_BUCKET_ROWS = 1 << 17  # rows bucketed at a time (PositionBuckets.of)
+_BUCKET_ROWS = 1 << 17  # rows at a time (PositionBuckets.of, PositionBuckets.sums)
 
 
 @dataclass(frozen=True)
@@ -284,24 +281,19 @@ def _smallest(rank: np.ndarray, k: int) -> np.ndarray:
     return chosen[np.lexsort((chosen, rank[chosen]))]
 
 
-def finish_metrics(acc: Accumulator, pairs: RowPairs, reference: RowIndex, candidate: RowIndex,
-            buckets: PositionBuckets | None = None, limits: tuple[float, float] = (float("nan"), float("nan")),
-            rows_of: Callable[[str], np.ndarray] | None = None,
-            keep_errors: Callable[[np.ndarray], None] | None = None) -> SegmentMetrics:
-    """One matched pair's metrics from the pass's totals and its per-row columns: the accumulator's
-    arrays, or ``rows_of(name)`` for each of "std_error", "cosine", "norm_ratio" (read one after the
-    other, each let go before the next: a pass whose columns live in a file). The error column's
-    squared numerators become the per-row errors the subset search reads: in place, and handed to
-    ``keep_errors`` when given."""
-
-    def column(name: str, held: np.ndarray) -> np.ndarray:
-        return held if rows_of is None else rows_of(name)
-
+def finish_metrics(acc: Accumulator, rows_of: Callable[[str], np.ndarray], pairs: RowPairs, reference: RowIndex,
+                   candidate: RowIndex, buckets: PositionBuckets | None = None,
+                   limits: tuple[float, float] = (float("nan"), float("nan")),
+                   keep_errors: Callable[[np.ndarray], None] | None = None) -> SegmentMetrics:
+    """One matched pair's metrics from the pass's totals and its per-row columns, ``rows_of(name)``
+    for "std_error", "cosine" and "norm_ratio" in turn (each let go before the next is read: a pass
+    whose columns live in a file holds one at a time). The error column's squared numerators become
+    the per-row errors the subset search reads: in place, and handed to ``keep_errors`` when given."""
     if buckets is None:
         buckets = PositionBuckets.of(reference.position, pairs.reference)
     # -- per-row errors. Relative to the pair's mean reference size: one bad row stands out whatever
     # its own norm (a row near the mean would blow up a per-row ratio).
-    row_err = column("std_error", acc.std_err)
+    row_err = rows_of("std_error")
     mean_den = acc.std_den / max(1, int(np.isfinite(row_err).sum()))
     # In place: the squared numerators become the per-row errors. (Whole-array temporaries are few:
     # each is a fresh mapping the size of the pairs, paid for in page faults.)
@@ -326,7 +318,7 @@ def finish_metrics(acc: Accumulator, pairs: RowPairs, reference: RowIndex, candi
     err_max = float(np.nanmax(row_err)) if err_ok.any() else float("nan")
     del row_err, err_ok
     # -- cosines
-    cos = column("cosine", acc.cos)
+    cos = rows_of("cosine")
     finite = np.isfinite(cos)
     rows = int(finite.sum())
     worst = worst[: min(5, rows)]  # the smallest-k of the ranking are a prefix of its smallest 5
@@ -338,7 +330,7 @@ def finish_metrics(acc: Accumulator, pairs: RowPairs, reference: RowIndex, candi
     cos_min = float(np.nanmin(cos)) if rows else float("nan")
     del cos, finite
     # -- norm ratios
-    ratio = column("norm_ratio", acc.ratio)
+    ratio = rows_of("norm_ratio")
     worst_ratio = ratio[worst]
     ratios = ratio[np.isfinite(ratio) & (ratio > 0)]
     hist = {"edges": [], "counts": []}

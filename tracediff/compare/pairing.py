@@ -48,12 +48,13 @@ def _lowest(n: int, dtype: np.dtype) -> np.ndarray:
     return np.full(n, np.iinfo(dtype).min, dtype=dtype)
 
 
-def _last_in_step(index: RowIndex) -> np.ndarray:
-    """Per row of ``index``: is it its sequence's last row in its step (writer, step, sequence)?"""
+def _last_in_step(index: RowIndex, steps: np.ndarray) -> np.ndarray:
+    """Per row of ``index``: is it its sequence's last row in its step (writer, step, sequence)?
+    ``steps``: the index's step column (:meth:`RowIndex.column`)."""
     n = len(index)
     if n == 0:
         return np.zeros(0, dtype=bool)
-    keys = np.stack([index.group, index.column("step"), index.stream.astype(np.int64)], axis=1)
+    keys = np.stack([index.group, steps, index.stream.astype(np.int64)], axis=1)
     _, inverse = np.unique(keys, axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
     top = _lowest(int(inverse.max()) + 1, index.position.dtype)
@@ -106,7 +107,7 @@ def check_token_pairing(pairs: RowPairs, reference: RowIndex, candidate: RowInde
             "step": int(steps[c]),
             "reference_next_token_id": int(ref_next[k]), "candidate_next_token_id": int(cand_next[k]),
         })
-    result.pattern, result.pattern_evidence = _pattern(pairs, candidate, bad, rows)
+    result.pattern, result.pattern_evidence = _pattern(pairs, candidate, steps, bad, rows)
     return result
 
 
@@ -115,8 +116,9 @@ def _phase(code: Any) -> str:
     return PHASES[code] if 0 <= code < len(PHASES) else str(code)
 
 
-def _pattern(pairs: RowPairs, candidate: RowIndex, bad: np.ndarray, rows: np.ndarray) -> tuple[str | None, dict]:
-    last = _last_in_step(candidate)
+def _pattern(pairs: RowPairs, candidate: RowIndex, steps: np.ndarray, bad: np.ndarray,
+             rows: np.ndarray) -> tuple[str | None, dict]:
+    last = _last_in_step(candidate, steps)
     cont = _continues(candidate)
     prefill = candidate.phase == PHASES.index("prefill") if "prefill" in PHASES else np.zeros(len(candidate), bool)
     paired = pairs.candidate

@@ -59,8 +59,8 @@ class RowColumns:
         size = pairs * len(COLUMNS) * rows * 4
         limit = SPILL_BYTES if spill_bytes is None else spill_bytes
         self._file = _spill_file(size) if size and size >= limit else None
-        # In the file, rows hold zeros until written: the pass writes every row of every pair (each
-        # block its rows, a block without metrics NaN: stream._Merger), and checks every block came.
+        # In the file, rows hold zeros until written: every block writes its rows of every pair
+        # (stream._Merger), and the pass checks that every block came.
         self._memory = None if self._file is not None else np.full((pairs, len(COLUMNS), rows), np.nan, np.float32)
 
     @property

@@ -15,6 +15,7 @@ import numpy as np
 
 from tracediff.errors import UsageError
 from tracediff.store import TraceStore, TraceStream
+from tracediff.store.stream import compact_int
 
 if TYPE_CHECKING:
     from tracediff.store.storeset import StoreSet
@@ -32,11 +33,7 @@ COMPACT_BOUND = 1 << 28
 def compact(column: np.ndarray) -> np.ndarray:
     """An integer label column as int32 when its values lie within :data:`COMPACT_BOUND` (real
     labels: positions, token ids, steps, small sequence ids), else as int64. Half the index's memory."""
-    if column.dtype.kind not in "iu":
-        column = column.astype(np.int64)
-    if column.size == 0 or (int(column.min()) >= -COMPACT_BOUND and int(column.max()) < COMPACT_BOUND):
-        return column.astype(np.int32, copy=False)
-    return column.astype(np.int64, copy=False)
+    return compact_int(column if column.dtype.kind in "iu" else column.astype(np.int64), COMPACT_BOUND)
 
 
 def index_dtype(count: int) -> type:
@@ -190,9 +187,9 @@ class RowIndex:
         streams = store.tap_streams(tap)
 
         def read(s: TraceStream, k: str) -> np.ndarray:
-            # Integer columns read as int32 where their values allow (TraceStream.label: chunk by
-            # chunk, no int64 copy of a whole column), else int64 and compacted here.
-            return compact(s.label(k, COMPACT_BOUND)) if _INDEX_DTYPES[k] is np.int64 else s.label(k)
+            # Integer columns compact as read (TraceStream.label: chunk by chunk, no int64 copy of a
+            # whole column).
+            return s.label(k, COMPACT_BOUND) if _INDEX_DTYPES[k] is np.int64 else s.label(k)
 
         def aside(k: str) -> np.ndarray:
             return _column([read(s, k) for s in streams], _INDEX_DTYPES[k])

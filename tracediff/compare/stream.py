@@ -461,12 +461,7 @@ class _Merger:
         if not self.next <= res.number < self.blocks or res.number in self.pending:
             raise CompareError(f"streaming pass: block {res.number} arrived twice or was never asked for")
         rm = res.row_metrics
-        if rm is None:  # no per-row metrics from this block: its rows stay NaN
-            nan = np.full(res.stop - res.start, np.nan, dtype=np.float32)
-            for p in range(len(self.accs)):
-                for column in (COSINE, NORM_RATIO, STD_ERROR):
-                    self.columns.write(p, column, res.start, nan)
-        else:
+        if rm is not None:
             for p in range(len(self.accs)):
                 for column, k in ((COSINE, 0), (NORM_RATIO, 1), (STD_ERROR, 4)):
                     self.columns.write(p, column, res.start, rm[k, :, p])
@@ -591,7 +586,7 @@ def stream_metrics(
     # Per-row metrics in memory, or past RowColumns' size in an unlinked temporary file (each pair's
     # read back for its metrics, its subset search and its profiles).
     columns = RowColumns(len(matches), n)
-    accs = [Accumulator(i, j, *(np.empty(0, dtype=np.float32) for _ in range(3))) for i, j in matches]
+    accs = [Accumulator(i, j) for i, j in matches]
     if limits is None:
         limits = [(float("nan"), float("nan")) for _ in matches]
     profiles = list(plan.profiles)
@@ -619,8 +614,7 @@ def stream_metrics(
             # file); the per-row errors finish_metrics makes of the numerators are written back to
             # the file (in memory, made in place).
             metrics.append(finish_metrics(
-                acc, pairs, reference, candidate, buckets, lim,
-                rows_of=functools.partial(_read_column, columns, p),
+                acc, functools.partial(_read_column, columns, p), pairs, reference, candidate, buckets, lim,
                 keep_errors=functools.partial(columns.write, p, STD_ERROR, 0) if columns.spilled else None))
     except BaseException:
         columns.close()

@@ -26,6 +26,16 @@ READ_AHEAD_CHUNKS = 16
 READ_AHEAD_BYTES = 64 << 20
 
 
+def _within(values: np.ndarray, bound: int) -> bool:
+    return values.size == 0 or (int(values.min()) >= -bound and int(values.max()) < bound)
+
+
+def compact_int(values: np.ndarray, bound: int) -> np.ndarray:
+    """Integer ``values`` as int32 when every one lies in ``[-bound, bound)``, else as int64 (the same
+    values): the row index's compact label columns (:func:`tracediff.compare.rows.compact`)."""
+    return values.astype(np.int32 if _within(values, bound) else np.int64, copy=False)
+
+
 class _Column:
     """A label column filled chunk by chunk. With a ``bound``, an integer column is held as int32
     while every value lies in ``[-bound, bound)`` and widened to int64 at the first chunk that holds
@@ -37,17 +47,9 @@ class _Column:
         self.bound, self.committed = bound, committed
         self.data = np.empty(rows, dtype=np.int32 if bound is not None else dtype)
 
-    @staticmethod
-    def fits(values: np.ndarray, bound: int) -> bool:
-        return values.size == 0 or (int(values.min()) >= -bound and int(values.max()) < bound)
-
-    @classmethod
-    def compact(cls, values: np.ndarray, bound: int) -> np.ndarray:
-        return values.astype(np.int32) if cls.fits(values, bound) else values
-
     def put(self, start: int, values: np.ndarray) -> None:
         if (self.data.dtype == np.int32 and self.bound is not None
-                and not self.fits(values[: max(0, self.committed - start)], self.bound)):
+                and not _within(values[: max(0, self.committed - start)], self.bound)):
             wide = np.empty(self.data.shape, dtype=np.int64)
             wide[:start] = self.data[:start]
             self.data = wide
@@ -117,7 +119,7 @@ class TraceStream:
         else:
             data = self._read_array(name, np.arange(0, -(-self.rows // arr.chunks[0])), lambda a: a[: self.rows])
             if data.shape == (self.rows,) and data.dtype == dtype and bound is not None:
-                data = _Column.compact(data, bound)
+                data = compact_int(data, bound)
         if data.shape != (self.rows,) or (data.dtype != dtype and not (bound is not None and data.dtype == np.int32)):
             raise CorruptStoreError(f"{where}: read {data.shape} {data.dtype}, expected ({self.rows},) {dtype}")
         return data
