@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import tracediff.compare.plan as plan
 import tracediff.compare.segments as segments
+import tracediff.store.stream as store_stream
 from tracediff.compare.rows import RowIndex
 from tracediff.store import TraceWriter, create_store, open_store
 
@@ -96,10 +97,29 @@ def test_sample_rows_read_a_few_at_a_time_are_the_stored_values_widened(
     # Each index entry's stored row, found by its labels (the index orders rows its own way).
     where = {(int(s), int(p)): i for i, (s, p) in enumerate(zip(np.arange(n) // 50, np.arange(n) % 50, strict=True))}
     by_entry = np.array([where[(int(s), int(p))] for s, p in zip(index.column("seq"), index.position, strict=True)])
-    for stage in (1, 200, 1 << 19):  # one row at a time, a few, all at once
+    for stage in (1, 200, 1000, 1 << 19):  # one row at a time, a few, all at once
         monkeypatch.setattr(plan, "_STAGE_BYTES", stage)
+        monkeypatch.setattr(store_stream, "_SCATTER_BYTES", stage)  # out-of-order rows put in place as many at a time
         for rows in (np.arange(len(index)), rng.permutation(len(index))[:333], np.array([5, 5, 699, 0, 5])):
             got = plan.read_rows(index, rows)
             assert got.dtype == np.float32 and got.shape == (rows.size, width) and not got.flags.writeable
             np.testing.assert_array_equal(got.view(np.uint32), expected_all[by_entry[rows]].view(np.uint32))
     store.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(0, 40), cols=st.integers(1, 3000), seed=st.integers(0, 2**32 - 1),
+       chunk=st.sampled_from([1, 7, 4096, 1 << 16]))
+def test_noise_draws_a_piece_at_a_time_are_the_whole_draw(rows: int, cols: int, seed: int, chunk: int) -> None:
+    """The noise floor's uniform numbers drawn a piece at a time are the 24 low bits of one whole
+    draw of the seeded Mersenne Twister, times 2**-24 (the numbers every noise floor was made of)."""
+    raw = np.random.RandomState(seed)._bit_generator.random_raw(rows * cols)
+    whole = ((raw & 0xFFFFFF).astype(np.float32) * np.float32(2.0**-24)).reshape(rows, cols)
+    old = segments._UNIFORM_CHUNK
+    segments._UNIFORM_CHUNK = chunk
+    try:
+        got = segments._uniform((rows, cols), seed)
+    finally:
+        segments._UNIFORM_CHUNK = old
+    assert got.dtype == np.float32 and got.shape == (rows, cols)
+    np.testing.assert_array_equal(got.view(np.uint32), whole.view(np.uint32))

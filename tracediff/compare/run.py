@@ -163,6 +163,7 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
         calibration = _calibration_rows(ref_store, rtap, ref_index, rl.width, compute.dtype, notes)
         segplan = plan_segments(c_sample, r_sample, size, rl.dtype, cl.dtype, depths, seed=opts.seed, compute=compute,
                                 assumed_depth=num_layers(ref_meta) or num_layers(cand_meta), calibration=calibration)
+        del c_sample, r_sample, ahead  # (up to 2 x 100 MB at 3 x 4096: not held through the pass)
         # -- the streaming pass
         matched = [(d.candidate, d.reference) for d in segplan.decisions
                    if d.reference is not None and d.duplicate_of is None]

@@ -353,8 +353,18 @@ def _uniform(shape: tuple[int, ...], seed: int) -> np.ndarray:
     """Uniform float32 numbers in [0, 1): the 24 low bits of each output of a Mersenne Twister seeded
     with ``seed`` (the numbers torch's CPU ``rand`` draws from ``manual_seed(seed)``, so noise floors
     stay those of reports made before compare stopped using torch)."""
-    raw = np.random.RandomState(seed)._bit_generator.random_raw(int(np.prod(shape)))
-    return ((raw & 0xFFFFFF).astype(np.float32) * np.float32(2.0**-24)).reshape(shape)
+    bits = np.random.RandomState(seed)._bit_generator
+    n = int(np.prod(shape))
+    out = np.empty(n, dtype=np.float32)
+    for a in range(0, n, _UNIFORM_CHUNK):  # the same stream, drawn a piece at a time (no n x 8-byte temporaries)
+        raw = bits.random_raw(min(_UNIFORM_CHUNK, n - a))
+        np.bitwise_and(raw, 0xFFFFFF, out=raw)
+        out[a : a + raw.size] = raw
+    out *= np.float32(2.0**-24)  # exact: 24-bit integers times a power of two
+    return out.reshape(shape)
+
+
+_UNIFORM_CHUNK = 1 << 16
 
 
 @dataclass

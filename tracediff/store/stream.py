@@ -24,6 +24,9 @@ from tracediff.store.location import remote_error
 #: many, and at most READ_AHEAD_BYTES of them.
 READ_AHEAD_CHUNKS = 16
 READ_AHEAD_BYTES = 64 << 20
+#: Bytes of out-of-order rows :meth:`TraceStream.read_rows` moves to their places at a time (under
+#: glibc's 1 MiB mmap threshold that the tracediff program sets: the copy reuses heap memory).
+_SCATTER_BYTES = 256 << 10
 
 
 def _within(values: np.ndarray, bound: int) -> bool:
@@ -482,9 +485,15 @@ class TraceStream:
             if own:
                 files.close()
         if staged is not None:
+            # Rows to their places a few at a time: a whole block's gathered copy would be a fresh
+            # allocation (and fresh pages to fault in) for every block read.
             k = np.flatnonzero(staged)
-            out.view(np.uint8).reshape(out.shape[0], row_bytes)[dest[k]] = (
-                np.frombuffer(stage, dtype=np.uint8, count=n * row_bytes).reshape(n, row_bytes)[k])
+            to = out.view(np.uint8).reshape(out.shape[0], row_bytes)
+            src = np.frombuffer(stage, dtype=np.uint8, count=n * row_bytes).reshape(n, row_bytes)
+            step = max(1, _SCATTER_BYTES // row_bytes)
+            for i in range(0, k.size, step):
+                part = k[i : i + step]
+                to[dest[part]] = src[part]
         if self._raw_dtype.byteorder not in ("=", "|", "<" if sys.byteorder == "little" else ">"):
             out[dest] = out[dest].byteswap()
         return out
