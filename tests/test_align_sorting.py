@@ -154,3 +154,116 @@ def test_sequence_rows_are_each_positions_first_valid_row(data: st.DataObject, n
         assert g.positions.tolist() == position[kept].tolist()
         assert g.tokens.tolist() == token[kept].tolist()
         assert g.duplicates == len(rows) - len(kept)
+
+
+def _index(groups: list[np.ndarray], positions: list[np.ndarray], tokens: list[np.ndarray], streams: int) -> RowIndex:
+    n = sum(t.size for t in tokens)
+    per = -(-n // streams)
+    return RowIndex(store=None, tap="fc_in", streams=[None] * streams,
+                    offsets=np.minimum(np.arange(streams + 1) * per, n).astype(np.int64),
+                    group=np.concatenate(groups).astype(np.int32), position=np.concatenate(positions).astype(np.int32),
+                    token_id=np.concatenate(tokens).astype(np.int32), phase=np.zeros(n, dtype=np.int8),
+                    valid=np.ones(n, dtype=bool), group_keys=[str(g) for g in range(len(groups) + 8)])
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), sequences=st.integers(1, 6), replicas=st.integers(1, 2), offset=st.integers(-2, 2))
+def test_pairs_without_a_repeated_reference_row_are_the_sorted_pairs(
+    data: st.DataObject, sequences: int, replicas: int, offset: int
+) -> None:
+    """``pair_rows``' mask path (no reference row paired twice) gives the arrays and counts of its
+    general path (a sort by reference row, writer group and candidate row, duplicates and replicas
+    set aside, then candidate order), on engine-ordered candidates over one or two writer groups."""
+    import tracediff.compare.align as align
+
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    lengths = [int(rng.integers(8, 40)) for _ in range(sequences)]
+    ref_tokens = [rng.integers(0, 6, n) for n in lengths]
+    ref = _index([np.full(n, g) for g, n in enumerate(lengths)], [np.arange(n) for n in lengths], ref_tokens, 1)
+    # The candidate: each sequence (or a part of it, shifted) once per replica, rows shuffled.
+    groups, positions, tokens = [], [], []
+    for _ in range(replicas):
+        for g, n in enumerate(lengths):
+            a = int(rng.integers(0, n // 2))
+            groups.append(np.full(n - a, len(groups)))
+            positions.append(np.arange(a, n))
+            tokens.append(ref_tokens[g][a:])
+    cand = _index(groups, positions, tokens, replicas)
+    shuffle = rng.permutation(len(cand))
+    cand.group, cand.position, cand.token_id = cand.group[shuffle], cand.position[shuffle], cand.token_id[shuffle]
+    alignment = align.align_sequences(ref, cand)
+    fast = align.pair_rows(alignment, offset)
+    real = align._each_once
+    align._each_once = lambda *_a: False  # the general path
+    try:
+        general = align.pair_rows(alignment, offset)
+    finally:
+        align._each_once = real
+    for name in ("candidate", "reference"):
+        a, b = getattr(fast, name), getattr(general, name)
+        assert a.dtype == b.dtype and a.tolist() == b.tolist()
+    for name in ("offset", "unaligned", "duplicates", "replicas", "distinct_reference", "trailing", "effective_delta",
+                 "insertions"):
+        assert getattr(fast, name) == getattr(general, name), name
+    assert {k: v.tolist() for k, v in fast.prefix_rows.items()} == {k: v.tolist() for k, v in general.prefix_rows.items()}
+    if replicas == 1:
+        assert fast.replicas == 0 and len(fast) > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), n=st.integers(0, 60), dtype=st.sampled_from([np.int32, np.int64]))
+def test_joined_pieces_are_their_concatenation(data: st.DataObject, n: int, dtype: type) -> None:
+    """``_joined``: consecutive pieces of one array joined without a copy, any other pieces (gaps,
+    overlaps, out of order, of another array, of an array of another width) copied; always their
+    concatenation."""
+    from tracediff.compare.align import _joined
+
+    base = np.arange(n, dtype=dtype) * 3 - 7
+    cuts = sorted(data.draw(st.lists(st.integers(0, n), max_size=6)))
+    bounds = [0, *cuts, n]
+    parts = [base[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    kind = data.draw(st.sampled_from(["consecutive", "gap", "reversed", "other", "strided"]))
+    if kind == "gap" and n > 2:
+        parts = [base[: n // 2 - 1], base[n // 2 :]]
+    elif kind == "reversed":
+        parts = parts[::-1]
+    elif kind == "other":
+        parts = [*parts, np.arange(3, dtype=dtype)]
+    elif kind == "strided":
+        parts = [base[::2], base[1::2]]
+    got = _joined(parts)
+    assert got.dtype == dtype and got.tolist() == np.concatenate(parts).tolist()
+    if kind == "consecutive":
+        assert got.size == 0 or np.shares_memory(got, base)
+    got_copy = np.concatenate(parts)
+    assert not np.shares_memory(got_copy, base)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), n=st.integers(0, 80), ngram=st.integers(1, 5), piece=st.sampled_from([1, 3, 8, 1 << 16]))
+def test_ngram_hashes_a_piece_at_a_time_are_every_windows_hash(data: st.DataObject, n: int, ngram: int,
+                                                               piece: int) -> None:
+    """``_ngram_hashes`` hashes windows a piece at a time and moves the windows that count to the
+    front of its own arrays in place: the hashes, starts and sequences of the windows of ``ngram``
+    consecutive positions with known tokens inside one sequence, in window order, as defined."""
+    import tracediff.compare.align as align
+
+    tokens = data.draw(hnp.arrays(np.int32, n, elements=st.integers(-1, 4)))
+    positions = np.cumsum(data.draw(hnp.arrays(np.int32, n, elements=st.integers(1, 2)))).astype(np.int32)
+    member = np.sort(data.draw(hnp.arrays(np.int64, n, elements=st.integers(0, 3))))
+    want = []
+    for i in range(n - ngram + 1):
+        w = range(i, i + ngram)
+        if (positions[i + ngram - 1] - positions[i] == ngram - 1 and all(tokens[k] >= 0 for k in w)
+                and member[i] == member[i + ngram - 1]):
+            h = 0
+            for k in w:
+                h = (h * 1_000_003 + int(tokens[k]) + 1) % (1 << 64)
+            want.append((h, int(positions[i]), int(member[i])))
+    old = align._HASH_PIECE
+    align._HASH_PIECE = piece
+    try:
+        h, starts, owners = align._ngram_hashes(tokens, positions.copy(), ngram, member.copy())
+    finally:
+        align._HASH_PIECE = old
+    assert list(zip(h.tolist(), starts.tolist(), owners.tolist(), strict=True)) == want

@@ -186,6 +186,20 @@ def test_a_wrong_next_token_on_chunk_boundary_rows_is_a_token_pairing_error(trac
     assert not kinds(report) & {"segment_order", "segment_value", "segment_scale", "precision"}
 
 
+@pytest.mark.parametrize("candidate", ["chunk_end_token", "clean_interleaved"])
+def test_next_tokens_compared_a_few_pairs_at_a_time_give_the_same_pairing(traces, candidate, monkeypatch):
+    """The next-token check reads the pairs a piece at a time (issue #27: no whole gathered columns):
+    pieces of 7 pairs, across every sequence and step boundary, give the whole check's counts,
+    examples and pattern."""
+    import tracediff.compare.pairing as pairing_module
+
+    whole = compare_stores(traces["ref"], traces[candidate])
+    monkeypatch.setattr(pairing_module, "_PAIRING_PIECE", 7)
+    pieces = compare_stores(traces["ref"], traces[candidate])
+    assert pieces.plan.token_pairing == whole.plan.token_pairing
+    assert [(f.kind, f.message, f.evidence) for f in pieces.findings] == [(f.kind, f.message, f.evidence) for f in whole.findings]
+
+
 def subset_findings(report) -> list:
     return [f for f in report.findings if f.kind == "segment_subset"]
 

@@ -84,15 +84,16 @@ columns_of = st.integers(0, 60).flatmap(lambda n: st.tuples(*(
 
 
 @settings(max_examples=300, deadline=None)
-@given(columns=columns_of, std_den=st.sampled_from([0.0, 1.0, 37.5]))
+@given(columns=columns_of, std_den=st.sampled_from([0.0, 1.0, 37.5]), piece=st.sampled_from([1, 3, 7, 1 << 20]))
 def test_finish_metrics_from_file_or_memory_columns_gives_the_defined_metrics(columns: tuple[np.ndarray, ...],
-                                                                              std_den: float) -> None:
+                                                                              std_den: float, piece: int) -> None:
     """finish_metrics reads a pair's columns one after the other (errors, cosines, norm ratios): the
     same metrics whether the columns live in memory or in the pass's temporary file, the per-row
     errors written back, and the worst rows as defined: the five largest per-row errors (ties in row
-    order), as many as rows with a finite cosine."""
+    order), as many as rows with a finite cosine, whatever the piece of rows ranked at a time."""
     import functools
 
+    import tracediff.compare.metrics as metrics_module
     from tracediff.compare.align import RowPairs
     from tracediff.compare.metrics import finish_metrics
     from tracediff.compare.rowcolumns import COLUMNS, STD_ERROR, RowColumns
@@ -105,6 +106,7 @@ def test_finish_metrics_from_file_or_memory_columns_gives_the_defined_metrics(co
                      phase=np.zeros(n, np.int8), valid=np.ones(n, bool), group_keys=["s"])
     pairs = RowPairs(np.arange(n, dtype=np.int32)[::-1].copy(), np.arange(n, dtype=np.int32), 0, 0, 0, {}, {})
     results, errors = [], []
+    old_piece, metrics_module._WORST_PIECE = metrics_module._WORST_PIECE, piece
     for spill in (False, True):
         store = RowColumns(1, n, spill_bytes=0 if spill else 1 << 62)
         assert store.spilled == (spill and n > 0)
@@ -122,6 +124,7 @@ def test_finish_metrics_from_file_or_memory_columns_gives_the_defined_metrics(co
         assert read == ["std_error", "cosine", "norm_ratio"]
         errors.append(store.read(0, STD_ERROR).copy())
         store.close()
+    metrics_module._WORST_PIECE = old_piece
     assert repr(results[0]) == repr(results[1])
     held = results[0]
     # The per-row errors kept: the numerators over the mean reference size, square-rooted.

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 _NGRAM = 4
 _MAX_HASH_REPEAT = 64  # an n-gram seen more often than this in the reference (padding...) casts no vote
 _VOTE_BATCH_ROWS = 1 << 19  # candidate rows whose n-grams are looked up together
+_HASH_PIECE = 1 << 16  # n-gram windows hashed at a time (their term buffer stays small)
 _MAX_ALIGNMENTS = 4  # alternative (reference sequence, delta) hypotheses kept per candidate sequence
 
 
@@ -38,6 +39,38 @@ class _Group:
     tokens: np.ndarray
     rows: np.ndarray  # index into the RowIndex (int32 below 2**31 rows)
     duplicates: int
+
+
+class _IndexGroup(_Group):
+    """A :class:`_Group` that holds only its rows (or, for index entries ``start..stop`` in order,
+    not even those): its positions, tokens and rows are read from the index when asked. A trainer's
+    sequences from the start (their labels are the index's own, in order); an engine's once the
+    alignment and the plan are done with them (only a finding reads them again)."""
+
+    def __init__(self, key: int, duplicates: int, index: RowIndex, rows: np.ndarray | None = None,
+                 span: tuple[int, int] = (0, 0)) -> None:
+        self.key, self.duplicates, self._index, self._rows, self._span = key, duplicates, index, rows, span
+
+    @property
+    def rows(self) -> np.ndarray:  # type: ignore[override]
+        if self._rows is not None:
+            return self._rows
+        return np.arange(*self._span, dtype=index_dtype(len(self._index)))
+
+    @property
+    def positions(self) -> np.ndarray:  # type: ignore[override]
+        if self._rows is not None:
+            return self._index.position[self._rows]
+        return self._index.position[self._span[0] : self._span[1]]
+
+    @property
+    def tokens(self) -> np.ndarray:  # type: ignore[override]
+        if self._rows is not None:
+            return self._index.token_id[self._rows]
+        return self._index.token_id[self._span[0] : self._span[1]]
+
+    def __repr__(self) -> str:
+        return f"_IndexGroup(key={self.key}, rows={self._span if self._rows is None else self._rows.size})"
 
 
 def _groups(index: RowIndex) -> list[_Group]:
@@ -69,46 +102,50 @@ def _groups(index: RowIndex) -> list[_Group]:
     keep = new_group | np.r_[True, pos[1:] != pos[:-1]]
     every_kept = bool(keep.all())
     rows_dtype = index_dtype(n)  # what pairs hold: compact
-    if order is None:
-        rows = np.arange(n, dtype=rows_dtype) if every_kept else np.flatnonzero(keep).astype(rows_dtype)
-    else:
-        rows = (order if every_kept else order[keep]).astype(rows_dtype, copy=False)
-    # Rows in index order, each kept: positions and tokens are the index's own columns (views).
-    positions = pos if every_kept else pos[keep]
-    tokens = index.token_id if order is None and every_kept else index.token_id[rows]
     kept_group = g if every_kept else g[keep]
     starts = np.flatnonzero(np.r_[True, kept_group[1:] != kept_group[:-1]])
-    ends = np.r_[starts[1:], rows.size]
+    ends = np.r_[starts[1:], kept_group.size]
     # Duplicates per group: its valid rows minus the ones kept.
     all_starts = np.flatnonzero(new_group)
     dups = np.diff(np.r_[all_starts, g.size]) - (ends - starts)
-    return [
-        _Group(key=k, positions=positions[a:b], tokens=tokens[a:b], rows=rows[a:b], duplicates=d)
-        for k, a, b, d in zip(kept_group[starts].tolist(), starts.tolist(), ends.tolist(), dups.tolist(), strict=True)
-    ]
+    bounds = zip(kept_group[starts].tolist(), starts.tolist(), ends.tolist(), dups.tolist(), strict=True)
+    if order is None and every_kept:  # every entry, in index order: the index holds it all
+        return [_IndexGroup(k, d, index, span=(a, b)) for k, a, b, d in bounds]
+    if order is None:
+        rows = np.flatnonzero(keep).astype(rows_dtype)
+    else:
+        rows = (order if every_kept else order[keep]).astype(rows_dtype, copy=False)
+    positions = pos if every_kept else pos[keep]
+    tokens = index.token_id[rows]
+    return [_Group(key=k, positions=positions[a:b], tokens=tokens[a:b], rows=rows[a:b], duplicates=d)
+            for k, a, b, d in bounds]
 
 
 def stable_argsort(key: np.ndarray) -> np.ndarray:
     """``np.argsort(key, kind="stable")``, faster for the index's large keys: nothing to sort for keys
     already in order (a trainer's rows), else numpy's vectorised (unstable) sort, then only the runs
     of equal keys put back in index order (they are few: repeated n-grams, duplicated rows)."""
+    return _stable_argsort(key)[0]
+
+
+def _stable_argsort(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`stable_argsort`, and ``key`` in that order (made on the way: no second gather)."""
     n = key.size
     if n < 2 or bool((key[1:] >= key[:-1]).all()):
-        return np.arange(n)
+        return np.arange(n), key
     order = np.argsort(key)
     ordered = key[order]
     tied = ordered[1:] == ordered[:-1]
-    if tied.any():
+    if tied.any():  # (tied keys are equal: ``ordered`` stays key[order] as they are put back)
         inside = np.flatnonzero(np.r_[tied, False] | np.r_[False, tied])
         run = np.cumsum(np.r_[True, ~tied])[inside]
         order[inside] = order[inside][np.lexsort((order[inside], run))]
-    return order
+    return order, ordered
 
 
 def _unique_first_counts(key: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``np.unique(key, return_index=True, return_counts=True)`` through :func:`stable_argsort`."""
-    order = stable_argsort(key)
-    ordered = key[order]
+    order, ordered = _stable_argsort(key)
     new = np.r_[True, ordered[1:] != ordered[:-1]] if key.size else np.zeros(0, dtype=bool)
     at = np.flatnonzero(new)
     return ordered[at], order[at], np.diff(np.r_[at, key.size])
@@ -133,28 +170,46 @@ def _ngram_hashes(
     tokens: np.ndarray, positions: np.ndarray, n: int, member: np.ndarray | None = None
 ) -> tuple[np.ndarray, ...]:
     """Hashes of every window of n consecutive positions with known tokens; and each window's start
-    (and, given ``member`` (see :func:`_ngram_ok`), each window's sequence)."""
+    (and, given ``member`` (see :func:`_ngram_ok`), each window's sequence: written over the front of
+    ``member``, the caller's scratch)."""
     if tokens.size < n:
         empty = (np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.int64))
         return (*empty, np.empty(0, dtype=np.int64)) if member is not None else empty
     count = tokens.size - n + 1
-    # h = h * mult + (token + 1), wrapping in uint64, window by window: in place, one term buffer.
+    # h = h * mult + (token + 1), wrapping in uint64, window by window: in place, a piece of windows
+    # at a time through one small term buffer.
     h = np.zeros(count, dtype=np.uint64)
-    term = np.empty(count, dtype=np.uint64)
+    term = np.empty(min(count, _HASH_PIECE), dtype=np.uint64)
     mult, one = np.uint64(1_000_003), np.uint64(1)
     with np.errstate(over="ignore"):
-        for k in range(n):
-            h *= mult
-            term[:] = tokens[k : k + count]  # as astype(np.uint64): negative ids wrap (their windows are dropped)
-            term += one
-            h += term
+        for a in range(0, count, _HASH_PIECE):
+            b = min(count, a + _HASH_PIECE)
+            part, t = h[a:b], term[: b - a]
+            for k in range(n):
+                part *= mult
+                t[:] = tokens[a + k : b + k]  # as astype(np.uint64): negative ids wrap (their windows are dropped)
+                t += one
+                part += t
     del term
     ok = _ngram_ok(tokens, positions, n, member)
     if bool(ok.all()):  # every window counts (the common case): no copies
         return (h, positions[:count], member[:count]) if member is not None else (h, positions[:count])
+    # The hashes (and sequences) are this function's own: the windows that count are moved to the
+    # front in place; the positions are the caller's (a copy).
     if member is not None:
-        return h[ok], positions[:count][ok], member[:count][ok]
-    return h[ok], positions[:count][ok]
+        return _kept_in_place(h, ok), positions[:count][ok], _kept_in_place(member[:count], ok)
+    return _kept_in_place(h, ok), positions[:count][ok]
+
+
+def _kept_in_place(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """``values[keep]``, written over the front of ``values`` a piece at a time (each kept value
+    moves only towards the front, past values already read): a view of ``values``, no whole copy."""
+    at = 0
+    for a in range(0, keep.size, _HASH_PIECE):
+        got = values[a : a + _HASH_PIECE][keep[a : a + _HASH_PIECE]]
+        values[at : at + got.size] = got
+        at += got.size
+    return values[:at]
 
 
 @dataclass
@@ -185,6 +240,12 @@ class Alignment:
     @property
     def aligned_sequences(self) -> int:
         return sum(1 for s in self.sequences if s.hypotheses)
+
+    def set_candidate_labels_aside(self) -> None:
+        """Let go of the candidate sequences' positions and tokens (read again from the index when
+        asked, as a trainer's are): once the label offset is chosen, only a finding reads them."""
+        self.cand_groups = {k: g if isinstance(g, _IndexGroup) else _IndexGroup(g.key, g.duplicates, self.candidate, rows=g.rows)
+                            for k, g in self.cand_groups.items()}
 
     def delta_histogram(self) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -247,11 +308,32 @@ def ngram_table(groups: list[_Group], n: int) -> tuple[np.ndarray, ...]:
     top = max((rg.key for rg in groups), default=0) + 1
     keys = np.array([rg.key for rg in groups], dtype=index_dtype(top))
     member = np.repeat(np.arange(keys.size, dtype=index_dtype(keys.size)), [rg.tokens.size for rg in groups])
-    ref_h, starts, owners = _ngram_hashes(np.concatenate([rg.tokens for rg in groups]),
-                                          np.concatenate([rg.positions for rg in groups]), n, member)
+    ref_h, starts, owners = _ngram_hashes(_joined([rg.tokens for rg in groups]),
+                                          _joined([rg.positions for rg in groups]), n, member)
     del member
-    order = stable_argsort(ref_h)
-    return ref_h[order], keys[owners[order]], starts[order]
+    order, ref_h = _stable_argsort(ref_h)  # (each whole temporary let go as soon as it is used: the table's peak)
+    owners = keys[owners[order]]
+    starts = starts[order]
+    return ref_h, owners, starts
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """``np.concatenate(parts)``; without a copy when the parts are consecutive pieces of one
+    array (a trainer's sequences: views of its index's columns)."""
+    if parts:
+        base = parts[0].base if parts[0].base is not None else parts[0]
+        item = parts[0].itemsize
+        if (base.ndim == 1 and base.flags.c_contiguous and all(p.base is base or p is base for p in parts)
+                and all(p.ndim == 1 and p.dtype == base.dtype and p.flags.c_contiguous for p in parts)):
+            start = (parts[0].__array_interface__["data"][0] - base.__array_interface__["data"][0]) // item
+            at = start
+            for p in parts:
+                if p.size and (p.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // item != at:
+                    break
+                at += p.size
+            else:
+                return base[start:at]
+    return np.concatenate(parts)
 
 
 def _same_sample_first(hyps: list[tuple[int, int, int]], g: _Group,
@@ -453,17 +535,19 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     them; the offset search tries -2..2. A hypothesis is used for a row only if the row's token agrees
     with the reference token at p - delta (rows without a token take the best hypothesis).
     """
-    # Pairs written into two buffers as large as the candidate (each candidate row pairs at most
-    # once; the pages past the last pair are never touched): no list of small arrays left behind in
-    # the allocator's heap, no concatenated copy.
-    cand_buf = np.empty(len(alignment.candidate), dtype=index_dtype(len(alignment.candidate)))
-    ref_buf = np.empty(len(alignment.candidate), dtype=index_dtype(len(alignment.reference)))
+    # Pairs written into two buffers as large as the candidate rows of the sequences paired (each
+    # candidate row pairs at most once; the pages past the last pair are never touched): no list of
+    # small arrays left behind in the allocator's heap, no concatenated copy.
+    wanted = set(candidate_groups) if candidate_groups is not None else None
+    room = len(alignment.candidate) if wanted is None else sum(
+        int(alignment.cand_groups[k].rows.size) for k in wanted if k in alignment.cand_groups)
+    cand_buf = np.empty(room, dtype=index_dtype(len(alignment.candidate)))
+    ref_buf = np.empty(room, dtype=index_dtype(len(alignment.reference)))
     held = 0
     unaligned = trailing = 0
     insertions: list[dict] = []
     prefix_rows: dict[int, np.ndarray] = {}
     effective: dict[int, int] = {}
-    wanted = set(candidate_groups) if candidate_groups is not None else None
     for seq in alignment.sequences:
         if wanted is not None and seq.candidate_group not in wanted:
             continue
@@ -524,6 +608,14 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     cand = cand_buf[:held] if held else np.empty(0, dtype=rows_dtype)
     ref = ref_buf[:held] if held else np.empty(0, dtype=rows_dtype)
     del cand_buf, ref_buf
+    if held and 4 * held >= len(alignment.candidate) and _each_once(ref, len(alignment.reference)):
+        # No reference row paired twice (the common case): no duplicate or replica to set aside, and
+        # the pairs' candidate order comes from a mask of the candidate rows (each pairs at most
+        # once), with no sort and no int64 key: the same arrays as the sort below gives.
+        present, slot = _by_candidate(cand, ref, len(alignment.candidate))
+        del cand, ref
+        return RowPairs(*_in_candidate_order(present, slot, held), offset, unaligned, alignment.candidate_duplicates,
+                        prefix_rows, effective, 0, insertions, held, trailing)
     # One candidate row per reference row and writer group: a writer that records a row twice (a
     # retry) is a duplicate, set aside; another writer holding the same row (a tensor-parallel rank)
     # is a replica, compared like any row, so a rank that captured something else is seen.
@@ -551,6 +643,40 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     order = np.argsort(cand)
     return RowPairs(cand[order], ref[order], offset, unaligned, duplicates, prefix_rows, effective, replicas,
                     insertions, distinct, trailing)
+
+
+def _each_once(ref: np.ndarray, n_ref: int) -> bool:
+    """True when no reference row (an index below ``n_ref``) appears twice in ``ref``."""
+    seen = np.zeros(n_ref, dtype=bool)
+    seen[ref] = True
+    return int(np.count_nonzero(seen)) == ref.size
+
+
+def _by_candidate(cand: np.ndarray, ref: np.ndarray, n_cand: int) -> tuple[np.ndarray, np.ndarray]:
+    """A mask of the candidate rows paired (distinct indices below ``n_cand``) and, at each, its
+    reference row."""
+    present = np.zeros(n_cand, dtype=bool)
+    present[cand] = True
+    slot = np.empty(n_cand, dtype=ref.dtype)
+    slot[cand] = ref
+    return present, slot
+
+
+def _in_candidate_order(present: np.ndarray, slot: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs of :func:`_by_candidate`'s mask in candidate order (``count`` of them): candidate
+    rows a piece at a time (no whole int64 index array), then their reference rows."""
+    cand = np.empty(count, dtype=index_dtype(present.size))
+    at = 0
+    for a in range(0, present.size, _MASK_PIECE):
+        got = np.flatnonzero(present[a : a + _MASK_PIECE])
+        got += a
+        cand[at : at + got.size] = got
+        at += got.size
+    return cand, slot[cand]
+
+
+#: Candidate rows :func:`_in_candidate_order` turns into indices at a time.
+_MASK_PIECE = 1 << 20
 
 
 def _runs_of_at_least(mask: np.ndarray, n: int) -> np.ndarray:

@@ -281,6 +281,26 @@ def _smallest(rank: np.ndarray, k: int) -> np.ndarray:
     return chosen[np.lexsort((chosen, rank[chosen]))]
 
 
+def _largest_errors(err: np.ndarray, ok: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest of ``err`` (those not ``ok`` ranked last), ties in index order:
+    exactly ``np.argsort(where(ok, -err, inf), kind="stable")[:k]``, a piece of rows at a time (each
+    piece's own k smallest hold the whole column's: no whole ranking array)."""
+    if k <= 0 or err.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    found = []
+    for a in range(0, err.size, _WORST_PIECE):
+        rank = np.negative(err[a : a + _WORST_PIECE])
+        rank[~ok[a : a + _WORST_PIECE]] = np.inf
+        found.append(_smallest(rank, min(k, rank.size)).astype(np.int64) + a)
+    at = np.sort(np.concatenate(found))  # in row order: ties below go to the earlier row
+    rank = np.where(ok[at], np.negative(err[at]), np.float32(np.inf)).astype(err.dtype, copy=False)
+    return at[_smallest(rank, min(k, at.size))]
+
+
+#: Rows :func:`_largest_errors` ranks at a time.
+_WORST_PIECE = 1 << 20
+
+
 def finish_metrics(acc: Accumulator, rows_of: Callable[[str], np.ndarray], pairs: RowPairs, reference: RowIndex,
                    candidate: RowIndex, buckets: PositionBuckets | None = None,
                    limits: tuple[float, float] = (float("nan"), float("nan")),
@@ -306,12 +326,7 @@ def finish_metrics(acc: Accumulator, rows_of: Callable[[str], np.ndarray], pairs
         keep_errors(row_err)
     err_ok = np.isfinite(row_err)
     # The worst rows: the five largest errors (of the rows with a finite cosine: a prefix, below).
-    worst = np.zeros(0, dtype=np.int64)
-    if row_err.size:
-        rank = np.negative(row_err)
-        rank[~err_ok] = np.inf
-        worst = _smallest(rank, min(5, row_err.size))
-        del rank
+    worst = _largest_errors(row_err, err_ok, min(5, row_err.size))
     worst_err = row_err[worst]
     err_by_pos = buckets.series(*buckets.sums(buckets.index, row_err, err_ok, square=True), root=True)
     err_p50, err_p99 = _quantiles(row_err, 0.5, 0.99)

@@ -81,20 +81,28 @@ def check_token_pairing(pairs: RowPairs, reference: RowIndex, candidate: RowInde
     follows that sequence (the end of a request, the next turn of a longer sample, the next sample
     of a packed row), which the other side need not share.
     """
-    ref_next = reference.column("next_token_id")[pairs.reference]
-    cand_next = candidate.column("next_token_id")[pairs.candidate]
-    known = (ref_next >= 0) & (cand_next >= 0)
-    if pairs.insertions:
-        edges = {(i["group"], i["position"] - 1) for i in pairs.insertions}
-        at_edge = np.array([(int(g), int(p)) in edges for g, p in zip(candidate.group[pairs.candidate].tolist(),
-                                                                      candidate.position[pairs.candidate].tolist(),
-                                                                      strict=True)], dtype=bool)
-        known &= ~at_edge
+    ref_col, cand_col = reference.column("next_token_id"), candidate.column("next_token_id")
+    edges = {(i["group"], i["position"] - 1) for i in pairs.insertions}
     # Only rows that both sides continue past feed a next token both sides must agree on.
-    goes_on = _continues(reference)[pairs.reference] & _continues(candidate)[pairs.candidate]
-    diverging = known & ~goes_on
-    bad = known & goes_on & (ref_next != cand_next)
-    result = TokenPairing(int((known & goes_on).sum()), int(bad.sum()), int((~known).sum()), int(diverging.sum()))
+    ref_on, cand_on = _continues(reference), _continues(candidate)
+    bad = np.zeros(len(pairs), dtype=bool)
+    compared = unknown = diverging = 0
+    for a in range(0, len(pairs), _PAIRING_PIECE):  # a piece of the pairs at a time: no whole gathered columns
+        r, c = pairs.reference[a : a + _PAIRING_PIECE], pairs.candidate[a : a + _PAIRING_PIECE]
+        ref_next, cand_next = ref_col[r], cand_col[c]
+        known = (ref_next >= 0) & (cand_next >= 0)
+        if edges:
+            known &= ~np.array([(int(g), int(p)) in edges for g, p in zip(candidate.group[c].tolist(),
+                                                                          candidate.position[c].tolist(), strict=True)],
+                               dtype=bool)
+        goes_on = ref_on[r] & cand_on[c]
+        agreed = known & goes_on
+        compared += int(agreed.sum())
+        unknown += int((~known).sum())
+        diverging += int((known & ~goes_on).sum())
+        np.logical_and(agreed, ref_next != cand_next, out=bad[a : a + _PAIRING_PIECE])
+    del ref_on, cand_on
+    result = TokenPairing(compared, int(bad.sum()), unknown, diverging)
     if not bad.any():
         return result
     rows = pairs.candidate[bad]
@@ -105,10 +113,15 @@ def check_token_pairing(pairs: RowPairs, reference: RowIndex, candidate: RowInde
             "seq": candidate.group_keys[int(candidate.group[c])], "position": int(candidate.position[c]),
             "token_id": int(candidate.token_id[c]), "phase": _phase(candidate.phase[c]),
             "step": int(steps[c]),
-            "reference_next_token_id": int(ref_next[k]), "candidate_next_token_id": int(cand_next[k]),
+            "reference_next_token_id": int(ref_col[pairs.reference[k]]), "candidate_next_token_id": int(cand_col[c]),
         })
+    del ref_col, cand_col
     result.pattern, result.pattern_evidence = _pattern(pairs, candidate, steps, bad, rows)
     return result
+
+
+#: Aligned rows :func:`check_token_pairing` compares at a time.
+_PAIRING_PIECE = 1 << 20
 
 
 def _phase(code: Any) -> str:

@@ -158,6 +158,10 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
                 notes += ahead_notes
             else:
                 c_sample, r_sample = plan_sample(pairs, notes)
+        # The pairs are made: the candidate sequences' positions and tokens (8 bytes a row) and, under
+        # another label offset, offset 0's pairs are let go.
+        alignment.set_candidate_labels_aside()
+        del base_pairs
         require_finite_rows([(ref_store, rtap, r_sample), (cand_store, ctap, c_sample)], size)
         depths = _segment_depths(rl.width // size, ref_aux, cand_aux, ref_meta, cand_meta)
         calibration = _calibration_rows(ref_store, rtap, ref_index, rl.width, compute.dtype, notes)
