@@ -69,7 +69,10 @@ def _continues(index: RowIndex) -> np.ndarray:
         return np.zeros(0, dtype=bool)
     top = _lowest(int(index.group.max()) + 1, index.position.dtype)
     np.maximum.at(top, index.group, index.position)
-    return index.position < top[index.group]
+    out = np.empty(n, dtype=bool)
+    for a in range(0, n, _PAIRING_PIECE):  # a piece at a time: no whole gathered column of group ends
+        np.less(index.position[a : a + _PAIRING_PIECE], top[index.group[a : a + _PAIRING_PIECE]], out=out[a : a + _PAIRING_PIECE])
+    return out
 
 
 def check_token_pairing(pairs: RowPairs, reference: RowIndex, candidate: RowIndex) -> TokenPairing:

@@ -41,6 +41,13 @@ def index_dtype(count: int) -> type:
     return np.int32 if count < (1 << 31) else np.int64
 
 
+def group_dtype(count: int) -> type:
+    """The dtype of sequence group ids below ``count``: int16 for up to 32767 sequences (2 bytes an
+    index entry), else :func:`index_dtype`'s. Ids are compared and used as indices, never multiplied
+    in their own dtype (keys widen to int64 themselves)."""
+    return np.int16 if count < (1 << 15) else index_dtype(count)
+
+
 def _sequence_groups(stream: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """Dense id of each row's (stream, seq) pair, and the pairs in id order. One int64 key per pair
     when the ids are small (always, for real traces); exact for any int64 ids otherwise."""
@@ -165,14 +172,14 @@ class RowIndex:
     entry's index orders it as (stream, row) does). Which stream and stored row an entry is are
     computed from the streams' row counts (:meth:`stream_of`, :meth:`row_of`); the labels read only
     after the alignment (sequence id, next token, step) are read again when asked
-    (:meth:`column`). About 14 bytes an entry."""
+    (:meth:`column`). About 12 bytes an entry."""
 
     store: TraceStore | StoreSet  # a StoreSet: one trace over several stores
     tap: str
     streams: list[TraceStream]
     offsets: np.ndarray  # int64 [streams + 1]: the first entry of each stream, then the entry count
     # Integer columns are compact (:func:`compact`): int32 when their values allow, else int64.
-    group: np.ndarray  # int32: sequence group (stream, seq) -> dense id
+    group: np.ndarray  # sequence group (stream, seq) -> dense id (:func:`group_dtype`)
     position: np.ndarray
     token_id: np.ndarray
     phase: np.ndarray
@@ -250,7 +257,7 @@ class RowIndex:
             tap=tap,
             streams=list(streams),
             offsets=offsets,
-            group=group.astype(index_dtype(len(keys)), copy=False),
+            group=group.astype(group_dtype(len(keys)), copy=False),
             position=cat["position"],
             token_id=cat["token_id"],
             phase=cat["phase"],
