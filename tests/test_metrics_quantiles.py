@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -141,3 +143,28 @@ def test_finish_metrics_from_file_or_memory_columns_gives_the_defined_metrics(co
     assert repr([(w["cosine"], w["norm_ratio"]) for w in held.worst_rows]) == repr(
         [(float(cos[k]), float(ratio[k])) for k in order])
     assert [w["candidate"]["position"] for w in held.worst_rows] == [int(n - 1 - k) for k in order]
+    # The column statistics computed in place on the columns (no copies) are numpy's own, bit for bit.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        fin_cos, fin_ratio, fin_err = cos[np.isfinite(cos)], ratio[np.isfinite(ratio)], err[np.isfinite(err)]
+        want = {
+            "cos_mean": float(np.nanmean(cos)) if rows else float("nan"),
+            "cos_min": float(np.nanmin(cos)) if rows else float("nan"),
+            "cos_p1": float(np.quantile(fin_cos, 0.01)) if fin_cos.size else float("nan"),
+            "norm_ratio_mean": float(np.nanmean(ratio)) if rows else float("nan"),
+            **{f"norm_ratio_p{q}": float(np.quantile(fin_ratio, q / 100)) if fin_ratio.size else float("nan")
+               for q in (1, 50, 99)},
+            "std_row_error_p50": float(np.quantile(fin_err, 0.5)) if fin_err.size else float("nan"),
+            "std_row_error_p99": float(np.quantile(fin_err, 0.99)) if fin_err.size else float("nan"),
+        }
+    assert repr({k: getattr(held, k) for k in want}) == repr(want)
+    positive = ratio[np.isfinite(ratio) & (ratio > 0)]
+    if positive.size:
+        logr = np.log2(positive)
+        lo, hi = float(logr.min()), float(logr.max())
+        if hi - lo < 1e-3:
+            lo, hi = lo - 0.05, hi + 0.05
+        counts, edges = np.histogram(logr, bins=40, range=(lo, hi))
+        assert held.norm_ratio_hist == {"edges": [float(e) for e in edges], "counts": [float(c) for c in counts]}
+    else:
+        assert held.norm_ratio_hist == {"edges": [], "counts": []}

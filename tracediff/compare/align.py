@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 _NGRAM = 4
 _MAX_HASH_REPEAT = 64  # an n-gram seen more often than this in the reference (padding...) casts no vote
 _VOTE_BATCH_ROWS = 1 << 19  # candidate rows whose n-grams are looked up together
-_HASH_PIECE = 1 << 16  # n-gram windows hashed at a time (their term buffer stays small)
+_HASH_PIECE = 1 << 16  # n-gram windows hashed (or values moved in place) at a time: temporaries stay small
 _MAX_ALIGNMENTS = 4  # alternative (reference sequence, delta) hypotheses kept per candidate sequence
 
 
@@ -197,11 +197,11 @@ def _ngram_hashes(
     # The hashes (and sequences) are this function's own: the windows that count are moved to the
     # front in place; the positions are the caller's (a copy).
     if member is not None:
-        return _kept_in_place(h, ok), positions[:count][ok], _kept_in_place(member[:count], ok)
-    return _kept_in_place(h, ok), positions[:count][ok]
+        return kept_in_place(h, ok), positions[:count][ok], kept_in_place(member[:count], ok)
+    return kept_in_place(h, ok), positions[:count][ok]
 
 
-def _kept_in_place(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
+def kept_in_place(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
     """``values[keep]``, written over the front of ``values`` a piece at a time (each kept value
     moves only towards the front, past values already read): a view of ``values``, no whole copy."""
     at = 0
@@ -535,14 +535,16 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     them; the offset search tries -2..2. A hypothesis is used for a row only if the row's token agrees
     with the reference token at p - delta (rows without a token take the best hypothesis).
     """
-    # Pairs written into two buffers as large as the candidate rows of the sequences paired (each
-    # candidate row pairs at most once; the pages past the last pair are never touched): no list of
-    # small arrays left behind in the allocator's heap, no concatenated copy.
+    # Every sequence: each pair written at its candidate row (each pairs at most once) in one column
+    # as long as the candidate, -1 where unpaired, so the pairs come out in candidate order without a
+    # sort. A few sequences (the offset search): pairs written into two buffers as large as their
+    # rows. Either way no list of small arrays left behind in the allocator's heap, no concatenation.
     wanted = set(candidate_groups) if candidate_groups is not None else None
-    room = len(alignment.candidate) if wanted is None else sum(
-        int(alignment.cand_groups[k].rows.size) for k in wanted if k in alignment.cand_groups)
-    cand_buf = np.empty(room, dtype=index_dtype(len(alignment.candidate)))
-    ref_buf = np.empty(room, dtype=index_dtype(len(alignment.reference)))
+    n_cand, n_ref = len(alignment.candidate), len(alignment.reference)
+    slot = np.full(n_cand, -1, dtype=index_dtype(n_ref)) if wanted is None else None
+    room = 0 if wanted is None else sum(int(alignment.cand_groups[k].rows.size) for k in wanted if k in alignment.cand_groups)
+    cand_buf = np.empty(room, dtype=index_dtype(n_cand))
+    ref_buf = np.empty(room, dtype=index_dtype(n_ref))
     held = 0
     unaligned = trailing = 0
     insertions: list[dict] = []
@@ -580,8 +582,11 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
                 use &= _runs_of_at_least(use, _NGRAM)
             seen[vidx_c[use]] = True
             got = g.rows[use]
-            cand_buf[held : held + got.size] = got
-            ref_buf[held : held + got.size] = rg.rows[vidx_c[use]]
+            if slot is not None:
+                slot[got] = rg.rows[vidx_c[use]]
+            else:
+                cand_buf[held : held + got.size] = got
+                ref_buf[held : held + got.size] = rg.rows[vidx_c[use]]
             held += got.size
             taken |= use
             row_delta[use] = delta
@@ -604,24 +609,25 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             end = int(alignment.ref_groups[primary].positions[-1]) + int(seq.hypotheses[0][1])
             trailing += int((~taken & (g.positions > end)).sum())
         unaligned += int((~taken).sum())
-    rows_dtype = index_dtype(max(len(alignment.candidate), len(alignment.reference)))
-    cand = cand_buf[:held] if held else np.empty(0, dtype=rows_dtype)
-    ref = ref_buf[:held] if held else np.empty(0, dtype=rows_dtype)
+    rows_dtype = index_dtype(max(n_cand, n_ref))
+    if held == 0:
+        cand = ref = np.empty(0, dtype=rows_dtype)
+    elif slot is not None:
+        cand, ref = _in_candidate_order(slot >= 0, slot, held)
+        del slot
+        if _each_once(ref, n_ref):
+            # No reference row paired twice (the common case): no duplicate or replica to set aside;
+            # the same arrays as the sort below gives.
+            return RowPairs(cand, ref, offset, unaligned, alignment.candidate_duplicates, prefix_rows, effective, 0,
+                            insertions, held, trailing)
+    else:
+        cand, ref = cand_buf[:held], ref_buf[:held]
     del cand_buf, ref_buf
-    if held and 4 * held >= len(alignment.candidate) and _each_once(ref, len(alignment.reference)):
-        # No reference row paired twice (the common case): no duplicate or replica to set aside, and
-        # the pairs' candidate order comes from a mask of the candidate rows (each pairs at most
-        # once), with no sort and no int64 key: the same arrays as the sort below gives.
-        present, slot = _by_candidate(cand, ref, len(alignment.candidate))
-        del cand, ref
-        return RowPairs(*_in_candidate_order(present, slot, held), offset, unaligned, alignment.candidate_duplicates,
-                        prefix_rows, effective, 0, insertions, held, trailing)
     # One candidate row per reference row and writer group: a writer that records a row twice (a
     # retry) is a duplicate, set aside; another writer holding the same row (a tensor-parallel rank)
     # is a replica, compared like any row, so a rank that captured something else is seen.
     stream = alignment.candidate.stream_of(cand)
-    n_cand = len(alignment.candidate)
-    if len(alignment.reference) * n_cand < (1 << 62):
+    if n_ref * n_cand < (1 << 62):
         # One unique int64 key: index order is (stream, row) order, and each candidate row is paired
         # at most once, so any sort gives lexsort's order (numpy's vectorised sort, ~3x faster).
         key = np.multiply(ref, n_cand, dtype=np.int64)
@@ -652,19 +658,10 @@ def _each_once(ref: np.ndarray, n_ref: int) -> bool:
     return int(np.count_nonzero(seen)) == ref.size
 
 
-def _by_candidate(cand: np.ndarray, ref: np.ndarray, n_cand: int) -> tuple[np.ndarray, np.ndarray]:
-    """A mask of the candidate rows paired (distinct indices below ``n_cand``) and, at each, its
-    reference row."""
-    present = np.zeros(n_cand, dtype=bool)
-    present[cand] = True
-    slot = np.empty(n_cand, dtype=ref.dtype)
-    slot[cand] = ref
-    return present, slot
-
-
 def _in_candidate_order(present: np.ndarray, slot: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """The pairs of :func:`_by_candidate`'s mask in candidate order (``count`` of them): candidate
-    rows a piece at a time (no whole int64 index array), then their reference rows."""
+    """The pairs held in ``slot`` (a reference row at each paired candidate row, ``present`` marks
+    them; ``count`` of them) in candidate order: the candidate rows made a piece at a time (no whole
+    int64 index array), the reference rows moved to the front of ``slot`` in place (a view of it)."""
     cand = np.empty(count, dtype=index_dtype(present.size))
     at = 0
     for a in range(0, present.size, _MASK_PIECE):
@@ -672,7 +669,7 @@ def _in_candidate_order(present: np.ndarray, slot: np.ndarray, count: int) -> tu
         got += a
         cand[at : at + got.size] = got
         at += got.size
-    return cand, slot[cand]
+    return cand, kept_in_place(slot, present)
 
 
 #: Candidate rows :func:`_in_candidate_order` turns into indices at a time.

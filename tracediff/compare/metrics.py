@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.compare.align import RowPairs
+from tracediff.compare.align import RowPairs, kept_in_place
 from tracediff.compare.results import RowRef, SegmentMetrics, SegmentProfile
 from tracediff.compare.rows import RowIndex
 
@@ -244,12 +244,16 @@ def row_ref(index: RowIndex, i: int) -> RowRef:
                   token_id=int(index.token_id[i]))
 
 
-def _quantiles(values: np.ndarray, *qs: float) -> list[float]:
+def _quantiles(values: np.ndarray, *qs: float, finite_at: np.ndarray | None = None, own: bool = False) -> list[float]:
     """``float(np.quantile(finite, q))`` for each q, of the finite values (NaN without any): one copy
     and one partition for every q together, and each q's interpolation done as numpy's single-q call
     does it (a float32 lerp with a Python-float weight), so the reports stay bit-identical to that
-    call's (held to it by tests/test_metrics_quantiles.py)."""
-    finite = values[np.isfinite(values)]
+    call's (held to it by tests/test_metrics_quantiles.py). ``finite_at``: where the values were
+    finite, when already known; ``own``: ``values`` may be overwritten (the finite values are moved
+    to its front and partitioned there: no copy)."""
+    keep = np.isfinite(values) if finite_at is None else finite_at
+    finite = kept_in_place(values, keep) if own else values[keep]
+    del keep
     n = finite.size
     if not n:
         return [float("nan")] * len(qs)
@@ -268,6 +272,26 @@ def _quantiles(values: np.ndarray, *qs: float) -> list[float]:
         diff = b - a
         out.append(float(b - diff * (1 - t) if t >= 0.5 else a + diff * t))
     return out
+
+
+def _nanmean_in_place(values: np.ndarray) -> float:
+    """``float(np.nanmean(values))`` (NaN where every value is NaN), computed as numpy computes it
+    (the NaNs made zeros, one pairwise float32 sum, divided by the count) on ``values`` itself,
+    whose NaNs become zeros: no copy of the column."""
+    nan = np.isnan(values)
+    count = np.intp(values.size - int(np.count_nonzero(nan)))
+    np.copyto(values, 0, where=nan)
+    del nan
+    if count == 0:
+        return float("nan")
+    total = np.sum(values)
+    return float(total.dtype.type(total / count))
+
+
+def _own(column: np.ndarray) -> np.ndarray:
+    """``column`` when it is an array of its own (read from the pass's file), else a copy (a held
+    column, a view of the pass's memory columns, is not to be overwritten)."""
+    return column if column.flags.owndata and column.flags.writeable else column.copy()
 
 
 def _smallest(rank: np.ndarray, k: int) -> np.ndarray:
@@ -329,8 +353,10 @@ def finish_metrics(acc: Accumulator, rows_of: Callable[[str], np.ndarray], pairs
     worst = _largest_errors(row_err, err_ok, min(5, row_err.size))
     worst_err = row_err[worst]
     err_by_pos = buckets.series(*buckets.sums(buckets.index, row_err, err_ok, square=True), root=True)
-    err_p50, err_p99 = _quantiles(row_err, 0.5, 0.99)
     err_max = float(np.nanmax(row_err)) if err_ok.any() else float("nan")
+    # Each column's last statistics work on it in place when it is a fresh read from the pass's
+    # file (the errors written back first): no whole copies (:func:`_own`).
+    err_p50, err_p99 = _quantiles(_own(row_err), 0.5, 0.99, finite_at=err_ok, own=True)
     del row_err, err_ok
     # -- cosines
     cos = rows_of("cosine")
@@ -340,26 +366,32 @@ def finish_metrics(acc: Accumulator, rows_of: Callable[[str], np.ndarray], pairs
     worst_cos = cos[worst]
     # Cosine by (reference) position, in the compare's position buckets.
     by_pos = buckets.series(*buckets.sums(buckets.index, cos, finite)) if rows else []
-    (cos_p1,) = _quantiles(cos, 0.01)
-    cos_mean = float(np.nanmean(cos)) if rows else float("nan")
     cos_min = float(np.nanmin(cos)) if rows else float("nan")
+    cos = _own(cos)
+    cos_mean = _nanmean_in_place(cos) if rows else float("nan")  # (its NaNs become zeros: not finite before)
+    (cos_p1,) = _quantiles(cos, 0.01, finite_at=finite, own=True)
     del cos, finite
     # -- norm ratios
     ratio = rows_of("norm_ratio")
     worst_ratio = ratio[worst]
-    ratios = ratio[np.isfinite(ratio) & (ratio > 0)]
+    ratio = _own(ratio)
+    finite = np.isfinite(ratio)
+    ratio_mean = _nanmean_in_place(ratio) if rows else float("nan")
+    ratio_p1, ratio_p50, ratio_p99 = _quantiles(ratio, 0.01, 0.5, 0.99, finite_at=finite, own=True)
+    # The finite ratios are now the front of ``ratio`` (in another order): the positive ones' log2,
+    # in place (the histogram's range and counts do not depend on their order).
+    front = ratio[: int(np.count_nonzero(finite))]
+    del finite
+    logr = kept_in_place(front, front > 0)
     hist = {"edges": [], "counts": []}
-    if ratios.size:
-        logr = np.log2(ratios, out=ratios)
+    if logr.size:
+        np.log2(logr, out=logr)
         lo, hi = float(logr.min()), float(logr.max())
         if hi - lo < 1e-3:
             lo, hi = lo - 0.05, hi + 0.05
         counts_h, edges_h = np.histogram(logr, bins=40, range=(lo, hi))
         hist = {"edges": [float(e) for e in edges_h], "counts": [float(c) for c in counts_h]}
-    del ratios
-    ratio_p1, ratio_p50, ratio_p99 = _quantiles(ratio, 0.01, 0.5, 0.99)
-    ratio_mean = float(np.nanmean(ratio)) if rows else float("nan")
-    del ratio
+    del ratio, front, logr
     worst_rows = [
         {
             "cosine": float(worst_cos[n]),
