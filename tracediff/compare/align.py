@@ -40,12 +40,20 @@ class _Group:
     rows: np.ndarray  # index into the RowIndex (int32 below 2**31 rows)
     duplicates: int
 
+    @property
+    def size(self) -> int:
+        """Its rows (one per position)."""
+        return int(self.rows.size)
+
+    def held(self) -> _Group:
+        """This sequence with its positions, tokens and rows at hand (itself, here)."""
+        return self
+
 
 class _IndexGroup(_Group):
-    """A :class:`_Group` that holds only its rows (or, for index entries ``start..stop`` in order,
-    not even those): its positions, tokens and rows are read from the index when asked. A trainer's
-    sequences from the start (their labels are the index's own, in order); an engine's once the
-    alignment and the plan are done with them (only a finding reads them again)."""
+    """A :class:`_Group` that holds only its rows (or, for index entries ``start..stop`` in order, a
+    trainer's sequence, not even those): its positions, tokens and rows are read from the index when
+    asked (views for a span, gathers for rows: a caller that reads them often holds them)."""
 
     def __init__(self, key: int, duplicates: int, index: RowIndex, rows: np.ndarray | None = None,
                  span: tuple[int, int] = (0, 0)) -> None:
@@ -69,8 +77,40 @@ class _IndexGroup(_Group):
             return self._index.token_id[self._rows]
         return self._index.token_id[self._span[0] : self._span[1]]
 
+    @property
+    def size(self) -> int:
+        return self._span[1] - self._span[0] if self._rows is None else int(self._rows.size)
+
+    def held(self) -> _Group:
+        """A :class:`_Group` holding this sequence's positions, tokens and rows (read once: for a
+        caller that uses them repeatedly)."""
+        return _Group(self.key, self.positions, self.tokens, self.rows, self.duplicates)
+
     def __repr__(self) -> str:
         return f"_IndexGroup(key={self.key}, rows={self._span if self._rows is None else self._rows.size})"
+
+
+class _LetGo(_Group):
+    """What is kept of a candidate sequence once the pairs are made (:meth:`Alignment.let_go_of_rows`):
+    its key, size, duplicates and first position; its rows, positions and tokens are let go."""
+
+    def __init__(self, g: _Group) -> None:
+        self.key, self.duplicates, self._size = g.key, g.duplicates, g.size
+        self.first_position = int(g.positions[0]) if g.size else 0  # (positions ascend)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def _gone(self) -> np.ndarray:
+        raise RuntimeError(f"candidate sequence {self.key}: its rows were let go once the pairs were made")
+
+    rows = property(_gone)  # type: ignore[assignment]
+    positions = property(_gone)  # type: ignore[assignment]
+    tokens = property(_gone)  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"_LetGo(key={self.key}, size={self._size}, first_position={self.first_position})"
 
 
 def _groups(index: RowIndex) -> list[_Group]:
@@ -81,12 +121,16 @@ def _groups(index: RowIndex) -> list[_Group]:
         return []
     group = index.group if valid is None else index.group[valid]
     position = index.position if valid is None else index.position[valid]
-    # Rows by (sequence, position, row): one int64 key when it fits (Python ints: no wrap-around).
+    # Rows by (sequence, position, row): one integer key when it fits (Python ints: no wrap-around):
+    # int32 (half the sort's memory) when it and every partial sum do (compact positions lie within
+    # +-2**28), else int64.
     # ``within``: the order of the valid rows; None when they are in it already (a trainer's rows).
     p_lo = int(position.min())
     span = int(position.max()) - p_lo + 1
-    if (int(group.max()) + 1) * span < (1 << 62):
-        key = np.multiply(group, span, dtype=np.int64)  # compact columns: the key widens
+    top = (int(group.max()) + 1) * span
+    if top < (1 << 62):
+        narrow = top < (1 << 30) and position.dtype == np.int32
+        key = np.multiply(group, span, dtype=np.int32 if narrow else np.int64)  # the key widens
         key += position
         key -= p_lo
         within = None if bool((key[1:] >= key[:-1]).all()) else stable_argsort(key)
@@ -111,14 +155,14 @@ def _groups(index: RowIndex) -> list[_Group]:
     bounds = zip(kept_group[starts].tolist(), starts.tolist(), ends.tolist(), dups.tolist(), strict=True)
     if order is None and every_kept:  # every entry, in index order: the index holds it all
         return [_IndexGroup(k, d, index, span=(a, b)) for k, a, b, d in bounds]
+    del g, pos, new_group
     if order is None:
         rows = np.flatnonzero(keep).astype(rows_dtype)
     else:
         rows = (order if every_kept else order[keep]).astype(rows_dtype, copy=False)
-    positions = pos if every_kept else pos[keep]
-    tokens = index.token_id[rows]
-    return [_Group(key=k, positions=positions[a:b], tokens=tokens[a:b], rows=rows[a:b], duplicates=d)
-            for k, a, b, d in bounds]
+    # Only the rows are held: positions and tokens are read from the index when asked (8 bytes a
+    # row less through the alignment, for a gather per sequence where they are used).
+    return [_IndexGroup(k, d, index, rows=rows[a:b]) for k, a, b, d in bounds]
 
 
 def stable_argsort(key: np.ndarray) -> np.ndarray:
@@ -241,11 +285,15 @@ class Alignment:
     def aligned_sequences(self) -> int:
         return sum(1 for s in self.sequences if s.hypotheses)
 
-    def set_candidate_labels_aside(self) -> None:
-        """Let go of the candidate sequences' positions and tokens (read again from the index when
-        asked, as a trainer's are): once the label offset is chosen, only a finding reads them."""
-        self.cand_groups = {k: g if isinstance(g, _IndexGroup) else _IndexGroup(g.key, g.duplicates, self.candidate, rows=g.rows)
-                            for k, g in self.cand_groups.items()}
+    def let_go_of_rows(self) -> None:
+        """Let go of the candidate sequences' rows (4 bytes a row) once the pairs are made: only their
+        first positions are read later (:meth:`first_position`)."""
+        self.cand_groups = {k: _LetGo(g) for k, g in self.cand_groups.items()}
+
+    def first_position(self, candidate_group: int) -> int:
+        """The first (lowest) position of a candidate sequence."""
+        g = self.cand_groups[candidate_group]
+        return g.first_position if isinstance(g, _LetGo) else int(g.positions[0])
 
     def delta_histogram(self) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -279,7 +327,7 @@ def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = _NGRA
     # In batches of about _VOTE_BATCH_ROWS rows: the lookup's temporaries stay bounded. Batches are
     # independent (each candidate sequence is in one): they run on both cores (numpy's sorts,
     # searches and gathers release the GIL), a batch per core at a time.
-    whole = [g for g in cand_groups.values() if g.tokens.size >= ngram]
+    whole = [g for g in cand_groups.values() if g.size >= ngram]
     batches: list[list[_Group]] = [[]]
     held = 0
     for g in whole:
@@ -287,14 +335,14 @@ def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = _NGRA
             batches.append([])
             held = 0
         batches[-1].append(g)
-        held += int(g.tokens.size)
+        held += int(g.size)
     full = table(ngram) if whole else None
     found: dict[int, list[tuple[int, int, int]]] = {}
     for votes in in_parallel(*(functools.partial(_votes_together, b, full, ngram) for b in batches if b)):
         found.update(votes)
     sequences = []
     for g in cand_groups.values():
-        hyps = found.get(g.key, []) if g.tokens.size >= ngram else _votes_alone(g, table, ngram)
+        hyps = found.get(g.key, []) if g.size >= ngram else _votes_alone(g, table, ngram)
         if hyps:
             top = hyps[0][2]
             hyps = _same_sample_first([h for h in hyps if h[2] * 10 >= top or h[2] >= 8], g, ref_groups)
@@ -307,7 +355,7 @@ def ngram_table(groups: list[_Group], n: int) -> tuple[np.ndarray, ...]:
     position). A hash's n-grams are found by two sorted searches (:func:`_votes_together`)."""
     top = max((rg.key for rg in groups), default=0) + 1
     keys = np.array([rg.key for rg in groups], dtype=index_dtype(top))
-    member = np.repeat(np.arange(keys.size, dtype=index_dtype(keys.size)), [rg.tokens.size for rg in groups])
+    member = np.repeat(np.arange(keys.size, dtype=index_dtype(keys.size)), [rg.size for rg in groups])
     ref_h, starts, owners = _ngram_hashes(_joined([rg.tokens for rg in groups]),
                                           _joined([rg.positions for rg in groups]), n, member)
     del member
@@ -360,7 +408,7 @@ def _same_sample_first(hyps: list[tuple[int, int, int]], g: _Group,
 
 def _votes_alone(g: _Group, table: Any, ngram: int) -> list[tuple[int, int, int]]:
     """The ranked hypotheses of one candidate sequence (n-grams of at most its own length)."""
-    n = min(ngram, int(g.tokens.size))
+    n = min(ngram, int(g.size))
     h, p = _ngram_hashes(g.tokens, g.positions, n)
     if not h.size:
         return []
@@ -377,7 +425,7 @@ def _votes_together(
     lookup of all their n-grams instead of one per sequence, the same hypotheses in the same order.
     Candidate group -> its top hypotheses (sequences with none are left out)."""
     ref_h, ref_owner, ref_start = table[:3]
-    lengths = np.array([g.tokens.size for g in groups], dtype=np.int64)
+    lengths = np.array([g.size for g in groups], dtype=np.int64)
     tokens = np.concatenate([g.tokens for g in groups])
     positions = np.concatenate([g.positions for g in groups])
     member = np.repeat(np.arange(len(groups), dtype=np.int64), lengths)
@@ -469,9 +517,9 @@ def _align_by_labels(
     for g in cand_groups.values():
         key = candidate.group_keys[g.key].split(":")[-1]
         if key in by_key:
-            sequences.append(SequenceAlignment(g.key, [(by_key[key], 0, int(g.rows.size))]))
+            sequences.append(SequenceAlignment(g.key, [(by_key[key], 0, int(g.size))]))
         elif len(ref_groups) == 1 and len(cand_groups) == 1:
-            sequences.append(SequenceAlignment(g.key, [(next(iter(ref_groups)), 0, int(g.rows.size))]))
+            sequences.append(SequenceAlignment(g.key, [(next(iter(ref_groups)), 0, int(g.size))]))
         else:
             sequences.append(SequenceAlignment(g.key, []))
     return Alignment(reference, candidate, sequences, False, notes, duplicates, ref_groups, cand_groups)
@@ -553,19 +601,19 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     for seq in alignment.sequences:
         if wanted is not None and seq.candidate_group not in wanted:
             continue
-        g = alignment.cand_groups[seq.candidate_group]
+        g = alignment.cand_groups[seq.candidate_group].held()
         if not seq.hypotheses:
-            unaligned += g.rows.size
+            unaligned += g.size
             continue
-        taken = np.zeros(g.rows.size, dtype=bool)
-        row_delta = np.zeros(g.rows.size, dtype=np.int64)
+        taken = np.zeros(g.size, dtype=bool)
+        row_delta = np.zeros(g.size, dtype=np.int64)
         # Reference rows this candidate sequence already paired: each at most once, so a row past
         # the end of the reference's sequence (a server that records one more position than the
         # trainer kept) never re-pairs an earlier reference row under another delta.
         used: dict[int, np.ndarray] = {}
         primary = seq.hypotheses[0][0]
         for h_i, (ref_key, delta, _votes) in enumerate(seq.hypotheses):
-            rg = alignment.ref_groups[ref_key]
+            rg = alignment.ref_groups[ref_key].held()
             free = ~taken
             # Token consistency under this hypothesis (label positions, before the offset).
             idx_c, at = _find_positions(rg.positions, _shifted(g.positions, delta, 0))
@@ -574,7 +622,7 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             ok = free & (agree | (unknown & (h_i == 0)) if alignment.by_tokens else free)
             # The value pairing: shift by the label offset.
             vidx_c, vat = _find_positions(rg.positions, _shifted(g.positions, delta, offset))
-            seen = used.setdefault(ref_key, np.zeros(rg.rows.size, dtype=bool))
+            seen = used.setdefault(ref_key, np.zeros(rg.size, dtype=bool))
             use = ok & vat & ~seen[vidx_c]
             if h_i > 0 and ref_key != primary:
                 # Another reference sequence takes only whole runs of rows (a shared prefix's last
@@ -599,7 +647,7 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             eff = int(row_delta[first]) - offset
             rg0 = alignment.ref_groups[seq.hypotheses[0][0]]
             before = (g.positions < int(g.positions[first])) & (g.positions < int(rg0.positions[0]) + eff) \
-                if eff > 0 else np.zeros(g.rows.size, dtype=bool)
+                if eff > 0 else np.zeros(g.size, dtype=bool)
             extra = before & ~taken
             if extra.any():
                 prefix_rows[seq.candidate_group] = g.rows[extra]

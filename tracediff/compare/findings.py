@@ -290,9 +290,8 @@ def _reference_prefix(alignment: Alignment, neg: dict[int, int]) -> dict[str, An
         if d is None or seq.best is None:
             continue
         rg = alignment.ref_groups[seq.best[0]]
-        cg = alignment.cand_groups[seq.candidate_group]
         # Reference positions before where the candidate starts (after the shift).
-        before = rg.positions < cg.positions.min() - d
+        before = rg.positions < alignment.first_position(seq.candidate_group) - d
         if before.any():
             lengths.append(int(before.sum()))
             if example is None:

@@ -298,7 +298,7 @@ def offset_search(
 
 def _scoring_groups(alignment: Alignment, rows: int, seed: int) -> list[int] | None:
     """Candidate sequences, drawn at random, holding at least ``rows`` rows; None when that is all."""
-    sizes = [(s.candidate_group, int(alignment.cand_groups[s.candidate_group].rows.size))
+    sizes = [(s.candidate_group, int(alignment.cand_groups[s.candidate_group].size))
              for s in alignment.sequences if s.hypotheses]
     if sum(n for _, n in sizes) <= rows:
         return None

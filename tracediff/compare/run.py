@@ -158,9 +158,9 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
                 notes += ahead_notes
             else:
                 c_sample, r_sample = plan_sample(pairs, notes)
-        # The pairs are made: the candidate sequences' positions and tokens (8 bytes a row) and, under
-        # another label offset, offset 0's pairs are let go.
-        alignment.set_candidate_labels_aside()
+        # The pairs are made: the candidate sequences' rows and, under another label offset, offset
+        # 0's pairs are let go.
+        alignment.let_go_of_rows()
         del base_pairs
         require_finite_rows([(ref_store, rtap, r_sample), (cand_store, ctap, c_sample)], size)
         depths = _segment_depths(rl.width // size, ref_aux, cand_aux, ref_meta, cand_meta)
@@ -335,7 +335,7 @@ def _reference_replica_notes(alignment: Any, ref_index: RowIndex) -> list[str]:
         first = seen.setdefault(digest, key)
         if first != key:
             copies += 1
-            rows += int(g.rows.size)
+            rows += g.size
             for k in (first, key):
                 writers.add(names[int(ref_index.stream_of(alignment.ref_groups[k].rows[0]))])
     if not copies:
