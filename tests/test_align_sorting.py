@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tracediff.compare.align import (
-    _Group,
+    SequenceRows,
     _groups,
     _unique_first_counts,
     _votes_alone,
@@ -97,9 +97,9 @@ def test_packed_samples_split_where_positions_restart(data: st.DataObject, n: in
     assert got_group.tolist() == want_group and got_keys == want_keys and got_split == want_split
 
 
-def _group(key: int, tokens: list[int], start: int) -> _Group:
+def _group(key: int, tokens: list[int], start: int) -> SequenceRows:
     n = len(tokens)
-    return _Group(key, np.arange(start, start + n, dtype=np.int32), np.array(tokens, dtype=np.int32),
+    return SequenceRows(key, np.arange(start, start + n, dtype=np.int32), np.array(tokens, dtype=np.int32),
                   np.arange(n, dtype=np.int32), 0)
 
 
@@ -175,6 +175,7 @@ def test_pairs_without_a_repeated_reference_row_are_the_sorted_pairs(
     general path (a sort by reference row, writer group and candidate row, duplicates and replicas
     set aside, then candidate order), on engine-ordered candidates over one or two writer groups."""
     import tracediff.compare.align as align
+    import tracediff.compare.rowpairs as rowpairs
 
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     lengths = [int(rng.integers(8, 40)) for _ in range(sequences)]
@@ -192,13 +193,13 @@ def test_pairs_without_a_repeated_reference_row_are_the_sorted_pairs(
     shuffle = rng.permutation(len(cand))
     cand.group, cand.position, cand.token_id = cand.group[shuffle], cand.position[shuffle], cand.token_id[shuffle]
     alignment = align.align_sequences(ref, cand)
-    fast = align.pair_rows(alignment, offset)
-    real = align._each_once
-    align._each_once = lambda *_a: False  # the general path
+    fast = rowpairs.pair_rows(alignment, offset)
+    real = rowpairs._each_once
+    rowpairs._each_once = lambda *_a: False  # the general path
     try:
-        general = align.pair_rows(alignment, offset)
+        general = rowpairs.pair_rows(alignment, offset)
     finally:
-        align._each_once = real
+        rowpairs._each_once = real
     for name in ("candidate", "reference"):
         a, b = getattr(fast, name), getattr(general, name)
         assert a.dtype == b.dtype and a.tolist() == b.tolist()

@@ -29,8 +29,9 @@ from store_parts import split_store  # noqa: E402
 
 import tracediff  # noqa: E402
 from tracediff.compare import CompareOptions, compare_stores  # noqa: E402
-from tracediff.compare.align import align_sequences, pair_rows  # noqa: E402
+from tracediff.compare.align import align_sequences  # noqa: E402
 from tracediff.compare.cluster import DaskRunner, parse_dask_target  # noqa: E402
+from tracediff.compare.rowpairs import pair_rows  # noqa: E402
 from tracediff.compare.rows import RowIndex  # noqa: E402
 from tracediff.compare.stream import stream_metrics  # noqa: E402
 from tracediff.errors import CompareError, UsageError  # noqa: E402

@@ -96,9 +96,9 @@ def test_finish_metrics_from_file_or_memory_columns_gives_the_defined_metrics(co
     import functools
 
     import tracediff.compare.metrics as metrics_module
-    from tracediff.compare.align import RowPairs
     from tracediff.compare.metrics import finish_metrics
     from tracediff.compare.rowcolumns import COLUMNS, STD_ERROR, RowColumns
+    from tracediff.compare.rowpairs import RowPairs
     from tracediff.compare.rows import RowIndex
 
     cos, ratio, num = columns

@@ -1,8 +1,9 @@
 """The compare pipeline, in the order it runs (:func:`compare_stores` in :mod:`~tracediff.compare.run`
 drives it):
 
-1. :mod:`~tracediff.compare.align` (rows of both sides by sequence and token) and
-   :mod:`~tracediff.compare.pairing` (the row pairs, token pairing checks);
+1. :mod:`~tracediff.compare.align` (sequences of both sides matched by their tokens),
+   :mod:`~tracediff.compare.rowpairs` (the row pairs) and :mod:`~tracediff.compare.pairing` (token
+   pairing checks);
 2. :mod:`~tracediff.compare.plan` on a sample of pairs: label offset, segment size, and per segment
    :mod:`~tracediff.compare.segments` (which reference segment it is), :mod:`~tracediff.compare.transforms`
    (how it was transformed) and :mod:`~tracediff.compare.noise` (how far numerics may move it);

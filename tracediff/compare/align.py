@@ -1,7 +1,7 @@
 """Row alignment: which candidate row holds the same token of the same sequence as which reference row.
 
-Works on labels only (the row index), never on values, except :func:`pair_rows` taking the label
-offset that the value-based offset search chose. Sequences are matched by their token content (n-gram
+Works on labels only (the row index), never on values. The rows paired under an alignment (and the
+label offset that the value-based offset search chose): :mod:`tracediff.compare.rowpairs`. Sequences are matched by their token content (n-gram
 votes), never by request ids: an engine's request ids have nothing to do with a trainer's sample ids,
 a chat template can prepend tokens, a server can truncate, rows arrive in engine order, and some rows
 (rejected drafts, generated tokens, DRAFT_EXTEND padding) have no counterpart at all.
@@ -10,20 +10,16 @@ a chat template can prepend tokens, a server can truncate, rows arrive in engine
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from tracediff.compare.gather import in_parallel
-from tracediff.compare.rows import COMPACT_BOUND, RowIndex, index_dtype
+from tracediff.compare.rows import RowIndex, index_dtype
 from tracediff.errors import CompareError
 
-if TYPE_CHECKING:
-    pass
-
-_NGRAM = 4
+NGRAM = 4
 _MAX_HASH_REPEAT = 64  # an n-gram seen more often than this in the reference (padding...) casts no vote
 _VOTE_BATCH_ROWS = 1 << 19  # candidate rows whose n-grams are looked up together
 _HASH_PIECE = 1 << 16  # n-gram windows hashed (or values moved in place) at a time: temporaries stay small
@@ -31,7 +27,7 @@ _MAX_ALIGNMENTS = 4  # alternative (reference sequence, delta) hypotheses kept p
 
 
 @dataclass
-class _Group:
+class SequenceRows:
     """One sequence: its rows ordered by position, one row per position (the first valid one)."""
 
     key: int
@@ -45,13 +41,13 @@ class _Group:
         """Its rows (one per position)."""
         return int(self.rows.size)
 
-    def held(self) -> _Group:
+    def held(self) -> SequenceRows:
         """This sequence with its positions, tokens and rows at hand (itself, here)."""
         return self
 
 
-class _IndexGroup(_Group):
-    """A :class:`_Group` that holds only its rows (or, for index entries ``start..stop`` in order, a
+class _IndexGroup(SequenceRows):
+    """A :class:`SequenceRows` that holds only its rows (or, for index entries ``start..stop`` in order, a
     trainer's sequence, not even those): its positions, tokens and rows are read from the index when
     asked (views for a span, gathers for rows: a caller that reads them often holds them)."""
 
@@ -81,20 +77,20 @@ class _IndexGroup(_Group):
     def size(self) -> int:
         return self._span[1] - self._span[0] if self._rows is None else int(self._rows.size)
 
-    def held(self) -> _Group:
-        """A :class:`_Group` holding this sequence's positions, tokens and rows (read once: for a
+    def held(self) -> SequenceRows:
+        """A :class:`SequenceRows` holding this sequence's positions, tokens and rows (read once: for a
         caller that uses them repeatedly)."""
-        return _Group(self.key, self.positions, self.tokens, self.rows, self.duplicates)
+        return SequenceRows(self.key, self.positions, self.tokens, self.rows, self.duplicates)
 
     def __repr__(self) -> str:
         return f"_IndexGroup(key={self.key}, rows={self._span if self._rows is None else self._rows.size})"
 
 
-class _LetGo(_Group):
+class _LetGo(SequenceRows):
     """What is kept of a candidate sequence once the pairs are made (:meth:`Alignment.let_go_of_rows`):
     its key, size, duplicates and first position; its rows, positions and tokens are let go."""
 
-    def __init__(self, g: _Group) -> None:
+    def __init__(self, g: SequenceRows) -> None:
         self.key, self.duplicates, self._size = g.key, g.duplicates, g.size
         self.first_position = int(g.positions[0]) if g.size else 0  # (positions ascend)
 
@@ -113,7 +109,7 @@ class _LetGo(_Group):
         return f"_LetGo(key={self.key}, size={self._size}, first_position={self.first_position})"
 
 
-def _groups(index: RowIndex) -> list[_Group]:
+def _groups(index: RowIndex) -> list[SequenceRows]:
     n = len(index)
     every = n > 0 and bool(index.valid.all())  # every row valid (the common case): no row to skip
     valid = None if every else np.flatnonzero(index.valid)
@@ -278,8 +274,8 @@ class Alignment:
     by_tokens: bool
     notes: list[str] = field(default_factory=list)
     candidate_duplicates: int = 0
-    ref_groups: dict[int, _Group] = field(default_factory=dict, repr=False)
-    cand_groups: dict[int, _Group] = field(default_factory=dict, repr=False)
+    ref_groups: dict[int, SequenceRows] = field(default_factory=dict, repr=False)
+    cand_groups: dict[int, SequenceRows] = field(default_factory=dict, repr=False)
 
     @property
     def aligned_sequences(self) -> int:
@@ -303,7 +299,7 @@ class Alignment:
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = _NGRAM) -> Alignment:
+def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = NGRAM) -> Alignment:
     """Match each candidate sequence to reference sequences by token n-gram votes."""
     ref_list, cand_list = in_parallel(lambda: _groups(reference), lambda: _groups(candidate))
     ref_groups = {g.key: g for g in ref_list}
@@ -328,7 +324,7 @@ def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = _NGRA
     # independent (each candidate sequence is in one): they run on both cores (numpy's sorts,
     # searches and gathers release the GIL), a batch per core at a time.
     whole = [g for g in cand_groups.values() if g.size >= ngram]
-    batches: list[list[_Group]] = [[]]
+    batches: list[list[SequenceRows]] = [[]]
     held = 0
     for g in whole:
         if held >= _VOTE_BATCH_ROWS:
@@ -350,7 +346,7 @@ def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = _NGRA
     return Alignment(reference, candidate, sequences, True, [], duplicates, ref_groups, cand_groups)
 
 
-def ngram_table(groups: list[_Group], n: int) -> tuple[np.ndarray, ...]:
+def ngram_table(groups: list[SequenceRows], n: int) -> tuple[np.ndarray, ...]:
     """The reference's n-grams sorted by hash (ties in sequence order): (hash, owner group, start
     position). A hash's n-grams are found by two sorted searches (:func:`_votes_together`)."""
     top = max((rg.key for rg in groups), default=0) + 1
@@ -384,8 +380,8 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def _same_sample_first(hyps: list[tuple[int, int, int]], g: _Group,
-                       ref_groups: dict[int, _Group]) -> list[tuple[int, int, int]]:
+def _same_sample_first(hyps: list[tuple[int, int, int]], g: SequenceRows,
+                       ref_groups: dict[int, SequenceRows]) -> list[tuple[int, int, int]]:
     """Rank first, among the hypotheses with at least half the top votes, a reference sequence that
     ends within the candidate's: the candidate's own sample. Chat data holds conversations whose
     earlier turns are whole prefixes of later samples; a request of the first turn votes as much (or
@@ -406,7 +402,7 @@ def _same_sample_first(hyps: list[tuple[int, int, int]], g: _Group,
     return [better[0]] + [h for h in hyps if h is not better[0]]
 
 
-def _votes_alone(g: _Group, table: Any, ngram: int) -> list[tuple[int, int, int]]:
+def _votes_alone(g: SequenceRows, table: Any, ngram: int) -> list[tuple[int, int, int]]:
     """The ranked hypotheses of one candidate sequence (n-grams of at most its own length)."""
     n = min(ngram, int(g.size))
     h, p = _ngram_hashes(g.tokens, g.positions, n)
@@ -419,7 +415,7 @@ def _votes_alone(g: _Group, table: Any, ngram: int) -> list[tuple[int, int, int]
 
 
 def _votes_together(
-    groups: list[_Group], table: tuple[np.ndarray, ...], n: int
+    groups: list[SequenceRows], table: tuple[np.ndarray, ...], n: int
 ) -> dict[int, list[tuple[int, int, int]]]:
     """:func:`_votes_alone` of every sequence at once (each at least n tokens long): one sorted
     lookup of all their n-grams instead of one per sequence, the same hypotheses in the same order.
@@ -504,8 +500,8 @@ def _ranked_votes(
 def _align_by_labels(
     reference: RowIndex,
     candidate: RowIndex,
-    ref_groups: dict[int, _Group],
-    cand_groups: dict[int, _Group],
+    ref_groups: dict[int, SequenceRows],
+    cand_groups: dict[int, SequenceRows],
     duplicates: int,
 ) -> Alignment:
     """Without token ids, fall back to equal sequence keys (or one sequence each) and positions."""
@@ -523,236 +519,3 @@ def _align_by_labels(
         else:
             sequences.append(SequenceAlignment(g.key, []))
     return Alignment(reference, candidate, sequences, False, notes, duplicates, ref_groups, cand_groups)
-
-
-@dataclass
-class RowPairs:
-    """Candidate row i <-> reference row j, both as indices into their RowIndex (int32 below 2**31
-    rows a side)."""
-
-    candidate: np.ndarray
-    reference: np.ndarray
-    offset: int
-    unaligned: int  # valid candidate rows without a counterpart
-    duplicates: int  # candidate rows whose reference row their writer already paired (retries)
-    prefix_rows: dict[int, np.ndarray]  # candidate group -> rows before the aligned region (extra tokens)
-    effective_delta: dict[int, int]  # candidate group -> delta after the offset
-    replicas: int = 0  # pairs whose reference row another writer group pairs too (tensor-parallel ranks)
-    # Tokens the candidate has inside a sequence that the reference lacks (or lacks where the
-    # reference has some): {"group", "position", "length", "tokens", "kind": "insertion"|"deletion"}.
-    insertions: list[dict] = field(default_factory=list)
-    distinct_reference: int = -1  # distinct reference rows paired, when pair_rows counted them
-    trailing: int = 0  # unaligned candidate rows past the end of the reference sequence they align with
-
-    def __len__(self) -> int:
-        return int(self.candidate.size)
-
-    @property
-    def reference_rows(self) -> int:
-        """Distinct reference rows paired (replicated writer groups pair one row several times)."""
-        if self.distinct_reference >= 0:
-            return self.distinct_reference
-        return int(np.unique(self.reference).size)
-
-
-def _shifted(positions: np.ndarray, delta: int, offset: int) -> np.ndarray:
-    """``positions - delta + offset`` as int64 arithmetic gives it: compact (int32) positions stay
-    int32 when the result fits (:data:`~tracediff.compare.rows.COMPACT_BOUND`), else widen first."""
-    if positions.dtype == np.int32 and abs(delta) + abs(offset) <= 2 * COMPACT_BOUND:
-        return positions - delta + offset
-    return positions.astype(np.int64, copy=False) - delta + offset
-
-
-def _find_positions(positions: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Index into sorted, distinct ``positions`` of each wanted position (clipped), and whether it
-    is there. Positions without gaps (the common case) need no search."""
-    n = positions.size
-    if n and int(positions[-1]) - int(positions[0]) == n - 1:
-        idx = wanted - positions[0]
-        found = (idx >= 0) & (idx < n)
-        return np.minimum(np.maximum(idx, 0), n - 1), found
-    idx = np.searchsorted(positions, wanted)
-    idx_c = np.minimum(idx, max(n - 1, 0))
-    return idx_c, (idx < n) & (positions[idx_c] == wanted)
-
-
-def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[int] | None = None) -> RowPairs:
-    """Pair rows under the alignment: candidate position p <-> reference position p - delta + offset.
-
-    ``offset`` is the label offset: 0 when rows are labelled with the token whose forward produced
-    them; the offset search tries -2..2. A hypothesis is used for a row only if the row's token agrees
-    with the reference token at p - delta (rows without a token take the best hypothesis).
-    """
-    # Every sequence: each pair written at its candidate row (each pairs at most once) in one column
-    # as long as the candidate, -1 where unpaired, so the pairs come out in candidate order without a
-    # sort. A few sequences (the offset search): pairs written into two buffers as large as their
-    # rows. Either way no list of small arrays left behind in the allocator's heap, no concatenation.
-    wanted = set(candidate_groups) if candidate_groups is not None else None
-    n_cand, n_ref = len(alignment.candidate), len(alignment.reference)
-    slot = np.full(n_cand, -1, dtype=index_dtype(n_ref)) if wanted is None else None
-    room = 0 if wanted is None else sum(int(alignment.cand_groups[k].rows.size) for k in wanted if k in alignment.cand_groups)
-    cand_buf = np.empty(room, dtype=index_dtype(n_cand))
-    ref_buf = np.empty(room, dtype=index_dtype(n_ref))
-    held = 0
-    unaligned = trailing = 0
-    insertions: list[dict] = []
-    prefix_rows: dict[int, np.ndarray] = {}
-    effective: dict[int, int] = {}
-    for seq in alignment.sequences:
-        if wanted is not None and seq.candidate_group not in wanted:
-            continue
-        g = alignment.cand_groups[seq.candidate_group].held()
-        if not seq.hypotheses:
-            unaligned += g.size
-            continue
-        taken = np.zeros(g.size, dtype=bool)
-        row_delta = np.zeros(g.size, dtype=np.int64)
-        # Reference rows this candidate sequence already paired: each at most once, so a row past
-        # the end of the reference's sequence (a server that records one more position than the
-        # trainer kept) never re-pairs an earlier reference row under another delta.
-        used: dict[int, np.ndarray] = {}
-        primary = seq.hypotheses[0][0]
-        for h_i, (ref_key, delta, _votes) in enumerate(seq.hypotheses):
-            rg = alignment.ref_groups[ref_key].held()
-            free = ~taken
-            # Token consistency under this hypothesis (label positions, before the offset).
-            idx_c, at = _find_positions(rg.positions, _shifted(g.positions, delta, 0))
-            agree = at & (rg.tokens[idx_c] == g.tokens)
-            unknown = g.tokens < 0
-            ok = free & (agree | (unknown & (h_i == 0)) if alignment.by_tokens else free)
-            # The value pairing: shift by the label offset.
-            vidx_c, vat = _find_positions(rg.positions, _shifted(g.positions, delta, offset))
-            seen = used.setdefault(ref_key, np.zeros(rg.size, dtype=bool))
-            use = ok & vat & ~seen[vidx_c]
-            if h_i > 0 and ref_key != primary:
-                # Another reference sequence takes only whole runs of rows (a shared prefix's last
-                # row matching a longer sample is where the sequences diverge, not a pairing).
-                use &= _runs_of_at_least(use, _NGRAM)
-            seen[vidx_c[use]] = True
-            got = g.rows[use]
-            if slot is not None:
-                slot[got] = rg.rows[vidx_c[use]]
-            else:
-                cand_buf[held : held + got.size] = got
-                ref_buf[held : held + got.size] = rg.rows[vidx_c[use]]
-            held += got.size
-            taken |= use
-            row_delta[use] = delta
-            if h_i == 0:
-                effective[seq.candidate_group] = delta - offset
-        if taken.any():
-            # A prefix: candidate rows before the first paired one, in front of the reference's start.
-            # Python ints: positions near the int64 limits must not wrap around.
-            first = int(np.argmax(taken))  # positions are sorted
-            eff = int(row_delta[first]) - offset
-            rg0 = alignment.ref_groups[seq.hypotheses[0][0]]
-            before = (g.positions < int(g.positions[first])) & (g.positions < int(rg0.positions[0]) + eff) \
-                if eff > 0 else np.zeros(g.size, dtype=bool)
-            extra = before & ~taken
-            if extra.any():
-                prefix_rows[seq.candidate_group] = g.rows[extra]
-            insertions += _insertions(seq.candidate_group, g, taken, row_delta)
-            # Rows past the last position of the reference sequence they align with: the two
-            # sequences end differently (coverage), whatever else they are.
-            end = int(alignment.ref_groups[primary].positions[-1]) + int(seq.hypotheses[0][1])
-            trailing += int((~taken & (g.positions > end)).sum())
-        unaligned += int((~taken).sum())
-    rows_dtype = index_dtype(max(n_cand, n_ref))
-    if held == 0:
-        cand = ref = np.empty(0, dtype=rows_dtype)
-    elif slot is not None:
-        cand, ref = _in_candidate_order(slot >= 0, slot, held)
-        del slot
-        if _each_once(ref, n_ref):
-            # No reference row paired twice (the common case): no duplicate or replica to set aside;
-            # the same arrays as the sort below gives.
-            return RowPairs(cand, ref, offset, unaligned, alignment.candidate_duplicates, prefix_rows, effective, 0,
-                            insertions, held, trailing)
-    else:
-        cand, ref = cand_buf[:held], ref_buf[:held]
-    del cand_buf, ref_buf
-    # One candidate row per reference row and writer group: a writer that records a row twice (a
-    # retry) is a duplicate, set aside; another writer holding the same row (a tensor-parallel rank)
-    # is a replica, compared like any row, so a rank that captured something else is seen.
-    stream = alignment.candidate.stream_of(cand)
-    if n_ref * n_cand < (1 << 62):
-        # One unique int64 key: index order is (stream, row) order, and each candidate row is paired
-        # at most once, so any sort gives lexsort's order (numpy's vectorised sort, ~3x faster).
-        key = np.multiply(ref, n_cand, dtype=np.int64)
-        key += cand
-        order = np.argsort(key)
-        del key
-    else:
-        order = np.lexsort((cand, stream, ref))
-    cand, ref, stream = cand[order], ref[order], stream[order]
-    first = np.ones(ref.size, dtype=bool)
-    first[1:] = (ref[1:] != ref[:-1]) | (stream[1:] != stream[:-1])
-    duplicates = int((~first).sum()) + alignment.candidate_duplicates
-    cand, ref = cand[first], ref[first]
-    # ``ref`` is sorted here: its distinct rows are counted in one pass, no hash table.
-    distinct = int(np.count_nonzero(ref[1:] != ref[:-1])) + 1 if ref.size else 0
-    replicas = int(ref.size - distinct)
-    # Candidate storage order makes the streaming pass read the candidate sequentially: the index's
-    # own order (stream by stream, row by row), and each candidate row appears once.
-    order = np.argsort(cand)
-    return RowPairs(cand[order], ref[order], offset, unaligned, duplicates, prefix_rows, effective, replicas,
-                    insertions, distinct, trailing)
-
-
-def _each_once(ref: np.ndarray, n_ref: int) -> bool:
-    """True when no reference row (an index below ``n_ref``) appears twice in ``ref``."""
-    seen = np.zeros(n_ref, dtype=bool)
-    seen[ref] = True
-    return int(np.count_nonzero(seen)) == ref.size
-
-
-def _in_candidate_order(present: np.ndarray, slot: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """The pairs held in ``slot`` (a reference row at each paired candidate row, ``present`` marks
-    them; ``count`` of them) in candidate order: the candidate rows made a piece at a time (no whole
-    int64 index array), the reference rows moved to the front of ``slot`` in place (a view of it)."""
-    cand = np.empty(count, dtype=index_dtype(present.size))
-    at = 0
-    for a in range(0, present.size, _MASK_PIECE):
-        got = np.flatnonzero(present[a : a + _MASK_PIECE])
-        got += a
-        cand[at : at + got.size] = got
-        at += got.size
-    return cand, kept_in_place(slot, present)
-
-
-#: Candidate rows :func:`_in_candidate_order` turns into indices at a time.
-_MASK_PIECE = 1 << 20
-
-
-def _runs_of_at_least(mask: np.ndarray, n: int) -> np.ndarray:
-    """The True entries of ``mask`` that belong to a run of at least ``n`` consecutive True."""
-    if not mask.any():
-        return mask
-    edges = np.diff(np.r_[0, mask.astype(np.int8), 0])
-    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-    keep = np.zeros(mask.size, dtype=bool)
-    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-        if b - a >= n:
-            keep[a:b] = True
-    return keep
-
-
-def _insertions(group: int, g: _Group, taken: np.ndarray, row_delta: np.ndarray) -> list[dict]:
-    """Where the pairing delta steps between paired runs of one candidate sequence: tokens inserted
-    (the delta grows by the unpaired rows between) or deleted (it shrinks) inside the sequence."""
-    out: list[dict] = []
-    paired = np.flatnonzero(taken)
-    if paired.size < 2:
-        return out
-    deltas = row_delta[paired]
-    for k in np.flatnonzero(np.diff(deltas)).tolist():
-        a, b = int(paired[k]), int(paired[k + 1])
-        step = int(deltas[k + 1] - deltas[k])
-        between = np.arange(a + 1, b)
-        if step > 0:
-            out.append({"group": group, "kind": "insertion", "position": int(g.positions[a]) + 1, "length": step,
-                        "tokens": [int(t) for t in g.tokens[between][:16]]})
-        else:
-            out.append({"group": group, "kind": "deletion", "position": int(g.positions[b]), "length": -step,
-                        "tokens": []})
-    return out

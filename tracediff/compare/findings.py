@@ -7,11 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from tracediff.adapters.conventions import AuxLayers, format_layers
-from tracediff.compare.align import Alignment, RowPairs
+from tracediff.compare.align import Alignment
 from tracediff.compare.metadata import PHYSICAL_FIELD, is_aux_key, readable_changes
 from tracediff.compare.metrics import StreamResult, row_ref
 from tracediff.compare.plan import SegmentPlan
 from tracediff.compare.results import Finding, Report
+from tracediff.compare.rowpairs import RowPairs
 from tracediff.compare.segment_findings import seg_name, segment_findings
 
 

@@ -12,8 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.compare.align import RowPairs, kept_in_place
+from tracediff.compare.align import kept_in_place
 from tracediff.compare.results import RowRef, SegmentMetrics, SegmentProfile
+from tracediff.compare.rowpairs import RowPairs
 from tracediff.compare.rows import RowIndex
 
 

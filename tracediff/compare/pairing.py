@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.compare.align import RowPairs
+from tracediff.compare.rowpairs import RowPairs
 from tracediff.compare.rows import RowIndex
 from tracediff.store import PHASES
 

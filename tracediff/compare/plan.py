@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.compare.align import Alignment, RowPairs, pair_rows
+from tracediff.compare.align import Alignment
 from tracediff.compare.gather import ChunkReader, in_parallel
 from tracediff.compare.metrics import ProfileRequest
 from tracediff.compare.noise import (
@@ -36,6 +36,7 @@ from tracediff.compare.noise import (
     segment_noise,
     with_limits,
 )
+from tracediff.compare.rowpairs import RowPairs, pair_rows
 from tracediff.compare.rows import RowIndex
 from tracediff.compare.segments import (
     NoiseFloor,

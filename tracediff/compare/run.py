@@ -18,7 +18,7 @@ import numpy as np
 
 from tracediff import __version__
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
-from tracediff.compare.align import RowPairs, align_sequences, pair_rows
+from tracediff.compare.align import align_sequences
 from tracediff.compare.findings import build_findings
 from tracediff.compare.gather import in_parallel
 from tracediff.compare.kernels import prepare_kernel
@@ -44,6 +44,7 @@ from tracediff.compare.plan import (
 )
 from tracediff.compare.remedy import attach_next_steps
 from tracediff.compare.results import Finding, Plan, Report, SegmentMatch, Side
+from tracediff.compare.rowpairs import RowPairs, pair_rows
 from tracediff.compare.rows import RowIndex, stream_names
 from tracediff.compare.segments import SegmentDecision, segment_scales
 from tracediff.compare.stream import stream_metrics

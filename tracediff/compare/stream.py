@@ -31,7 +31,6 @@ from typing import Protocol
 
 import numpy as np
 
-from tracediff.compare.align import RowPairs
 from tracediff.compare.gather import (
     ChunkReader,
     StreamLocation,
@@ -59,6 +58,7 @@ from tracediff.compare.metrics import (
     reduce_block,
 )
 from tracediff.compare.rowcolumns import COLUMNS, COSINE, NORM_RATIO, STD_ERROR, RowColumns
+from tracediff.compare.rowpairs import RowPairs
 from tracediff.compare.rows import RowIndex
 from tracediff.compare.segments import to_float32
 from tracediff.errors import CompareError

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.compare.align import RowPairs
 from tracediff.compare.plan import read_rows
+from tracediff.compare.rowpairs import RowPairs
 from tracediff.compare.rows import RowIndex, stream_names
 from tracediff.compare.segments import SegmentScales, relative_error, split
 from tracediff.store import PHASES

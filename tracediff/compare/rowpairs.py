@@ -1,0 +1,249 @@
+"""The rows an alignment pairs: candidate row <-> reference row, under a label offset.
+
+Each candidate sequence's rows are paired with the reference sequence of its best hypothesis (then
+the others) at position ``p - delta + offset``, where its token agrees; a reference row pairs once per
+candidate writer group (a retry is a duplicate, another rank a replica). Labels only, no values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tracediff.compare.align import NGRAM, Alignment, SequenceRows, kept_in_place
+from tracediff.compare.rows import COMPACT_BOUND, index_dtype
+
+
+@dataclass
+class RowPairs:
+    """Candidate row i <-> reference row j, both as indices into their RowIndex (int32 below 2**31
+    rows a side)."""
+
+    candidate: np.ndarray
+    reference: np.ndarray
+    offset: int
+    unaligned: int  # valid candidate rows without a counterpart
+    duplicates: int  # candidate rows whose reference row their writer already paired (retries)
+    prefix_rows: dict[int, np.ndarray]  # candidate group -> rows before the aligned region (extra tokens)
+    effective_delta: dict[int, int]  # candidate group -> delta after the offset
+    replicas: int = 0  # pairs whose reference row another writer group pairs too (tensor-parallel ranks)
+    # Tokens the candidate has inside a sequence that the reference lacks (or lacks where the
+    # reference has some): {"group", "position", "length", "tokens", "kind": "insertion"|"deletion"}.
+    insertions: list[dict] = field(default_factory=list)
+    distinct_reference: int = -1  # distinct reference rows paired, when pair_rows counted them
+    trailing: int = 0  # unaligned candidate rows past the end of the reference sequence they align with
+
+    def __len__(self) -> int:
+        return int(self.candidate.size)
+
+    @property
+    def reference_rows(self) -> int:
+        """Distinct reference rows paired (replicated writer groups pair one row several times)."""
+        if self.distinct_reference >= 0:
+            return self.distinct_reference
+        return int(np.unique(self.reference).size)
+
+
+def _shifted(positions: np.ndarray, delta: int, offset: int) -> np.ndarray:
+    """``positions - delta + offset`` as int64 arithmetic gives it: compact (int32) positions stay
+    int32 when the result fits (:data:`~tracediff.compare.rows.COMPACT_BOUND`), else widen first."""
+    if positions.dtype == np.int32 and abs(delta) + abs(offset) <= 2 * COMPACT_BOUND:
+        return positions - delta + offset
+    return positions.astype(np.int64, copy=False) - delta + offset
+
+
+def _find_positions(positions: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Index into sorted, distinct ``positions`` of each wanted position (clipped), and whether it
+    is there. Positions without gaps (the common case) need no search."""
+    n = positions.size
+    if n and int(positions[-1]) - int(positions[0]) == n - 1:
+        idx = wanted - positions[0]
+        found = (idx >= 0) & (idx < n)
+        return np.minimum(np.maximum(idx, 0), n - 1), found
+    idx = np.searchsorted(positions, wanted)
+    idx_c = np.minimum(idx, max(n - 1, 0))
+    return idx_c, (idx < n) & (positions[idx_c] == wanted)
+
+
+def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[int] | None = None) -> RowPairs:
+    """Pair rows under the alignment: candidate position p <-> reference position p - delta + offset.
+
+    ``offset`` is the label offset: 0 when rows are labelled with the token whose forward produced
+    them; the offset search tries -2..2. A hypothesis is used for a row only if the row's token agrees
+    with the reference token at p - delta (rows without a token take the best hypothesis).
+    """
+    # Every sequence: each pair written at its candidate row (each pairs at most once) in one column
+    # as long as the candidate, -1 where unpaired, so the pairs come out in candidate order without a
+    # sort. A few sequences (the offset search): pairs written into two buffers as large as their
+    # rows. Either way no list of small arrays left behind in the allocator's heap, no concatenation.
+    wanted = set(candidate_groups) if candidate_groups is not None else None
+    n_cand, n_ref = len(alignment.candidate), len(alignment.reference)
+    slot = np.full(n_cand, -1, dtype=index_dtype(n_ref)) if wanted is None else None
+    room = 0 if wanted is None else sum(int(alignment.cand_groups[k].rows.size) for k in wanted if k in alignment.cand_groups)
+    cand_buf = np.empty(room, dtype=index_dtype(n_cand))
+    ref_buf = np.empty(room, dtype=index_dtype(n_ref))
+    held = 0
+    unaligned = trailing = 0
+    insertions: list[dict] = []
+    prefix_rows: dict[int, np.ndarray] = {}
+    effective: dict[int, int] = {}
+    for seq in alignment.sequences:
+        if wanted is not None and seq.candidate_group not in wanted:
+            continue
+        g = alignment.cand_groups[seq.candidate_group].held()
+        if not seq.hypotheses:
+            unaligned += g.size
+            continue
+        taken = np.zeros(g.size, dtype=bool)
+        row_delta = np.zeros(g.size, dtype=np.int64)
+        # Reference rows this candidate sequence already paired: each at most once, so a row past
+        # the end of the reference's sequence (a server that records one more position than the
+        # trainer kept) never re-pairs an earlier reference row under another delta.
+        used: dict[int, np.ndarray] = {}
+        primary = seq.hypotheses[0][0]
+        for h_i, (ref_key, delta, _votes) in enumerate(seq.hypotheses):
+            rg = alignment.ref_groups[ref_key].held()
+            free = ~taken
+            # Token consistency under this hypothesis (label positions, before the offset).
+            idx_c, at = _find_positions(rg.positions, _shifted(g.positions, delta, 0))
+            agree = at & (rg.tokens[idx_c] == g.tokens)
+            unknown = g.tokens < 0
+            ok = free & (agree | (unknown & (h_i == 0)) if alignment.by_tokens else free)
+            # The value pairing: shift by the label offset.
+            vidx_c, vat = _find_positions(rg.positions, _shifted(g.positions, delta, offset))
+            seen = used.setdefault(ref_key, np.zeros(rg.size, dtype=bool))
+            use = ok & vat & ~seen[vidx_c]
+            if h_i > 0 and ref_key != primary:
+                # Another reference sequence takes only whole runs of rows (a shared prefix's last
+                # row matching a longer sample is where the sequences diverge, not a pairing).
+                use &= _runs_of_at_least(use, NGRAM)
+            seen[vidx_c[use]] = True
+            got = g.rows[use]
+            if slot is not None:
+                slot[got] = rg.rows[vidx_c[use]]
+            else:
+                cand_buf[held : held + got.size] = got
+                ref_buf[held : held + got.size] = rg.rows[vidx_c[use]]
+            held += got.size
+            taken |= use
+            row_delta[use] = delta
+            if h_i == 0:
+                effective[seq.candidate_group] = delta - offset
+        if taken.any():
+            # A prefix: candidate rows before the first paired one, in front of the reference's start.
+            # Python ints: positions near the int64 limits must not wrap around.
+            first = int(np.argmax(taken))  # positions are sorted
+            eff = int(row_delta[first]) - offset
+            rg0 = alignment.ref_groups[seq.hypotheses[0][0]]
+            before = (g.positions < int(g.positions[first])) & (g.positions < int(rg0.positions[0]) + eff) \
+                if eff > 0 else np.zeros(g.size, dtype=bool)
+            extra = before & ~taken
+            if extra.any():
+                prefix_rows[seq.candidate_group] = g.rows[extra]
+            insertions += _insertions(seq.candidate_group, g, taken, row_delta)
+            # Rows past the last position of the reference sequence they align with: the two
+            # sequences end differently (coverage), whatever else they are.
+            end = int(alignment.ref_groups[primary].positions[-1]) + int(seq.hypotheses[0][1])
+            trailing += int((~taken & (g.positions > end)).sum())
+        unaligned += int((~taken).sum())
+    rows_dtype = index_dtype(max(n_cand, n_ref))
+    if held == 0:
+        cand = ref = np.empty(0, dtype=rows_dtype)
+    elif slot is not None:
+        cand, ref = _in_candidate_order(slot >= 0, slot, held)
+        del slot
+        if _each_once(ref, n_ref):
+            # No reference row paired twice (the common case): no duplicate or replica to set aside;
+            # the same arrays as the sort below gives.
+            return RowPairs(cand, ref, offset, unaligned, alignment.candidate_duplicates, prefix_rows, effective, 0,
+                            insertions, held, trailing)
+    else:
+        cand, ref = cand_buf[:held], ref_buf[:held]
+    del cand_buf, ref_buf
+    # One candidate row per reference row and writer group: a writer that records a row twice (a
+    # retry) is a duplicate, set aside; another writer holding the same row (a tensor-parallel rank)
+    # is a replica, compared like any row, so a rank that captured something else is seen.
+    stream = alignment.candidate.stream_of(cand)
+    if n_ref * n_cand < (1 << 62):
+        # One unique int64 key: index order is (stream, row) order, and each candidate row is paired
+        # at most once, so any sort gives lexsort's order (numpy's vectorised sort, ~3x faster).
+        key = np.multiply(ref, n_cand, dtype=np.int64)
+        key += cand
+        order = np.argsort(key)
+        del key
+    else:
+        order = np.lexsort((cand, stream, ref))
+    cand, ref, stream = cand[order], ref[order], stream[order]
+    first = np.ones(ref.size, dtype=bool)
+    first[1:] = (ref[1:] != ref[:-1]) | (stream[1:] != stream[:-1])
+    duplicates = int((~first).sum()) + alignment.candidate_duplicates
+    cand, ref = cand[first], ref[first]
+    # ``ref`` is sorted here: its distinct rows are counted in one pass, no hash table.
+    distinct = int(np.count_nonzero(ref[1:] != ref[:-1])) + 1 if ref.size else 0
+    replicas = int(ref.size - distinct)
+    # Candidate storage order makes the streaming pass read the candidate sequentially: the index's
+    # own order (stream by stream, row by row), and each candidate row appears once.
+    order = np.argsort(cand)
+    return RowPairs(cand[order], ref[order], offset, unaligned, duplicates, prefix_rows, effective, replicas,
+                    insertions, distinct, trailing)
+
+
+def _each_once(ref: np.ndarray, n_ref: int) -> bool:
+    """True when no reference row (an index below ``n_ref``) appears twice in ``ref``."""
+    seen = np.zeros(n_ref, dtype=bool)
+    seen[ref] = True
+    return int(np.count_nonzero(seen)) == ref.size
+
+
+def _in_candidate_order(present: np.ndarray, slot: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs held in ``slot`` (a reference row at each paired candidate row, ``present`` marks
+    them; ``count`` of them) in candidate order: the candidate rows made a piece at a time (no whole
+    int64 index array), the reference rows moved to the front of ``slot`` in place (a view of it)."""
+    cand = np.empty(count, dtype=index_dtype(present.size))
+    at = 0
+    for a in range(0, present.size, _MASK_PIECE):
+        got = np.flatnonzero(present[a : a + _MASK_PIECE])
+        got += a
+        cand[at : at + got.size] = got
+        at += got.size
+    return cand, kept_in_place(slot, present)
+
+
+#: Candidate rows :func:`_in_candidate_order` turns into indices at a time.
+_MASK_PIECE = 1 << 20
+
+
+def _runs_of_at_least(mask: np.ndarray, n: int) -> np.ndarray:
+    """The True entries of ``mask`` that belong to a run of at least ``n`` consecutive True."""
+    if not mask.any():
+        return mask
+    edges = np.diff(np.r_[0, mask.astype(np.int8), 0])
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    keep = np.zeros(mask.size, dtype=bool)
+    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+        if b - a >= n:
+            keep[a:b] = True
+    return keep
+
+
+def _insertions(group: int, g: SequenceRows, taken: np.ndarray, row_delta: np.ndarray) -> list[dict]:
+    """Where the pairing delta steps between paired runs of one candidate sequence: tokens inserted
+    (the delta grows by the unpaired rows between) or deleted (it shrinks) inside the sequence."""
+    out: list[dict] = []
+    paired = np.flatnonzero(taken)
+    if paired.size < 2:
+        return out
+    deltas = row_delta[paired]
+    for k in np.flatnonzero(np.diff(deltas)).tolist():
+        a, b = int(paired[k]), int(paired[k + 1])
+        step = int(deltas[k + 1] - deltas[k])
+        between = np.arange(a + 1, b)
+        if step > 0:
+            out.append({"group": group, "kind": "insertion", "position": int(g.positions[a]) + 1, "length": step,
+                        "tokens": [int(t) for t in g.tokens[between][:16]]})
+        else:
+            out.append({"group": group, "kind": "deletion", "position": int(g.positions[b]), "length": -step,
+                        "tokens": []})
+    return out
