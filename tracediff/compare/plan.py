@@ -12,6 +12,7 @@ streaming pass and the findings read; nothing here reads more than the sample.
 from __future__ import annotations
 
 import math
+import queue
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,8 +181,11 @@ def sample_pairs(pairs: RowPairs, k: int, seed: int) -> np.ndarray:
 _STAGE_BYTES = 1 << 19
 
 
-def read_rows(index: RowIndex, rows: np.ndarray) -> np.ndarray:
-    """The stored rows ``rows`` of ``index`` as a read-only float32 array [len(rows), width].
+def read_rows(index: RowIndex, rows: np.ndarray, into: np.ndarray | None = None) -> np.ndarray:
+    """The stored rows ``rows`` of ``index`` as a read-only float32 array [len(rows), width]: a
+    fresh array, or the first rows of ``into`` (a float32 buffer of at least that shape, reused by a
+    caller that reads sample after sample: no fresh pages to fault in each time; the answer is a new
+    view of it, read-only, and the caller lets the previous one go before reading again).
 
     Rows of uncompressed chunk files (read straight from the files) go through a small staging
     buffer, a few at a time, widened into the float32 array as they come: no whole sample of stored
@@ -194,8 +198,12 @@ def read_rows(index: RowIndex, rows: np.ndarray) -> np.ndarray:
         if dtype == "float32" or not all(s.reads_rows_directly for s in index.streams):
             buf = aligned_empty((rows.size, width), VALUE_DTYPES[dtype])
             reader.gather(index, rows, buf)
-            return frozen(to_float32(buf, dtype))
-        out = aligned_empty((rows.size, width), np.float32)
+            if into is None:
+                return frozen(to_float32(buf, dtype))
+            out = into[: rows.size]
+            out[...] = to_float32(buf, dtype)
+            return frozen(out)
+        out = aligned_empty((rows.size, width), np.float32) if into is None else into[: rows.size]
         step = max(1, _STAGE_BYTES // (width * VALUE_DTYPES[dtype].itemsize))
         stage = aligned_empty((min(step, rows.size), width), VALUE_DTYPES[dtype])
         for a in range(0, rows.size, step):
@@ -256,16 +264,29 @@ def offset_search(
     # estimates were 1.5 of the 2.6 s of this search at 3 x 4096).
     scales: list[tuple[SegmentScales, SegmentScales]] = []
 
+    # Each offset's sample is read into a pair of buffers taken from here and given back (at most
+    # one pair per thread ever made): no fresh pages to fault in for every offset.
+    buffers: queue.SimpleQueue = queue.SimpleQueue()
+
     def score(off: int) -> tuple[float, RowPairs] | None:
         pairs = base if off == 0 else pair_rows(alignment, off, candidate_groups=groups)
         if len(pairs) == 0:
             return None
         pick = sample_pairs(pairs, opts.offset_sample_rows, opts.seed)
-        c = read_rows(alignment.candidate, pairs.candidate[pick])
-        r = read_rows(alignment.reference, pairs.reference[pick])
-        if not scales:
-            scales.append((segment_scales(c, size, compute_dtype), segment_scales(r, size, compute_dtype)))
-        m = standardised_cosine_matrix(c, r, *scales[0])
+        try:
+            into = buffers.get_nowait()
+        except queue.Empty:
+            into = (aligned_empty((opts.offset_sample_rows, alignment.candidate.streams[0].width), np.float32),
+                    aligned_empty((opts.offset_sample_rows, alignment.reference.streams[0].width), np.float32))
+        try:
+            c = read_rows(alignment.candidate, pairs.candidate[pick], into[0])
+            r = read_rows(alignment.reference, pairs.reference[pick], into[1])
+            if not scales:
+                scales.append((segment_scales(c, size, compute_dtype), segment_scales(r, size, compute_dtype)))
+            m = standardised_cosine_matrix(c, r, *scales[0])
+            del c, r  # (the views die before the buffers are read into again)
+        finally:
+            buffers.put(into)
         best_each = [float(np.nanmax(row)) for row in m if np.isfinite(row).any()]  # an all-NaN segment casts none
         return (float(np.mean(best_each)) if best_each else float("nan")), pairs
 
