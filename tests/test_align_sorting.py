@@ -268,3 +268,35 @@ def test_ngram_hashes_a_piece_at_a_time_are_every_windows_hash(data: st.DataObje
     finally:
         align._HASH_PIECE = old
     assert list(zip(h.tolist(), starts.tolist(), owners.tolist(), strict=True)) == want
+
+
+def test_a_reference_prefix_is_found_the_same_once_the_candidate_rows_are_let_go() -> None:
+    """Once the pairs are made the engine side's sequence rows are let go
+    (``Alignment.let_go_of_rows``): the reference-prefix finding, which reads each candidate
+    sequence's first position, finds the same prefixes; the rows themselves are gone."""
+    import pytest
+
+    from tracediff.compare.align import align_sequences
+    from tracediff.compare.findings import _reference_prefix
+    from tracediff.compare.rowpairs import pair_rows
+
+    rng = np.random.default_rng(11)
+    lengths, cut = [30, 41, 25], [3, 3, 5]
+    ref_tokens = [rng.integers(0, 50, n) for n in lengths]
+    ref = _index([np.full(n, g) for g, n in enumerate(lengths)], [np.arange(n) for n in lengths], ref_tokens, 1)
+    # The server never got each sequence's first tokens: its positions start at 0 after them.
+    cand = _index([np.full(n - a, g) for g, (n, a) in enumerate(zip(lengths, cut, strict=True))],
+                  [np.arange(n - a) for n, a in zip(lengths, cut, strict=True)],
+                  [t[a:] for t, a in zip(ref_tokens, cut, strict=True)], 1)
+    shuffle = rng.permutation(len(cand))
+    cand.group, cand.position, cand.token_id = cand.group[shuffle], cand.position[shuffle], cand.token_id[shuffle]
+    alignment = align_sequences(ref, cand)
+    pairs = pair_rows(alignment, 0)
+    neg = {g: d for g, d in pairs.effective_delta.items() if d < 0}
+    assert sorted(neg.values()) == sorted(-a for a in cut)
+    held = _reference_prefix(alignment, neg)
+    alignment.let_go_of_rows()
+    assert _reference_prefix(alignment, neg) == held
+    assert held is not None and held["length"] == sorted(set(cut)) and held["sequences"] == len(cut)
+    with pytest.raises(RuntimeError, match="let go"):
+        _ = next(iter(alignment.cand_groups.values())).rows

@@ -104,6 +104,13 @@ def test_sample_rows_read_a_few_at_a_time_are_the_stored_values_widened(
             got = plan.read_rows(index, rows)
             assert got.dtype == np.float32 and got.shape == (rows.size, width) and not got.flags.writeable
             np.testing.assert_array_equal(got.view(np.uint32), expected_all[by_entry[rows]].view(np.uint32))
+            # Into a reused buffer (the offset search's): the same values, a read-only view of it.
+            into = np.full((rows.size + 3, width), np.nan, dtype=np.float32)
+            for again in (rows[::-1].copy(), rows):
+                got = plan.read_rows(index, again, into)
+                assert np.shares_memory(got, into) and got.shape == (again.size, width) and not got.flags.writeable
+                np.testing.assert_array_equal(got.view(np.uint32), expected_all[by_entry[again]].view(np.uint32))
+                del got
     store.close()
 
 
