@@ -1,10 +1,11 @@
 """Row alignment: which candidate row holds the same token of the same sequence as which reference row.
 
-Works on labels only (the row index), never on values. The rows paired under an alignment (and the
-label offset that the value-based offset search chose): :mod:`tracediff.compare.rowpairs`. Sequences are matched by their token content (n-gram
-votes), never by request ids: an engine's request ids have nothing to do with a trainer's sample ids,
-a chat template can prepend tokens, a server can truncate, rows arrive in engine order, and some rows
-(rejected drafts, generated tokens, DRAFT_EXTEND padding) have no counterpart at all.
+Works on labels only (the row index), never on values; the rows paired under an alignment (and the
+label offset that the value-based offset search chose) are :mod:`tracediff.compare.rowpairs`'s.
+Sequences are matched by their token content (n-gram votes), never by request ids: an engine's
+request ids have nothing to do with a trainer's sample ids, a chat template can prepend tokens, a
+server can truncate, rows arrive in engine order, and some rows (rejected drafts, generated tokens,
+DRAFT_EXTEND padding) have no counterpart at all.
 """
 
 from __future__ import annotations
