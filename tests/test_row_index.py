@@ -1,4 +1,4 @@
-"""The row index holds 14 bytes an entry (issue #27): which stream and stored row an entry is are
+"""The row index holds 12 bytes an entry (issue #27): which stream and stored row an entry is are
 computed from the streams' row counts, and the labels read only after the alignment (sequence id,
 next token, step) are read again from the store. Both must give exactly what the stored labels say,
 over several writer groups of different lengths, with label values on both sides of the int32 bound."""
@@ -84,3 +84,36 @@ def test_labels_read_through_zarr_compact_like_the_direct_read(tmp_path: Path) -
             got = s.label(k, COMPACT_BOUND)
             assert got.dtype == want.dtype and got.tolist() == want.tolist()
     store.close()
+
+
+@pytest.mark.parametrize("sequences", [32_767, 32_768])
+def test_group_ids_are_int16_up_to_32767_sequences_and_pair_the_same_either_side(tmp_path: Path, sequences: int) -> None:
+    """Sequence group ids are int16 up to 32,767 sequences (2 bytes a row) and int32 past it; either
+    way the alignment finds every sequence and pairs every row with its own (a trace against itself,
+    one side in engine order)."""
+    from tracediff.compare.align import align_sequences
+    from tracediff.compare.rowpairs import pair_rows
+
+    n = sequences * 5
+    rows = np.arange(n, dtype=np.int64)
+    rng = np.random.default_rng(sequences)
+    labels = {"seq": rows // 5, "position": rows % 5, "token_id": rng.integers(0, 1 << 20, n),
+              "next_token_id": np.full(n, -1), "step": np.zeros(n, dtype=np.int64)}
+    # The engine side: every sequence's first position, then every second... (interleaved, each
+    # sequence's rows still in order, as an engine records them).
+    for name, order in (("ref", rows), ("cand", np.lexsort((rows // 5, rows % 5)))):
+        create_store(tmp_path / f"{name}.zarr", role="trainer")
+        writer = TraceWriter(tmp_path / f"{name}.zarr", "fc_in", "w0", width=4, dtype="float32", chunk_rows=1 << 14,
+                             compressor="none")
+        writer.append(np.zeros((n, 4), np.float32), {k: v[order] for k, v in labels.items()})
+        writer.close()
+    ref, cand = (RowIndex.load(open_store(tmp_path / f"{name}.zarr"), "fc_in") for name in ("ref", "cand"))
+    for index in (ref, cand):
+        assert index.group.dtype == (np.int16 if sequences < (1 << 15) else np.int32)
+        assert len(index.group_keys) == sequences and int(index.group.max()) == sequences - 1
+        assert index.split_sequences == 0
+    pairs = pair_rows(align_sequences(ref, cand), 0)
+    assert len(pairs) == n and pairs.replicas == 0 and pairs.duplicates == 0
+    seq_of = [index.column("seq") for index in (ref, cand)]
+    np.testing.assert_array_equal(seq_of[0][pairs.reference], seq_of[1][pairs.candidate])
+    np.testing.assert_array_equal(ref.position[pairs.reference], cand.position[pairs.candidate])

@@ -245,16 +245,13 @@ def row_ref(index: RowIndex, i: int) -> RowRef:
                   token_id=int(index.token_id[i]))
 
 
-def _quantiles(values: np.ndarray, *qs: float, finite_at: np.ndarray | None = None, own: bool = False) -> list[float]:
-    """``float(np.quantile(finite, q))`` for each q, of the finite values (NaN without any): one copy
-    and one partition for every q together, and each q's interpolation done as numpy's single-q call
-    does it (a float32 lerp with a Python-float weight), so the reports stay bit-identical to that
-    call's (held to it by tests/test_metrics_quantiles.py). ``finite_at``: where the values were
-    finite, when already known; ``own``: ``values`` may be overwritten (the finite values are moved
-    to its front and partitioned there: no copy)."""
-    keep = np.isfinite(values) if finite_at is None else finite_at
-    finite = kept_in_place(values, keep) if own else values[keep]
-    del keep
+def _quantiles(values: np.ndarray, *qs: float, finite_at: np.ndarray | None = None) -> list[float]:
+    """``float(np.quantile(finite, q))`` for each q, of the finite values (NaN without any): one
+    partition for every q together, and each q's interpolation done as numpy's single-q call does it
+    (a float32 lerp with a Python-float weight), so the reports stay bit-identical to that call's
+    (held to it by tests/test_metrics_quantiles.py). ``values`` is overwritten: its finite values
+    (``finite_at``, when already known) are moved to its front and partitioned there, no copy."""
+    finite = kept_in_place(values, np.isfinite(values) if finite_at is None else finite_at)
     n = finite.size
     if not n:
         return [float("nan")] * len(qs)
@@ -357,7 +354,7 @@ def finish_metrics(acc: Accumulator, rows_of: Callable[[str], np.ndarray], pairs
     err_max = float(np.nanmax(row_err)) if err_ok.any() else float("nan")
     # Each column's last statistics work on it in place when it is a fresh read from the pass's
     # file (the errors written back first): no whole copies (:func:`_own`).
-    err_p50, err_p99 = _quantiles(_own(row_err), 0.5, 0.99, finite_at=err_ok, own=True)
+    err_p50, err_p99 = _quantiles(_own(row_err), 0.5, 0.99, finite_at=err_ok)
     del row_err, err_ok
     # -- cosines
     cos = rows_of("cosine")
@@ -370,7 +367,7 @@ def finish_metrics(acc: Accumulator, rows_of: Callable[[str], np.ndarray], pairs
     cos_min = float(np.nanmin(cos)) if rows else float("nan")
     cos = _own(cos)
     cos_mean = _nanmean_in_place(cos) if rows else float("nan")  # (its NaNs become zeros: not finite before)
-    (cos_p1,) = _quantiles(cos, 0.01, finite_at=finite, own=True)
+    (cos_p1,) = _quantiles(cos, 0.01, finite_at=finite)
     del cos, finite
     # -- norm ratios
     ratio = rows_of("norm_ratio")
@@ -378,7 +375,7 @@ def finish_metrics(acc: Accumulator, rows_of: Callable[[str], np.ndarray], pairs
     ratio = _own(ratio)
     finite = np.isfinite(ratio)
     ratio_mean = _nanmean_in_place(ratio) if rows else float("nan")
-    ratio_p1, ratio_p50, ratio_p99 = _quantiles(ratio, 0.01, 0.5, 0.99, finite_at=finite, own=True)
+    ratio_p1, ratio_p50, ratio_p99 = _quantiles(ratio, 0.01, 0.5, 0.99, finite_at=finite)
     # The finite ratios are now the front of ``ratio`` (in another order): the positive ones' log2,
     # in place (the histogram's range and counts do not depend on their order).
     front = ratio[: int(np.count_nonzero(finite))]

@@ -81,7 +81,7 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     wanted = set(candidate_groups) if candidate_groups is not None else None
     n_cand, n_ref = len(alignment.candidate), len(alignment.reference)
     slot = np.full(n_cand, -1, dtype=index_dtype(n_ref)) if wanted is None else None
-    room = 0 if wanted is None else sum(int(alignment.cand_groups[k].rows.size) for k in wanted if k in alignment.cand_groups)
+    room = 0 if wanted is None else sum(alignment.cand_groups[k].size for k in wanted if k in alignment.cand_groups)
     cand_buf = np.empty(room, dtype=index_dtype(n_cand))
     ref_buf = np.empty(room, dtype=index_dtype(n_ref))
     held = 0
