@@ -31,6 +31,13 @@ SAMPLES = REPO / "samples"
 SECTION = "## bench_cli"
 
 
+
+def _ratio(base: float, mine: float) -> str:
+    """This tree's speed against the other tree's, in words that stay true below 1."""
+    if mine <= 0 or base <= 0:
+        return "n/a"
+    return f"{base / mine:.2f}x faster" if base >= mine else f"{mine / base:.2f}x slower"
+
 def _commands(out_dir: Path) -> dict[str, list[str]]:
     return {
         "tracediff --help": ["--help"],
@@ -130,8 +137,7 @@ def main() -> None:
         row = [f"`{name}`", f"{statistics.median(mine):.2f} s ({min(mine):.2f})"]
         if args.against:
             base = times[(name, args.against)]
-            row += [f"{statistics.median(base):.2f} s ({min(base):.2f})",
-                    f"{statistics.median(base) / statistics.median(mine):.2f}x faster"]
+            row += [f"{statistics.median(base):.2f} s ({min(base):.2f})", _ratio(statistics.median(base), statistics.median(mine))]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Slowest top-level imports of a compare process (this tree, cumulative): "
               + ", ".join(f"{name} {sec:.2f} s" for name, sec in imports) + "."]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from subset_traces import record_subset_traces
 
+import tracediff.compare.gather as gather
 import tracediff.compare.rowcolumns as rowcolumns
 from tracediff.compare import compare_stores
 from tracediff.compare.rowcolumns import COSINE, STD_ERROR, RowColumns
@@ -57,6 +58,22 @@ def test_a_spilled_pass_gives_the_in_memory_report(monkeypatch: pytest.MonkeyPat
     if name == "decode_zeros":  # the subset search and its profiles read the spilled columns
         assert any(f.kind == "segment_subset" for f in spilled.findings)
         assert any(p.kind == "segment_subset" for p in spilled.position_profiles)
+
+
+@pytest.mark.parametrize("spill", [False, True])
+def test_pairs_finished_on_several_threads_give_the_one_thread_report(monkeypatch: pytest.MonkeyPatch,
+                                                                      traces: dict[str, Path], spill: bool) -> None:
+    """Each matched pair's metrics are finished from its own columns (read back from the file, or
+    held), pairs on several threads at once: the report of one thread, bit for bit."""
+    ref, cand = _pair("server_fixed", traces)
+    if spill:
+        monkeypatch.setattr(rowcolumns, "SPILL_BYTES", 0)
+    monkeypatch.setattr(gather, "usable_cpus", lambda: 1)
+    one = compare_stores(ref, cand)
+    monkeypatch.setattr(gather, "usable_cpus", lambda: 4)
+    several = compare_stores(ref, cand)
+    assert len(one.metrics) >= 2  # (pairs to finish side by side)
+    assert _json(several) == _json(one)
 
 
 def test_no_room_for_the_file_keeps_the_columns_in_memory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,

@@ -69,10 +69,10 @@ def reduce_block(start: int, rel_diff: np.ndarray, max_abs: np.ndarray) -> Block
     """rel_diff and max |diff| of the rows ``start``... of one block: the float64 sum, count and maximum
     of the non-NaN rel_diff (inf counts, as in ``np.nanmean``), and the largest non-NaN max |diff| with
     its first row (``np.nanargmax``'s)."""
-    known = ~np.isnan(rel_diff)
-    count = int(known.sum())
-    total = float(rel_diff[known].sum(dtype=np.float64)) if count else 0.0
-    top = float(rel_diff[known].max()) if count else float("nan")
+    known = rel_diff[~np.isnan(rel_diff)]
+    count = int(known.size)
+    total = float(known.sum(dtype=np.float64)) if count else 0.0
+    top = float(known.max()) if count else float("nan")
     at, value = -1, float("nan")
     if not np.isnan(max_abs).all():
         k = int(np.nanargmax(max_abs))
