@@ -31,12 +31,12 @@ SAMPLES = REPO / "samples"
 SECTION = "## bench_cli"
 
 
-
 def _ratio(base: float, mine: float) -> str:
     """This tree's speed against the other tree's, in words that stay true below 1."""
     if mine <= 0 or base <= 0:
         return "n/a"
     return f"{base / mine:.2f}x faster" if base >= mine else f"{mine / base:.2f}x slower"
+
 
 def _commands(out_dir: Path) -> dict[str, list[str]]:
     return {
