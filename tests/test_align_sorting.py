@@ -14,9 +14,11 @@ from tracediff.compare.align import (
     _unique_first_counts,
     _votes_alone,
     _votes_together,
+    align_sequences,
     ngram_table,
     stable_argsort,
 )
+from tracediff.compare.kernels import vote_kernel
 from tracediff.compare.rows import RowIndex, _sequence_groups, _split_samples
 
 keys = st.one_of(
@@ -121,6 +123,55 @@ def test_votes_of_many_sequences_at_once_are_each_sequences_own(refs: list[list[
     for g in cand_groups:
         alone = _votes_alone(g, lambda n: ngram_table(ref_groups, n), 4)
         assert together.get(g.key, []) == alone
+    # The compiled vote counter: the same hypotheses, in the same order.
+    assert _votes_together(cand_groups, table, 4, vote_kernel()) == together
+
+
+def test_compiled_votes_are_numpys_on_ties_repeats_gaps_and_unknown_tokens() -> None:
+    """Larger cases than the property above draws: candidate sequences cut from several reference
+    sequences (votes for many groups, at deltas of both signs and equal |delta|), padding n-grams
+    past the repeat limit, position gaps, unknown (negative) tokens, and no match at all."""
+    rng = np.random.default_rng(11)
+    refs = [rng.integers(0, 50, int(rng.integers(4, 400))).tolist() for _ in range(40)]
+    # An n-gram 297 times, 65 times (one past _MAX_HASH_REPEAT), 64 times; equal sequences.
+    refs += [[7] * 300, [9] * 68, [5] * 67, [1, 2, 3, 4] * 30, [1, 2, 3, 4] * 30]
+    ref_groups = [_group(k, t, int(rng.integers(-5, 5))) for k, t in enumerate(refs)]
+    cands = []
+    for k in range(300):
+        parts = []
+        for _ in range(int(rng.integers(1, 4))):
+            src = refs[int(rng.integers(0, len(refs)))]
+            a = int(rng.integers(0, len(src)))
+            parts += src[a : a + int(rng.integers(1, 80))]
+        parts += rng.integers(0, 50, int(rng.integers(0, 6))).tolist()
+        tokens = np.array(parts or [0, 0, 0, 0], dtype=np.int32)
+        tokens[rng.random(tokens.size) < 0.02] = -1  # unknown tokens: their windows cast no vote
+        positions = np.cumsum(1 + (rng.random(tokens.size) < 0.01)).astype(np.int32) + int(rng.integers(-20, 20))
+        cands.append(SequenceRows(1000 + k, positions, tokens, np.arange(tokens.size, dtype=np.int32), 0))
+    cands.append(_group(5000, [49, 48, 47, 46, 45], 0))  # (most likely) no match
+    table = ngram_table(ref_groups, 4)
+    kernel = vote_kernel()
+    assert kernel is not None  # numba is a core dependency
+    for batch in (cands, cands[:1], cands[100:103]):
+        want = _votes_together(batch, table, 4)
+        assert _votes_together(batch, table, 4, kernel) == want
+    assert sum(len(h) > 1 for h in _votes_together(cands, table, 4).values()) > 50
+
+
+def test_alignments_of_the_samples_are_the_same_with_the_compiled_votes(monkeypatch) -> None:
+    from tracediff.store import open_store
+
+    def hypotheses(candidate: str) -> list:
+        ref = RowIndex.load(open_store("samples/train.zarr"), "fc_in")
+        cand = RowIndex.load(open_store(f"samples/{candidate}.zarr"), "fc_in")
+        return [(s.candidate_group, s.hypotheses) for s in align_sequences(ref, cand).sequences]
+
+    for candidate in ("server_broken", "server_fixed"):
+        monkeypatch.setenv("TRACEDIFF_KERNEL", "numpy")
+        want = hypotheses(candidate)
+        monkeypatch.setenv("TRACEDIFF_KERNEL", "fused")
+        assert hypotheses(candidate) == want
+        assert any(h for _, h in want)
 
 
 @settings(max_examples=300, deadline=None)

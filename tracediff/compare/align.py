@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from tracediff.compare.gather import in_parallel
+from tracediff.compare.kernels import use_vote_kernel, vote_kernel
 from tracediff.compare.rows import RowIndex, index_dtype
 from tracediff.errors import CompareError
 
@@ -334,8 +335,9 @@ def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = NGRAM
         batches[-1].append(g)
         held += int(g.size)
     full = table(ngram) if whole else None
+    kernel = vote_kernel() if use_vote_kernel(sum(g.size for g in whole)) else None
     found: dict[int, list[tuple[int, int, int]]] = {}
-    for votes in in_parallel(*(functools.partial(_votes_together, b, full, ngram) for b in batches if b)):
+    for votes in in_parallel(*(functools.partial(_votes_together, b, full, ngram, kernel) for b in batches if b)):
         found.update(votes)
     sequences = []
     for g in cand_groups.values():
@@ -416,11 +418,13 @@ def _votes_alone(g: SequenceRows, table: Any, ngram: int) -> list[tuple[int, int
 
 
 def _votes_together(
-    groups: list[SequenceRows], table: tuple[np.ndarray, ...], n: int
+    groups: list[SequenceRows], table: tuple[np.ndarray, ...], n: int, kernel: Any = None
 ) -> dict[int, list[tuple[int, int, int]]]:
     """:func:`_votes_alone` of every sequence at once (each at least n tokens long): one sorted
     lookup of all their n-grams instead of one per sequence, the same hypotheses in the same order.
-    Candidate group -> its top hypotheses (sequences with none are left out)."""
+    Candidate group -> its top hypotheses (sequences with none are left out). ``kernel``: the compiled
+    vote counter (:func:`tracediff.compare.fused_votes.batch_votes`: the same hypotheses), or None for
+    numpy's searches and sorts."""
     ref_h, ref_owner, ref_start = table[:3]
     lengths = np.array([g.size for g in groups], dtype=np.int64)
     tokens = np.concatenate([g.tokens for g in groups])
@@ -434,6 +438,8 @@ def _votes_together(
     # A hash's reference n-grams are lo .. hi - 1: two searches with sorted queries (each binary
     # search starts where the previous one ended).
     order = np.argsort(h)
+    if kernel is not None:
+        return _counted(kernel, groups, h, order, starts, window_group, table)
     queries = h[order]
     lo, hi = np.empty(h.size, dtype=np.int64), np.empty(h.size, dtype=np.int64)
     lo[order] = np.searchsorted(ref_h, queries, side="left")
@@ -469,6 +475,17 @@ def _votes_together(
                           votes[keep].tolist(), strict=True):
         out.setdefault(groups[c].key, []).append((o, d, v))
     return out
+
+
+def _counted(kernel: Any, groups: list[SequenceRows], h: np.ndarray, order: np.ndarray, starts: np.ndarray,
+             window_group: np.ndarray, table: tuple[np.ndarray, ...]) -> dict[int, list[tuple[int, int, int]]]:
+    """:func:`_votes_together`'s hypotheses counted by the compiled ``kernel``."""
+    shape = (len(groups), _MAX_ALIGNMENTS)
+    owner, delta, votes = np.empty(shape, np.int64), np.empty(shape, np.int64), np.empty(shape, np.int64)
+    kept = np.empty(len(groups), np.int64)
+    kernel(h, order, starts, window_group, *table[:3], _MAX_HASH_REPEAT, owner, delta, votes, kept)
+    return {groups[c].key: list(zip(owner[c, :k].tolist(), delta[c, :k].tolist(), votes[c, :k].tolist(), strict=True))
+            for c, k in zip(np.flatnonzero(kept).tolist(), kept[kept > 0].tolist(), strict=True)}
 
 
 def _ranked_votes(

@@ -34,14 +34,18 @@ log = logging.getLogger("tracediff")
 #: Stored dtypes the fused loop reads directly (bf16 as its uint16 bits).
 FUSED_DTYPES = ("bfloat16", "float32")
 
-_KERNEL: Any = None
-_TRIED = False
+_COMPILED: dict[str, Any] = {}  # name -> the loaded kernel, or None where it cannot load
 _LOCK = threading.Lock()
 
 
-def _build() -> Any:
-    """The compiled kernel (:mod:`tracediff.compare.fused`: numba compiles it once and caches it on
-    disk next to that module where it can; later processes load it)."""
+def _build(name: str) -> Any:
+    """A compiled kernel by name (numba compiles it once and caches it on disk next to its module
+    where it can; later processes load it): the pass's fused kernel (:mod:`tracediff.compare.fused`) or
+    the alignment's vote counter (:mod:`tracediff.compare.fused_votes`)."""
+    if name == "votes":
+        from tracediff.compare.fused_votes import batch_votes  # noqa: PLC0415
+
+        return batch_votes
     from tracediff.compare.fused import kernel  # noqa: PLC0415
 
     return kernel
@@ -50,23 +54,29 @@ def _build() -> Any:
 def fused_kernel() -> Any:
     """The compiled kernel, or None where numba is missing (or ``TRACEDIFF_KERNEL=numpy``; which
     passes use it at all: :func:`use_fused_kernel`)."""
+    return _compiled("pass")
+
+
+def vote_kernel() -> Any:
+    """The alignment's compiled vote counter (:func:`tracediff.compare.fused_votes.batch_votes`), or None
+    where numba is missing (or ``TRACEDIFF_KERNEL=numpy``)."""
+    return _compiled("votes")
+
+
+def _compiled(name: str) -> Any:
     if os.environ.get("TRACEDIFF_KERNEL", "").lower() == "numpy":
         return None
     with _LOCK:  # one compile or cache load, also while preload_fused_kernel's thread is at it
-        return _load()
-
-
-def _load() -> Any:
-    global _KERNEL, _TRIED
-    if not _TRIED:
-        _TRIED = True
-        try:
-            _KERNEL = _build()
-        except ImportError:
-            log.info("tracediff: numba is not installed: the streaming pass uses its numpy kernels")
-        except Exception as exc:  # a numba that cannot compile here must not stop a compare
-            log.warning("tracediff: the fused kernel could not be compiled (%s): using the numpy kernels", exc)
-    return _KERNEL
+        if name not in _COMPILED:
+            _COMPILED[name] = None
+            try:
+                _COMPILED[name] = _build(name)
+            except ImportError:
+                log.info("tracediff: numba is not installed: the %s use numpy kernels",
+                         "alignment's votes" if name == "votes" else "streaming pass")
+            except Exception as exc:  # a numba that cannot compile here must not stop a compare
+                log.warning("tracediff: a compiled kernel could not be loaded (%s): using the numpy kernels", exc)
+        return _COMPILED[name]
 
 
 def fused_available() -> bool:
@@ -77,7 +87,7 @@ def fused_available() -> bool:
 def preload_fused_kernel() -> None:
     """Import numba and load the kernel on a background thread (a compare starts it once it knows its
     pass will use the kernel, so the ~0.5-1 s overlap the plan)."""
-    if not _TRIED:
+    if "pass" not in _COMPILED:
         threading.Thread(target=fused_kernel, name="tracediff-kernel-load", daemon=True).start()
 
 
@@ -124,6 +134,22 @@ def use_fused_kernel(nbytes: int) -> bool:
     if choice in ("fused", "numpy"):
         return choice == "fused"
     return nbytes >= FUSED_MIN_BYTES and fused_available()
+
+
+#: Candidate rows from which the alignment's votes are counted by the compiled kernel by default:
+#: numba's import (0.3-0.4 s of wall time) is not paid by a small compare; a pass over this many rows
+#: loads numba anyway. At 8 M narrow rows the kernel saves ~0.8 s of the alignment's ~4 s.
+VOTE_KERNEL_MIN_ROWS = 1 << 21
+
+
+def use_vote_kernel(rows: int) -> bool:
+    """Whether an alignment of ``rows`` candidate rows counts its votes by the compiled kernel
+    (``TRACEDIFF_KERNEL=fused`` always, ``=numpy`` never, by default from
+    :data:`VOTE_KERNEL_MIN_ROWS` on where numba is installed): the same hypotheses either way."""
+    choice = os.environ.get("TRACEDIFF_KERNEL", "").lower()
+    if choice in ("fused", "numpy"):
+        return choice == "fused"
+    return rows >= VOTE_KERNEL_MIN_ROWS and fused_available()
 
 
 def prepare_kernel(pairs: int, candidate: RowIndex, reference: RowIndex) -> None:
@@ -202,4 +228,6 @@ def exact_row_stats(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return cos, ratio, rel, max_abs, float(sq.astype(np.float64).sum()), float(nb.astype(np.float64).sum())
 
 
-__all__ = ["FUSED_DTYPES", "FUSED_MIN_BYTES", "prepare_kernel", "row_bytes", "use_fused_kernel", "TINY", "dot", "exact_row_stats", "norms", "numpy_row_stats", "fused_available", "fused_kernel", "fused_row_stats", "preload_fused_kernel"]
+__all__ = ["FUSED_DTYPES", "FUSED_MIN_BYTES", "VOTE_KERNEL_MIN_ROWS", "prepare_kernel", "row_bytes", "use_fused_kernel",
+           "use_vote_kernel", "TINY", "dot", "exact_row_stats", "norms", "numpy_row_stats", "fused_available",
+           "fused_kernel", "fused_row_stats", "preload_fused_kernel", "vote_kernel"]
