@@ -117,3 +117,52 @@ def batch_votes(h: Any, order: Any, starts: Any, window_group: Any, ref_h: Any, 
                 used[best] = False
                 out_n[g] = t + 1
         w = e
+
+
+@numba.njit(nogil=True, cache=True)
+def _radix_pass(src_k: Any, src_o: Any, dst_k: Any, dst_o: Any, shift: int, counts: Any) -> bool:
+    """One stable pass of :func:`radix_order` on the 11-bit digit at ``shift``; False (nothing
+    written) when every key has the same digit there."""
+    n = src_k.shape[0]
+    mask, s = np.uint64(counts.shape[0] - 1), np.uint64(shift)
+    counts[:] = 0
+    for i in range(n):
+        counts[(src_k[i] >> s) & mask] += 1
+    if counts.max() == n:
+        return False
+    at = 0
+    for b in range(counts.shape[0]):
+        c = counts[b]
+        counts[b] = at
+        at += c
+    for i in range(n):
+        d = (src_k[i] >> s) & mask
+        j = counts[d]
+        counts[d] = j + 1
+        dst_k[j] = src_k[i]
+        dst_o[j] = src_o[i]
+    return True
+
+
+@numba.njit(nogil=True, cache=True)
+def radix_order(key: Any, order: Any, ordered: Any) -> None:
+    """``order`` = ``np.argsort(key, kind="stable")`` and ``ordered`` = ``key[order]`` for uint64 keys: a
+    least-significant-digit radix sort (11-bit digits, six stable passes; a pass whose digit every key
+    shares is skipped). ``order``: int32 or int64, as long as ``key``; ``key`` is not written."""
+    n = key.shape[0]
+    for i in range(n):
+        order[i] = i
+    ordered[:] = key
+    other_key = np.empty_like(ordered)
+    other_order = np.empty_like(order)
+    counts = np.zeros(1 << 11, dtype=np.int64)
+    home = True  # the result so far is in (ordered, order), else in (other_key, other_order)
+    for shift in range(0, 64, 11):
+        if home:
+            if _radix_pass(ordered, order, other_key, other_order, shift, counts):
+                home = False
+        elif _radix_pass(other_key, other_order, ordered, order, shift, counts):
+            home = True
+    if not home:
+        ordered[:] = other_key
+        order[:] = other_order

@@ -41,11 +41,11 @@ _LOCK = threading.Lock()
 def _build(name: str) -> Any:
     """A compiled kernel by name (numba compiles it once and caches it on disk next to its module
     where it can; later processes load it): the pass's fused kernel (:mod:`tracediff.compare.fused`) or
-    the alignment's vote counter (:mod:`tracediff.compare.fused_votes`)."""
+    the alignment's kernels (the module :mod:`tracediff.compare.fused_votes`)."""
     if name == "votes":
-        from tracediff.compare.fused_votes import batch_votes  # noqa: PLC0415
+        from tracediff.compare import fused_votes  # noqa: PLC0415
 
-        return batch_votes
+        return fused_votes
     from tracediff.compare.fused import kernel  # noqa: PLC0415
 
     return kernel
@@ -57,9 +57,9 @@ def fused_kernel() -> Any:
     return _compiled("pass")
 
 
-def vote_kernel() -> Any:
-    """The alignment's compiled vote counter (:func:`tracediff.compare.fused_votes.batch_votes`), or None
-    where numba is missing (or ``TRACEDIFF_KERNEL=numpy``)."""
+def vote_kernels() -> Any:
+    """The alignment's compiled kernels (:mod:`tracediff.compare.fused_votes`: ``batch_votes``,
+    ``radix_order``), or None where numba is missing (or ``TRACEDIFF_KERNEL=numpy``)."""
     return _compiled("votes")
 
 
@@ -136,14 +136,14 @@ def use_fused_kernel(nbytes: int) -> bool:
     return nbytes >= FUSED_MIN_BYTES and fused_available()
 
 
-#: Candidate rows from which the alignment's votes are counted by the compiled kernel by default:
+#: Candidate rows from which the alignment's n-grams are sorted and counted by compiled kernels by default:
 #: numba's import (0.3-0.4 s of wall time) is not paid by a small compare; a pass over this many rows
 #: loads numba anyway. At 8 M narrow rows the kernel saves ~0.8 s of the alignment's ~4 s.
 VOTE_KERNEL_MIN_ROWS = 1 << 21
 
 
 def use_vote_kernel(rows: int) -> bool:
-    """Whether an alignment of ``rows`` candidate rows counts its votes by the compiled kernel
+    """Whether an alignment of ``rows`` candidate rows sorts and counts its votes by the compiled kernels
     (``TRACEDIFF_KERNEL=fused`` always, ``=numpy`` never, by default from
     :data:`VOTE_KERNEL_MIN_ROWS` on where numba is installed): the same hypotheses either way."""
     choice = os.environ.get("TRACEDIFF_KERNEL", "").lower()
@@ -230,4 +230,4 @@ def exact_row_stats(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 __all__ = ["FUSED_DTYPES", "FUSED_MIN_BYTES", "VOTE_KERNEL_MIN_ROWS", "prepare_kernel", "row_bytes", "use_fused_kernel",
            "use_vote_kernel", "TINY", "dot", "exact_row_stats", "norms", "numpy_row_stats", "fused_available",
-           "fused_kernel", "fused_row_stats", "preload_fused_kernel", "vote_kernel"]
+           "fused_kernel", "fused_row_stats", "preload_fused_kernel", "vote_kernels"]
