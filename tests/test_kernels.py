@@ -118,3 +118,46 @@ def test_subset_findings_are_the_same_with_either_kernel(monkeypatch, tmp_path):
                 assert math.isclose(sa[key], sb[key], rel_tol=1e-5), key
             else:
                 assert sa[key] == sb[key], key
+
+
+@pytest.mark.parametrize("pairs", [1, 2, 3])
+def test_compiled_closed_forms_are_numpys_bit_for_bit(pairs):
+    """The pass's per-row metrics from the norms: the compiled loop and numpy's expressions (the pass
+    without numba) give the same bits, sums included (their summation order is numpy's), on ordinary
+    rows and on rows whose norms are tiny, huge, zero, NaN or Inf."""
+    from types import SimpleNamespace
+
+    from tracediff.compare.stream import _Pass
+
+    rng = np.random.default_rng(pairs)
+    m, block, k = 1000, 1024, 3
+    xc = np.empty((block, k), np.float32)
+    xc[:m] = rng.lognormal(0.0, 2.0, (m, k)).astype(np.float32)
+    xr = np.empty((block, k), np.float32)
+    xr[:m] = (xc[:m] * rng.uniform(0.9, 1.1, (m, k))).astype(np.float32)
+    dn, mx, sn, sd = (rng.lognormal(-3.0, 1.0, (pairs, block)).astype(np.float32) for _ in range(4))
+    xc[0], xr[1], dn[:, 2] = 0.0, 1e-20, np.inf  # zero, tiny, overflowing
+    xc[3], xr[4] = 1e30, np.nan
+    sn[:, 5], sd[:, 6] = np.nan, np.inf
+    dn[:, 7] = 1e20  # |d|^2 finite in float64, past float32
+    fin_c, fin_r = np.isfinite(xc[:m]), np.isfinite(xr[:m])
+    fin_c[8, :] = False
+    seg_c = np.arange(pairs, dtype=np.int64)[::-1].copy()
+    seg_r = np.arange(pairs, dtype=np.int64)
+    stand_in = SimpleNamespace(seg_c=seg_c, seg_r=seg_r)
+    buffers = SimpleNamespace(dn=dn, mx=mx, sn=sn, sd=sd)
+    want = _Pass._closed_forms(stand_in, buffers, m, xc[:m], xr[:m], fin_c, fin_r)
+
+    rows = np.empty((5, m, pairs), np.float32)
+    sums = np.empty((4, pairs, m))
+    odd = np.empty((m, pairs), bool)
+    fused_kernel().closed_forms(m, xc[:m], xr[:m], seg_c, seg_r, fin_c, fin_r, dn, mx, sn, sd, rows, sums, odd)
+    cos, ratio, rel, max_abs, sq_err, sq_ref, std_num, std_den, std_metric, odd_rows, odd_pairs = want
+    for got, expected in zip(rows, (cos, ratio, rel, max_abs, std_metric), strict=True):
+        assert np.array_equal(got.view(np.uint32), expected.astype(np.float32).view(np.uint32))
+    for got, expected in zip((sums[i].T.sum(axis=0) for i in range(4)), (sq_err, sq_ref, std_num, std_den),
+                             strict=True):
+        assert got.tobytes() == expected.tobytes()
+    got_rows, got_pairs = np.nonzero(odd)
+    assert np.array_equal(got_rows, odd_rows) and np.array_equal(got_pairs, odd_pairs)
+    assert odd_rows.size >= 3 and np.isnan(cos[:, 0]).sum() >= 5  # the rows that are not ordinary were there

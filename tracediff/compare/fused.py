@@ -98,3 +98,56 @@ def kernel(craw: Any, rraw: Any, n: int, size: int, c_bf16: bool, r_bf16: bool, 
             mx[p, row] = one_f[0]
             sn[p, row] = np.sqrt(s2)
             sd[p, row] = np.sqrt(z2)
+
+
+@numba.njit(nogil=True, cache=True)
+def closed_forms(m: int, xc: Any, xr: Any, seg_c: Any, seg_r: Any, fin_c: Any, fin_r: Any, dn: Any, mx: Any, sn: Any,
+                 sd: Any, rows: Any, sums: Any, odd: Any) -> None:
+    """The pass's per-row metrics of rows ``0..m`` from the norms (:meth:`tracediff.compare.stream._Pass.
+    block_metrics`' numpy expressions, element by element in float64 and in the same order: the same
+    bits; no fastmath here). Per row i and pair p: ``rows[:, i, p]`` (float32) cosine, norm ratio,
+    rel_diff, max |diff| (NaN where the norms are not ordinary) and the squared standardised error
+    (NaN where not finite); ``sums[:, p, i]`` (float64, 0 where left out) the squared error and
+    reference norm of ordinary rows and the standardised error and reference of finite ones;
+    ``odd[i, p]``: finite rows whose norms are not ordinary (the caller takes them value by value)."""
+    nan = np.float64(np.nan)
+    for i in range(m):
+        for p in range(seg_c.shape[0]):
+            ok = fin_c[i, seg_c[p]] and fin_r[i, seg_r[p]]
+            x = np.float64(xc[i, seg_c[p]])
+            y = np.float64(xr[i, seg_r[p]])
+            d = np.float64(dn[p, i])
+            dd = d * d
+            fast = ok and x > 1e-15 and x < 1e18 and y > 1e-15 and y < 1e18 and np.isfinite(dd)
+            nb = y * y
+            if fast:
+                v = (dd - (x - y) * (x - y)) / (2.0 * x * y)
+                if not np.isnan(v):  # numpy's clip: max then min, NaN kept
+                    v = v if v > 0.0 else 0.0
+                    v = v if v < 2.0 else 2.0
+                rows[0, i, p] = 1.0 - v
+                rows[1, i, p] = x / y
+                rows[2, i, p] = dd / (x * x + nb)
+                rows[3, i, p] = mx[p, i]
+                sums[0, p, i] = dd
+                sums[1, p, i] = nb
+            else:
+                rows[0, i, p] = nan
+                rows[1, i, p] = nan
+                rows[2, i, p] = nan
+                rows[3, i, p] = nan
+                sums[0, p, i] = 0.0
+                sums[1, p, i] = 0.0
+            s = np.float64(sn[p, i])
+            z = np.float64(sd[p, i])
+            s2 = s * s
+            z2 = z * z
+            if ok and np.isfinite(s2) and np.isfinite(z2):
+                rows[4, i, p] = s2
+                sums[2, p, i] = s2
+                sums[3, p, i] = z2
+            else:
+                rows[4, i, p] = nan
+                sums[2, p, i] = 0.0
+                sums[3, p, i] = 0.0
+            odd[i, p] = ok and not fast

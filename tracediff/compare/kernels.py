@@ -46,14 +46,15 @@ def _build(name: str) -> Any:
         from tracediff.compare import fused_votes  # noqa: PLC0415
 
         return fused_votes
-    from tracediff.compare.fused import kernel  # noqa: PLC0415
+    from tracediff.compare import fused  # noqa: PLC0415
 
-    return kernel
+    return fused
 
 
 def fused_kernel() -> Any:
-    """The compiled kernel, or None where numba is missing (or ``TRACEDIFF_KERNEL=numpy``; which
-    passes use it at all: :func:`use_fused_kernel`)."""
+    """The pass's compiled kernels (:mod:`tracediff.compare.fused`: ``kernel``, ``closed_forms``), or None
+    where numba is missing (or ``TRACEDIFF_KERNEL=numpy``; which passes use them at all:
+    :func:`use_fused_kernel`)."""
     return _compiled("pass")
 
 
@@ -100,13 +101,13 @@ def fused_row_stats(craw: np.ndarray, rraw: np.ndarray, n: int, size: int, cdtyp
     ``invs[p]``, float32 [pairs, size]): ``dn``, ``mx``, ``sn``, ``sd`` ``[pairs, >= n]`` (norm and
     max |.| of the difference, norm of the standardised difference, norm of the standardised
     reference). Returns False, computing nothing, when the fused kernel cannot run here."""
-    kernel = fused_kernel()
-    if kernel is None or cdtype not in FUSED_DTYPES or rdtype not in FUSED_DTYPES:
+    compiled = fused_kernel()
+    if compiled is None or cdtype not in FUSED_DTYPES or rdtype not in FUSED_DTYPES:
         return False
     c = craw.view(np.uint16) if cdtype == "bfloat16" else craw
     r = rraw.view(np.uint16) if rdtype == "bfloat16" else rraw
-    kernel(c, r, n, size, cdtype == "bfloat16", rdtype == "bfloat16", seg_c, seg_r, means, invs, xc, xr, dn, mx,
-           sn, sd)
+    compiled.kernel(c, r, n, size, cdtype == "bfloat16", rdtype == "bfloat16", seg_c, seg_r, means, invs, xc, xr, dn,
+                    mx, sn, sd)
     return True
 
 

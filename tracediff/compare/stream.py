@@ -42,6 +42,7 @@ from tracediff.compare.gather import (
 from tracediff.compare.kernels import (
     dot,
     exact_row_stats,
+    fused_kernel,
     fused_row_stats,
     norms,
     numpy_row_stats,
@@ -339,7 +340,49 @@ class _Pass:
         bad_r = (~fin_r).sum(axis=0)
         # Per pair (columns), per row: closed forms of the norms. 1 - cos = (|d|^2 - (|a|-|b|)^2) /
         # (2|a||b|) stays exact near cos = 1. Rows of any other size (tiny, huge or overflowing
-        # norms) take the per-element formulas on their values.
+        # norms) take the per-element formulas on their values. Compiled (one loop, the same
+        # bits) where the pass uses the compiled kernels, else numpy's expressions.
+        compiled = fused_kernel() if self.plan.fused else None
+        if compiled is not None:
+            row_metrics = np.empty((5, m, len(self.matches)), dtype=np.float32)
+            sums = np.empty((4, len(self.matches), m))  # [m, pairs] column-major, as numpy's expressions give
+            odd = np.empty((m, len(self.matches)), dtype=bool)
+            compiled.closed_forms(m, xc, xr, self.seg_c, self.seg_r, fin_c, fin_r, w.dn, w.mx, w.sn, w.sd, row_metrics,
+                                  sums, odd)
+            sq_err, sq_ref, std_num, std_den = (sums[k].T.sum(axis=0) for k in range(4))  # (the same summation)
+            cos, ratio, rel, max_abs = row_metrics[0], row_metrics[1], row_metrics[2], row_metrics[3]
+            odd_rows, odd_pairs = np.nonzero(odd)
+        else:
+            cos, ratio, rel, max_abs, sq_err, sq_ref, std_num, std_den, std_metric, odd_rows, odd_pairs = \
+                self._closed_forms(w, m, xc, xr, fin_c, fin_r)
+        for p in np.unique(odd_pairs).tolist():
+            rows = odd_rows[odd_pairs == p]
+            e_cos, e_ratio, e_rel, e_max, e_sq, e_nb = exact_row_stats(
+                to_float32(craw[rows], self.cdt).reshape(-1, kc, size)[:, self.seg_c[p]],
+                to_float32(rraw[rows], self.rdt).reshape(-1, kr, size)[:, self.seg_r[p]],
+            )
+            cos[rows, p], ratio[rows, p], rel[rows, p], max_abs[rows, p] = e_cos, e_ratio, e_rel, e_max
+            sq_err[p] += e_sq
+            sq_ref[p] += e_nb
+        if compiled is None:
+            row_metrics = np.empty((5, m, len(self.matches)), dtype=np.float32)
+            row_metrics[0], row_metrics[1], row_metrics[2], row_metrics[3] = cos, ratio, rel, max_abs
+            row_metrics[4] = std_metric
+        profile_sums, profile_den = self._profile_sums(w, m, spec.buckets, xc, xr, fin_c, fin_r)
+        return BlockResult(
+            bad_c, bad_r,
+            {int(s): start + int(np.argmax(~fin_c[:, s])) for s in np.flatnonzero(bad_c)},
+            {int(s): start + int(np.argmax(~fin_r[:, s])) for s in np.flatnonzero(bad_r)},
+            (~fin_c[:, self.seg_c]).sum(axis=0), (~fin_r[:, self.seg_r]).sum(axis=0), sq_err, sq_ref,
+            std_num, std_den, profile_sums, profile_den, spec.number, start, stop, row_metrics,
+            w.cand.bytes_read + w.ref.bytes_read - before,
+        )
+
+    def _closed_forms(self, w: _Buffers, m: int, xc: np.ndarray, xr: np.ndarray, fin_c: np.ndarray,
+                      fin_r: np.ndarray) -> tuple:
+        """:meth:`block_metrics`' closed forms by numpy's expressions (the reference of
+        :func:`tracediff.compare.fused.closed_forms`): float64 [m, pairs] cosine, ratio, rel_diff,
+        max |diff| (float32), the four sums, the squared standardised error, and the odd rows."""
         ok = fin_c[:, self.seg_c] & fin_r[:, self.seg_r]  # [m, pairs]
         x = xc[:, self.seg_c].astype(np.float64)
         y = xr[:, self.seg_r].astype(np.float64)
@@ -359,27 +402,8 @@ class _Pass:
         std_num = np.where(std_ok, sn2, 0.0).sum(axis=0)
         std_den = np.where(std_ok, sd2, 0.0).sum(axis=0)
         odd_rows, odd_pairs = np.nonzero(ok & ~fast)
-        for p in np.unique(odd_pairs).tolist():
-            rows = odd_rows[odd_pairs == p]
-            e_cos, e_ratio, e_rel, e_max, e_sq, e_nb = exact_row_stats(
-                to_float32(craw[rows], self.cdt).reshape(-1, kc, size)[:, self.seg_c[p]],
-                to_float32(rraw[rows], self.rdt).reshape(-1, kr, size)[:, self.seg_r[p]],
-            )
-            cos[rows, p], ratio[rows, p], rel[rows, p], max_abs[rows, p] = e_cos, e_ratio, e_rel, e_max
-            sq_err[p] += e_sq
-            sq_ref[p] += e_nb
-        row_metrics = np.empty((5, m, len(self.matches)), dtype=np.float32)
-        row_metrics[0], row_metrics[1], row_metrics[2], row_metrics[3] = cos, ratio, rel, max_abs
-        row_metrics[4] = np.where(std_ok, sn2, np.nan)
-        profile_sums, profile_den = self._profile_sums(w, m, spec.buckets, xc, xr, fin_c, fin_r)
-        return BlockResult(
-            bad_c, bad_r,
-            {int(s): start + int(np.argmax(~fin_c[:, s])) for s in np.flatnonzero(bad_c)},
-            {int(s): start + int(np.argmax(~fin_r[:, s])) for s in np.flatnonzero(bad_r)},
-            (~fin_c[:, self.seg_c]).sum(axis=0), (~fin_r[:, self.seg_r]).sum(axis=0), sq_err, sq_ref,
-            std_num, std_den, profile_sums, profile_den, spec.number, start, stop, row_metrics,
-            w.cand.bytes_read + w.ref.bytes_read - before,
-        )
+        return (cos, ratio, rel, max_abs, sq_err, sq_ref, std_num, std_den, np.where(std_ok, sn2, np.nan), odd_rows,
+                odd_pairs)
 
     def _profile_sums(self, w: _Buffers, m: int, index: np.ndarray, xc: np.ndarray, xr: np.ndarray,
                       fin_c: np.ndarray, fin_r: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
