@@ -316,18 +316,16 @@ def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = NGRAM
 
     tables: dict[int, tuple[np.ndarray, ...]] = {}
 
-    whole = [g for g in cand_groups.values() if g.size >= ngram]
-    compiled = vote_kernels() if use_vote_kernel(sum(g.size for g in whole)) else None
-
     def table(n: int) -> tuple[np.ndarray, ...]:
         if n not in tables:
-            tables[n] = ngram_table(list(ref_groups.values()), n, compiled)
+            tables[n] = ngram_table(list(ref_groups.values()), n)
         return tables[n]
 
     # Sequences long enough for full n-grams vote together, in one lookup; shorter ones on their own.
     # In batches of about _VOTE_BATCH_ROWS rows: the lookup's temporaries stay bounded. Batches are
     # independent (each candidate sequence is in one): they run on both cores (numpy's sorts,
     # searches and gathers release the GIL), a batch per core at a time.
+    whole = [g for g in cand_groups.values() if g.size >= ngram]
     batches: list[list[SequenceRows]] = [[]]
     held = 0
     for g in whole:
@@ -337,6 +335,8 @@ def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = NGRAM
         batches[-1].append(g)
         held += int(g.size)
     full = table(ngram) if whole else None
+    # (numba is imported once the table is made: its ~110 MiB are not added to the table's peak)
+    compiled = vote_kernels() if use_vote_kernel(sum(g.size for g in whole)) else None
     kernel = compiled.batch_votes if compiled is not None else None
     found: dict[int, list[tuple[int, int, int]]] = {}
     for votes in in_parallel(*(functools.partial(_votes_together, b, full, ngram, kernel) for b in batches if b)):
@@ -351,25 +351,16 @@ def align_sequences(reference: RowIndex, candidate: RowIndex, ngram: int = NGRAM
     return Alignment(reference, candidate, sequences, True, [], duplicates, ref_groups, cand_groups)
 
 
-def ngram_table(groups: list[SequenceRows], n: int, compiled: Any = None) -> tuple[np.ndarray, ...]:
+def ngram_table(groups: list[SequenceRows], n: int) -> tuple[np.ndarray, ...]:
     """The reference's n-grams sorted by hash (ties in sequence order): (hash, owner group, start
-    position). A hash's n-grams are found by two sorted searches (:func:`_votes_together`).
-    ``compiled``: the alignment's compiled kernels (:func:`tracediff.compare.kernels.vote_kernels`),
-    whose radix sort gives the same order, or None for numpy's sort."""
+    position). A hash's n-grams are found by two sorted searches (:func:`_votes_together`)."""
     top = max((rg.key for rg in groups), default=0) + 1
     keys = np.array([rg.key for rg in groups], dtype=index_dtype(top))
     member = np.repeat(np.arange(keys.size, dtype=index_dtype(keys.size)), [rg.size for rg in groups])
     ref_h, starts, owners = _ngram_hashes(_joined([rg.tokens for rg in groups]),
                                           _joined([rg.positions for rg in groups]), n, member)
     del member
-    if compiled is not None:
-        order = np.empty(ref_h.size, dtype=index_dtype(ref_h.size))
-        ordered = np.empty_like(ref_h)
-        compiled.radix_order(ref_h, order, ordered)
-        ref_h = ordered
-        del ordered
-    else:
-        order, ref_h = _stable_argsort(ref_h)  # (each whole temporary let go as soon as it is used: the table's peak)
+    order, ref_h = _stable_argsort(ref_h)  # (each whole temporary let go as soon as it is used: the table's peak)
     owners = keys[owners[order]]
     starts = starts[order]
     return ref_h, owners, starts

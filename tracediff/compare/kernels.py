@@ -59,8 +59,7 @@ def fused_kernel() -> Any:
 
 
 def vote_kernels() -> Any:
-    """The alignment's compiled kernels (:mod:`tracediff.compare.fused_votes`: ``batch_votes``,
-    ``radix_order``), or None where numba is missing (or ``TRACEDIFF_KERNEL=numpy``)."""
+    """The alignment's compiled kernels (:mod:`tracediff.compare.fused_votes`: ``batch_votes``), or None where numba is missing (or ``TRACEDIFF_KERNEL=numpy``)."""
     return _compiled("votes")
 
 
@@ -137,14 +136,14 @@ def use_fused_kernel(nbytes: int) -> bool:
     return nbytes >= FUSED_MIN_BYTES and fused_available()
 
 
-#: Candidate rows from which the alignment's n-grams are sorted and counted by compiled kernels by default:
+#: Candidate rows from which the alignment's votes are counted by the compiled kernel by default:
 #: numba's import (0.3-0.4 s of wall time) is not paid by a small compare; a pass over this many rows
 #: loads numba anyway. At 8 M narrow rows the kernel saves ~0.8 s of the alignment's ~4 s.
 VOTE_KERNEL_MIN_ROWS = 1 << 21
 
 
 def use_vote_kernel(rows: int) -> bool:
-    """Whether an alignment of ``rows`` candidate rows sorts and counts its votes by the compiled kernels
+    """Whether an alignment of ``rows`` candidate rows counts its votes by the compiled kernel
     (``TRACEDIFF_KERNEL=fused`` always, ``=numpy`` never, by default from
     :data:`VOTE_KERNEL_MIN_ROWS` on where numba is installed): the same hypotheses either way."""
     choice = os.environ.get("TRACEDIFF_KERNEL", "").lower()
