@@ -125,9 +125,7 @@ def test_compiled_closed_forms_are_numpys_bit_for_bit(pairs):
     """The pass's per-row metrics from the norms: the compiled loop and numpy's expressions (the pass
     without numba) give the same bits, sums included (their summation order is numpy's), on ordinary
     rows and on rows whose norms are tiny, huge, zero, NaN or Inf."""
-    from types import SimpleNamespace
-
-    from tracediff.compare.stream import _Pass
+    from tracediff.compare.kernels import numpy_closed_forms
 
     rng = np.random.default_rng(pairs)
     m, block, k = 1000, 1024, 3
@@ -144,9 +142,7 @@ def test_compiled_closed_forms_are_numpys_bit_for_bit(pairs):
     fin_c[8, :] = False
     seg_c = np.arange(pairs, dtype=np.int64)[::-1].copy()
     seg_r = np.arange(pairs, dtype=np.int64)
-    stand_in = SimpleNamespace(seg_c=seg_c, seg_r=seg_r)
-    buffers = SimpleNamespace(dn=dn, mx=mx, sn=sn, sd=sd)
-    want = _Pass._closed_forms(stand_in, buffers, m, xc[:m], xr[:m], fin_c, fin_r)
+    want = numpy_closed_forms(m, xc[:m], xr[:m], seg_c, seg_r, fin_c, fin_r, dn, mx, sn, sd)
 
     rows = np.empty((5, m, pairs), np.float32)
     sums = np.empty((4, pairs, m))

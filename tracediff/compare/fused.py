@@ -103,8 +103,8 @@ def kernel(craw: Any, rraw: Any, n: int, size: int, c_bf16: bool, r_bf16: bool, 
 @numba.njit(nogil=True, cache=True)
 def closed_forms(m: int, xc: Any, xr: Any, seg_c: Any, seg_r: Any, fin_c: Any, fin_r: Any, dn: Any, mx: Any, sn: Any,
                  sd: Any, rows: Any, sums: Any, odd: Any) -> None:
-    """The pass's per-row metrics of rows ``0..m`` from the norms (:meth:`tracediff.compare.stream._Pass.
-    block_metrics`' numpy expressions, element by element in float64 and in the same order: the same
+    """The pass's per-row metrics of rows ``0..m`` from the norms: :func:`tracediff.compare.kernels.
+    numpy_closed_forms`' expressions, element by element in float64 and in the same order (the same
     bits; no fastmath here). Per row i and pair p: ``rows[:, i, p]`` (float32) cosine, norm ratio,
     rel_diff, max |diff| (NaN where the norms are not ordinary) and the squared standardised error
     (NaN where not finite); ``sums[:, p, i]`` (float64, 0 where left out) the squared error and

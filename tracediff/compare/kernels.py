@@ -208,6 +208,41 @@ def numpy_row_stats(c3: np.ndarray, r3: np.ndarray, xc: np.ndarray, xr: np.ndarr
         norms(d, sd)
 
 
+def numpy_closed_forms(m: int, xc: np.ndarray, xr: np.ndarray, seg_c: np.ndarray, seg_r: np.ndarray, fin_c: np.ndarray,
+                       fin_r: np.ndarray, dn: np.ndarray, mx: np.ndarray, sn: np.ndarray, sd: np.ndarray) -> tuple:
+    """The pass's per-row metrics of rows ``0..m`` from their norms (``xc`` / ``xr`` [m, k] segment norms,
+    ``fin_c`` / ``fin_r`` their finiteness; per pair p ``dn``, ``mx``, ``sn``, ``sd`` [pairs, >= m]), numpy's
+    expressions (the reference of :func:`tracediff.compare.fused.closed_forms`): float64 [m, pairs]
+    cosine, norm ratio, rel_diff, float32 max |diff| (NaN where the norms are not ordinary); per pair
+    the squared error and reference norm of ordinary rows and the standardised error and reference
+    of finite ones; the squared standardised error per row (NaN where not finite); and the (row,
+    pair) indexes of finite rows whose norms are not ordinary. 1 - cos = (|d|^2 - (|a|-|b|)^2) /
+    (2|a||b|) stays exact near cos = 1."""
+    ok = fin_c[:, seg_c] & fin_r[:, seg_r]  # [m, pairs]
+    x = xc[:, seg_c].astype(np.float64)
+    y = xr[:, seg_r].astype(np.float64)
+    dd = dn[:, :m].T.astype(np.float64) ** 2
+    fast = ok & (x > 1e-15) & (x < 1e18) & (y > 1e-15) & (y < 1e18) & np.isfinite(dd)
+    with np.errstate(all="ignore"):
+        nb = y * y
+        cos = np.where(fast, 1.0 - np.clip((dd - (x - y) ** 2) / (2.0 * x * y), 0.0, 2.0), np.nan)
+        ratio = np.where(fast, x / y, np.nan)
+        rel = np.where(fast, dd / (x * x + nb), np.nan)
+    max_abs = np.where(fast, mx[:, :m].T, np.nan)  # of |d|: +0.0, never -0.0
+    # (Every [m, pairs] array here is column-major, as the column gathers above make them: each
+    # pair's sum is numpy's pairwise sum of a contiguous column.)
+    sq_err = np.where(fast, dd, 0.0).sum(axis=0)
+    sq_ref = np.where(fast, nb, 0.0).sum(axis=0)
+    sn2 = sn[:, :m].T.astype(np.float64) ** 2
+    sd2 = sd[:, :m].T.astype(np.float64) ** 2
+    std_ok = ok & np.isfinite(sn2) & np.isfinite(sd2)
+    std_num = np.where(std_ok, sn2, 0.0).sum(axis=0)
+    std_den = np.where(std_ok, sd2, 0.0).sum(axis=0)
+    odd_rows, odd_pairs = np.nonzero(ok & ~fast)
+    return (cos, ratio, rel, max_abs, sq_err, sq_ref, std_num, std_den, np.where(std_ok, sn2, np.nan), odd_rows,
+            odd_pairs)
+
+
 def exact_row_stats(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, float]:
     """Metrics of finite rows by the per-element formulas, for rows whose norms are not ordinary:
     cosine, norm ratio, rel_diff, max abs diff per row; summed squared error and reference norm."""
@@ -229,5 +264,5 @@ def exact_row_stats(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 __all__ = ["FUSED_DTYPES", "FUSED_MIN_BYTES", "VOTE_KERNEL_MIN_ROWS", "prepare_kernel", "row_bytes", "use_fused_kernel",
-           "use_vote_kernel", "TINY", "dot", "exact_row_stats", "norms", "numpy_row_stats", "fused_available",
+           "use_vote_kernel", "TINY", "dot", "exact_row_stats", "norms", "numpy_closed_forms", "numpy_row_stats", "fused_available",
            "fused_kernel", "fused_row_stats", "preload_fused_kernel", "vote_kernels"]

@@ -45,6 +45,7 @@ from tracediff.compare.kernels import (
     fused_kernel,
     fused_row_stats,
     norms,
+    numpy_closed_forms,
     numpy_row_stats,
     row_bytes,
     use_fused_kernel,
@@ -354,7 +355,7 @@ class _Pass:
             odd_rows, odd_pairs = np.nonzero(odd)
         else:
             cos, ratio, rel, max_abs, sq_err, sq_ref, std_num, std_den, std_metric, odd_rows, odd_pairs = \
-                self._closed_forms(w, m, xc, xr, fin_c, fin_r)
+                numpy_closed_forms(m, xc, xr, self.seg_c, self.seg_r, fin_c, fin_r, w.dn, w.mx, w.sn, w.sd)
         for p in np.unique(odd_pairs).tolist():
             rows = odd_rows[odd_pairs == p]
             e_cos, e_ratio, e_rel, e_max, e_sq, e_nb = exact_row_stats(
@@ -377,33 +378,6 @@ class _Pass:
             std_num, std_den, profile_sums, profile_den, spec.number, start, stop, row_metrics,
             w.cand.bytes_read + w.ref.bytes_read - before,
         )
-
-    def _closed_forms(self, w: _Buffers, m: int, xc: np.ndarray, xr: np.ndarray, fin_c: np.ndarray,
-                      fin_r: np.ndarray) -> tuple:
-        """:meth:`block_metrics`' closed forms by numpy's expressions (the reference of
-        :func:`tracediff.compare.fused.closed_forms`): float64 [m, pairs] cosine, ratio, rel_diff,
-        max |diff| (float32), the four sums, the squared standardised error, and the odd rows."""
-        ok = fin_c[:, self.seg_c] & fin_r[:, self.seg_r]  # [m, pairs]
-        x = xc[:, self.seg_c].astype(np.float64)
-        y = xr[:, self.seg_r].astype(np.float64)
-        dd = w.dn[:, :m].T.astype(np.float64) ** 2
-        fast = ok & (x > 1e-15) & (x < 1e18) & (y > 1e-15) & (y < 1e18) & np.isfinite(dd)
-        with np.errstate(all="ignore"):
-            nb = y * y
-            cos = np.where(fast, 1.0 - np.clip((dd - (x - y) ** 2) / (2.0 * x * y), 0.0, 2.0), np.nan)
-            ratio = np.where(fast, x / y, np.nan)
-            rel = np.where(fast, dd / (x * x + nb), np.nan)
-        max_abs = np.where(fast, w.mx[:, :m].T, np.nan)  # of |d|: +0.0, never -0.0
-        sq_err = np.where(fast, dd, 0.0).sum(axis=0)
-        sq_ref = np.where(fast, nb, 0.0).sum(axis=0)
-        sn2 = w.sn[:, :m].T.astype(np.float64) ** 2
-        sd2 = w.sd[:, :m].T.astype(np.float64) ** 2
-        std_ok = ok & np.isfinite(sn2) & np.isfinite(sd2)
-        std_num = np.where(std_ok, sn2, 0.0).sum(axis=0)
-        std_den = np.where(std_ok, sd2, 0.0).sum(axis=0)
-        odd_rows, odd_pairs = np.nonzero(ok & ~fast)
-        return (cos, ratio, rel, max_abs, sq_err, sq_ref, std_num, std_den, np.where(std_ok, sn2, np.nan), odd_rows,
-                odd_pairs)
 
     def _profile_sums(self, w: _Buffers, m: int, index: np.ndarray, xc: np.ndarray, xr: np.ndarray,
                       fin_c: np.ndarray, fin_r: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
