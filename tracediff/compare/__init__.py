@@ -18,7 +18,8 @@ drives it):
    (:mod:`tracediff.report`) print.
 
 :mod:`~tracediff.compare.identify` names the layers of one trace against a bank, from the same plan.
-No torch anywhere here: a compare imports numpy and zarr only (numba for passes of 256 MiB or more).
+No torch anywhere here: a compare imports numpy and zarr only (numba for passes of 1 GiB or more and
+alignments of 2 M candidate rows or more: :mod:`tracediff.compare.kernels`).
 """
 
 from __future__ import annotations

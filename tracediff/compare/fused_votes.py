@@ -64,12 +64,22 @@ def batch_votes(h: Any, order: Any, starts: Any, window_group: Any, ref_h: Any, 
     m = h.shape[0]
     lo = np.empty(m, dtype=np.int64)
     count = np.empty(m, dtype=np.int64)
+    # A window found once (nearly all): its reference n-gram's group and start, read here in table
+    # order (the table is walked forwards) and written at the window, whose arrays are the batch's
+    # size: no read of the table out of order.
+    own = np.empty(m, dtype=np.int64)
+    at = np.empty(m, dtype=np.int64)
     a = 0
     for k in range(m):
         w = order[k]
-        a = _bound(ref_h, h[w], a, False)
+        q = h[w]
+        a = _bound(ref_h, q, a, False)
+        c = _bound(ref_h, q, a, True) - a
         lo[w] = a
-        count[w] = _bound(ref_h, h[w], a, True) - a
+        count[w] = c
+        if c == 1:
+            own[w] = ref_owner[a]
+            at[w] = ref_start[a]
     out_n[:] = 0
     top = out_owner.shape[1]
     w = 0
@@ -96,8 +106,12 @@ def batch_votes(h: Any, order: Any, starts: Any, window_group: Any, ref_h: Any, 
                 if count[x] <= 0 or count[x] > max_repeat:
                     continue
                 for j in range(lo[x], lo[x] + count[x]):
-                    o = np.int64(ref_owner[j])
-                    d = np.int64(starts[x]) - np.int64(ref_start[j])
+                    if count[x] == 1:
+                        o = own[x]
+                        d = np.int64(starts[x]) - at[x]
+                    else:
+                        o = np.int64(ref_owner[j])
+                        d = np.int64(starts[x]) - np.int64(ref_start[j])
                     s = ((o * 1_000_003) ^ (d * 0x9E3779B1)) & mask
                     while used[s] and (owner[s] != o or delta[s] != d):
                         s = (s + 1) & mask
