@@ -23,7 +23,9 @@ from tracediff.errors import CompareError
 
 NGRAM = 4
 _MAX_HASH_REPEAT = 64  # an n-gram seen more often than this in the reference (padding...) casts no vote
-_VOTE_BATCH_ROWS = 1 << 19  # candidate rows whose n-grams are looked up together
+_VOTE_BATCH_ROWS = 1 << 17  # candidate rows whose n-grams are looked up together (a batch per core: their
+# temporaries, ~60 bytes a row, on top of the reference table: 8 M narrow rows, the votes peak at 518 MiB
+# with 128 k, 537 with 256 k, 573-600 with 512 k, the table itself at 523)
 _HASH_PIECE = 1 << 16  # n-gram windows hashed (or values moved in place) at a time: temporaries stay small
 _MAX_ALIGNMENTS = 4  # alternative (reference sequence, delta) hypotheses kept per candidate sequence
 
