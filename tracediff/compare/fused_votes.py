@@ -53,6 +53,20 @@ def _better(votes: Any, delta: Any, owner: Any, first: Any, s: int, b: int) -> b
 
 
 @numba.njit(nogil=True, cache=True)
+def _slot(o: int, d: int, size: int) -> int:
+    """Where a (group, delta) vote starts its probe in an index of ``size`` (a power of two) slots."""
+    return ((o * 1_000_003) ^ (d * 0x9E3779B1)) & (size - 1)
+
+
+@numba.njit(nogil=True, cache=True)
+def _grown(a: Any, size: int) -> Any:
+    """``a``'s values in a new array of ``size`` entries."""
+    out = np.empty(size, dtype=a.dtype)
+    out[: a.shape[0]] = a
+    return out
+
+
+@numba.njit(nogil=True, cache=True)
 def batch_votes(h: Any, order: Any, starts: Any, window_group: Any, ref_h: Any, ref_owner: Any, ref_start: Any,
                 max_repeat: int, out_owner: Any, out_delta: Any, out_votes: Any, out_n: Any) -> None:
     """Window w (hash ``h[w]``, start position ``starts[w]``, of candidate sequence ``window_group[w]``,
@@ -92,15 +106,15 @@ def batch_votes(h: Any, order: Any, starts: Any, window_group: Any, ref_h: Any, 
                 total += count[e]
             e += 1
         if total:
-            size = 16
-            while size < 2 * total:
-                size *= 2
-            mask = size - 1
-            used = np.zeros(size, dtype=np.bool_)
-            owner = np.empty(size, dtype=np.int64)
-            delta = np.empty(size, dtype=np.int64)
-            votes = np.zeros(size, dtype=np.int64)
-            first = np.empty(size, dtype=np.int64)
+            # The sequence's distinct (group, delta) votes, in the order first seen, and an
+            # open-addressing index over them (entry + 1, 0 empty), both grown by doubling: memory
+            # follows the distinct votes (a few, nearly always), not the votes.
+            cap, isize, n_e = 16, 32, 0
+            owner = np.empty(cap, dtype=np.int64)
+            delta = np.empty(cap, dtype=np.int64)
+            votes = np.empty(cap, dtype=np.int64)
+            first = np.empty(cap, dtype=np.int64)
+            index = np.zeros(isize, dtype=np.int64)
             seen = 0
             for x in range(w, e):
                 if count[x] <= 0 or count[x] > max_repeat:
@@ -112,23 +126,38 @@ def batch_votes(h: Any, order: Any, starts: Any, window_group: Any, ref_h: Any, 
                     else:
                         o = np.int64(ref_owner[j])
                         d = np.int64(starts[x]) - np.int64(ref_start[j])
-                    s = ((o * 1_000_003) ^ (d * 0x9E3779B1)) & mask
-                    while used[s] and (owner[s] != o or delta[s] != d):
-                        s = (s + 1) & mask
-                    if not used[s]:
-                        used[s] = True
-                        owner[s], delta[s], first[s] = o, d, seen
-                    votes[s] += 1
+                    s = _slot(o, d, isize)
+                    while index[s] != 0 and (owner[index[s] - 1] != o or delta[index[s] - 1] != d):
+                        s = (s + 1) & (isize - 1)
+                    if index[s] != 0:
+                        votes[index[s] - 1] += 1
+                    else:
+                        if n_e == cap:
+                            cap *= 2
+                            owner, delta = _grown(owner, cap), _grown(delta, cap)
+                            votes, first = _grown(votes, cap), _grown(first, cap)
+                        owner[n_e], delta[n_e], votes[n_e], first[n_e] = o, d, 1, seen
+                        index[s] = n_e + 1
+                        n_e += 1
+                        if 2 * n_e > isize:
+                            isize *= 2
+                            index = np.zeros(isize, dtype=np.int64)
+                            for k in range(n_e):
+                                s = _slot(owner[k], delta[k], isize)
+                                while index[s] != 0:
+                                    s = (s + 1) & (isize - 1)
+                                index[s] = k + 1
                     seen += 1
+            taken = np.zeros(n_e, dtype=np.bool_)
             for t in range(top):
                 best = -1
-                for s in range(size):
-                    if used[s] and (best < 0 or _better(votes, delta, owner, first, s, best)):
-                        best = s
+                for k in range(n_e):
+                    if not taken[k] and (best < 0 or _better(votes, delta, owner, first, k, best)):
+                        best = k
                 if best < 0:
                     break
                 out_owner[g, t], out_delta[g, t], out_votes[g, t] = owner[best], delta[best], votes[best]
-                used[best] = False
+                taken[best] = True
                 out_n[g] = t + 1
         w = e
 
