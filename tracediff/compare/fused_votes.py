@@ -5,8 +5,9 @@ imports this module only for large alignments: importing it imports numba).
 path (integers only: the same numbers, not merely close ones). The numpy path looks each window's
 hash up by two binary searches over the reference table, then repeats, gathers and sorts every vote
 of the batch to count them; here the lookup walks the sorted hashes and the table together (each
-search starts where the previous one ended and gallops), and each candidate sequence's votes are
-counted in a small hash map of its own, in cache: no temporary of the batch's size beyond two.
+search starts where the previous one ended and gallops; a window found once has its reference group
+and start read then), and each candidate sequence's distinct votes are counted in small arrays of
+its own, grown as needed: four temporaries of the batch's size (each window's lookup), no more.
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ def fused_kernel() -> Any:
 
 
 def vote_kernels() -> Any:
-    """The alignment's compiled kernels (:mod:`tracediff.compare.fused_votes`: ``batch_votes``), or None where numba is missing (or ``TRACEDIFF_KERNEL=numpy``)."""
+    """The alignment's compiled kernels (:mod:`tracediff.compare.fused_votes`: ``batch_votes``), or None
+    where numba is missing (or ``TRACEDIFF_KERNEL=numpy``)."""
     return _compiled("votes")
 
 
@@ -130,15 +131,20 @@ def use_fused_kernel(nbytes: int) -> bool:
     """Whether a pass over ``nbytes`` of stored rows uses the fused kernel: ``TRACEDIFF_KERNEL=fused``
     always, ``=numpy`` never; by default from :data:`FUSED_MIN_BYTES` on, where numba is installed
     (a small compare never imports it: its fixed cost stays that of numpy)."""
+    forced = _forced_kernel()
+    return forced if forced is not None else nbytes >= FUSED_MIN_BYTES and fused_available()
+
+
+def _forced_kernel() -> bool | None:
+    """``TRACEDIFF_KERNEL``: True for ``fused`` (the compiled kernels always), False for ``numpy``
+    (never), None otherwise (each caller's size threshold decides)."""
     choice = os.environ.get("TRACEDIFF_KERNEL", "").lower()
-    if choice in ("fused", "numpy"):
-        return choice == "fused"
-    return nbytes >= FUSED_MIN_BYTES and fused_available()
+    return choice == "fused" if choice in ("fused", "numpy") else None
 
 
 #: Candidate rows from which the alignment's votes are counted by the compiled kernel by default:
 #: numba's import (0.3-0.4 s of wall time) is not paid by a small compare; a pass over this many rows
-#: loads numba anyway. At 8 M narrow rows the kernel saves ~0.8 s of the alignment's ~4 s.
+#: loads numba anyway. At 8 M narrow rows the kernel saves ~1 s of the alignment's CPU (docs/performance.md).
 VOTE_KERNEL_MIN_ROWS = 1 << 21
 
 
@@ -146,10 +152,8 @@ def use_vote_kernel(rows: int) -> bool:
     """Whether an alignment of ``rows`` candidate rows counts its votes by the compiled kernel
     (``TRACEDIFF_KERNEL=fused`` always, ``=numpy`` never, by default from
     :data:`VOTE_KERNEL_MIN_ROWS` on where numba is installed): the same hypotheses either way."""
-    choice = os.environ.get("TRACEDIFF_KERNEL", "").lower()
-    if choice in ("fused", "numpy"):
-        return choice == "fused"
-    return rows >= VOTE_KERNEL_MIN_ROWS and fused_available()
+    forced = _forced_kernel()
+    return forced if forced is not None else rows >= VOTE_KERNEL_MIN_ROWS and fused_available()
 
 
 def prepare_kernel(pairs: int, candidate: RowIndex, reference: RowIndex) -> None:
