@@ -157,3 +157,67 @@ def test_compiled_closed_forms_are_numpys_bit_for_bit(pairs):
     got_rows, got_pairs = np.nonzero(odd)
     assert np.array_equal(got_rows, odd_rows) and np.array_equal(got_pairs, odd_pairs)
     assert odd_rows.size >= 3 and np.isnan(cos[:, 0]).sum() >= 5  # the rows that are not ordinary were there
+
+
+_COLD_CACHE_SCRIPT = r'''
+import json, sys
+import numpy as np
+from tracediff.compare import compare_stores
+from tracediff.compare import fused, fused_votes
+from tracediff.store import TraceWriter, create_store, decode_values, open_store
+
+# A float32 copy of the shipped training trace: a pass over float32 rows against bf16 ones.
+src = open_store("samples/train.zarr")
+create_store(sys.argv[1], role="trainer")
+for st in src.tap_streams("fc_in"):
+    w = TraceWriter(sys.argv[1], "fc_in", st.writer, width=st.width, dtype="float32", chunk_rows=st.chunk_rows)
+    chunks = -(-st.rows // st.chunk_rows)
+    values = np.concatenate([decode_values(st.read_chunk(c), st.dtype) for c in range(chunks)])[: st.rows]
+    w.append(values, st.labels())
+    w.close()
+verdicts = [compare_stores("samples/train.zarr", "samples/server_broken.zarr").verdict,
+            compare_stores(sys.argv[1], "samples/server_fixed.zarr").verdict,
+            compare_stores("samples/server_fixed.zarr", sys.argv[1]).verdict]
+stats = {f"{m.__name__}.{d.__name__}": [sum(d.stats.cache_hits.values()), sum(d.stats.cache_misses.values())]
+         for m in (fused, fused_votes) for d in m.ENTRY_POINTS}
+print(json.dumps({"verdicts": verdicts, "stats": stats}))
+'''
+
+
+@pytest.mark.slow
+def test_a_cold_kernel_cache_is_filled_by_a_child_process_and_only_loaded_here(tmp_path):
+    """A first compare after an install compiles the kernels in a child process (the compiler's
+    memory is not added to the compare's); the compare's own process then loads every kernel it
+    calls, for bf16 and float32 rows on either side, from numba's cache: no cache miss."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "numba-cache"
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache), TRACEDIFF_KERNEL="fused")
+    done = subprocess.run([sys.executable, "-c", _COLD_CACHE_SCRIPT, str(tmp_path / "train32.zarr")], env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, (hits, misses) in result["stats"].items():
+        assert misses == 0, f"{name} was compiled in the compare's process"
+        assert hits >= 1, f"{name} was not loaded from the cache"
+    assert result["verdicts"][0] == compare_stores("samples/train.zarr", "samples/server_broken.zarr").verdict
+    assert list(cache.rglob("*.nbi")), "nothing was cached"
+
+
+def test_a_child_that_cannot_compile_leaves_the_compile_to_this_process(monkeypatch, caplog):
+    """No interpreter to start, or a child that fails: logged, nothing raised (the compare's own
+    process compiles what it calls, as without the child)."""
+    import logging
+    import types
+
+    from tracediff.compare import kernels
+
+    caplog.set_level(logging.INFO, logger="tracediff")
+    kernels._compile_elsewhere(types.SimpleNamespace(__name__="tracediff.compare.no_such_kernels"))
+    assert "compiling tracediff.compare.no_such_kernels in a child process failed (ModuleNotFoundError" in caplog.text
+    monkeypatch.setattr(kernels.sys, "executable", "/nonexistent/python3")
+    kernels._compile_elsewhere(types.SimpleNamespace(__name__="tracediff.compare.fused"))
+    assert "could not compile tracediff.compare.fused in a child process" in caplog.text

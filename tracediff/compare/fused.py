@@ -151,3 +151,29 @@ def closed_forms(m: int, xc: Any, xr: Any, seg_c: Any, seg_r: Any, fin_c: Any, f
                 sums[2, p, i] = 0.0
                 sums[3, p, i] = 0.0
             odd[i, p] = ok and not fast
+
+
+#: The compiled functions a pass calls (kernels.py asks numba's cache whether they are there).
+ENTRY_POINTS = (kernel, closed_forms)
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) :func:`kernel` for every pair of stored dtypes a pass
+    reads (bf16 bits, float32) and :func:`closed_forms`, on a few values: the types a pass calls them
+    with, so that a pass afterwards loads each from the cache. Run in a child process on a cold cache
+    (:func:`tracediff.compare.kernels.fused_kernel`): compiling keeps ~60 MiB of the compiler's memory
+    in the process that compiles, which a compare at its peak cannot spare."""
+    n, size = 2, 4
+    seg = np.zeros(1, dtype=np.int64)
+
+    def f32(*shape: int) -> np.ndarray:
+        return np.zeros(shape, dtype=np.float32)
+
+    for cdt in (np.uint16, np.float32):
+        for rdt in (np.uint16, np.float32):
+            kernel(np.zeros((n, size), cdt), np.zeros((n, size), rdt), n, size, cdt is np.uint16, rdt is np.uint16,
+                   seg, seg, f32(1, size), f32(1, size), f32(n, 1), f32(n, 1), f32(1, n), f32(1, n), f32(1, n),
+                   f32(1, n))
+    fin = np.ones((n, 1), dtype=np.bool_)
+    closed_forms(n, f32(n, 1), f32(n, 1), seg, seg, fin, fin, f32(1, n), f32(1, n), f32(1, n), f32(1, n),
+                 f32(5, n, 1), np.zeros((4, 1, n)), np.zeros((n, 1), dtype=np.bool_))

@@ -162,3 +162,18 @@ def batch_votes(h: Any, order: Any, starts: Any, window_group: Any, ref_h: Any, 
                 out_n[g] = t + 1
         w = e
 
+
+
+#: The compiled function an alignment calls (kernels.py asks numba's cache whether it is there).
+ENTRY_POINTS = (batch_votes,)
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) :func:`batch_votes` for the types an alignment calls it
+    with (int32 positions and reference groups: the row index's compact columns), on one window: run
+    in a child process on a cold cache (see :func:`tracediff.compare.fused.warm`). Positions beyond
+    the compact range (int64) compile in the compare's own process, as before."""
+    one = np.zeros(1, dtype=np.int64)
+    outs = [np.zeros((1, 4), dtype=np.int64) for _ in range(3)]
+    batch_votes(np.zeros(1, dtype=np.uint64), one, np.zeros(1, dtype=np.int32), one.copy(), np.zeros(1, dtype=np.uint64),
+                np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int32), 64, *outs, np.zeros(1, dtype=np.int64))

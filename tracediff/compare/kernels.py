@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -71,13 +72,56 @@ def _compiled(name: str) -> Any:
         if name not in _COMPILED:
             _COMPILED[name] = None
             try:
-                _COMPILED[name] = _build(name)
+                module = _build(name)
+                if _cold(module):
+                    _compile_elsewhere(module)
+                _COMPILED[name] = module
             except ImportError:
                 log.info("tracediff: numba is not installed: the %s use numpy kernels",
                          "alignment's votes" if name == "votes" else "streaming pass")
             except Exception as exc:  # a numba that cannot compile here must not stop a compare
                 log.warning("tracediff: a compiled kernel could not be loaded (%s): using the numpy kernels", exc)
         return _COMPILED[name]
+
+
+def _cold(module: Any) -> bool:
+    """Whether numba's on-disk cache holds no machine code yet for one of ``module``'s entry points
+    (a first compare after an install or an upgrade: the index is empty or of another source). False
+    where that cannot be told (no cache here, another numba): the compare compiles, as it would."""
+    try:
+        return any(not d._cache._cache_file._load_index() for d in module.ENTRY_POINTS)
+    except Exception:  # noqa: BLE001  (numba's cache internals: anything unexpected means "compile here")
+        return False
+
+
+def _compile_elsewhere(module: Any) -> None:
+    """Fill numba's cache for ``module`` from a child process (``module.warm()``), so that this one
+    loads the machine code instead of compiling it: the compiler's memory (~60 MiB that stay with
+    the process that compiled, measured at 8 M narrow rows: a first compare peaked at 626 MiB, later
+    ones at 562) is the child's, not added to a compare at its peak. A child that fails or runs past
+    its time only costs that time: this process then compiles what it calls, as before."""
+    if not sys.executable:
+        return
+    import subprocess  # noqa: PLC0415
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (tracediff's parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    log.info("tracediff: compiling %s once, in a child process (numba's cache is empty here)", module.__name__)
+    try:
+        done = subprocess.run([sys.executable, "-c", f"import {module.__name__} as m; m.warm()"], env=env,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              timeout=_COMPILE_SECONDS, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.info("tracediff: could not compile %s in a child process (%s): compiling here", module.__name__, exc)
+        return
+    if done.returncode != 0:
+        tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
+        log.info("tracediff: compiling %s in a child process failed (%s): compiling here", module.__name__, tail[0])
+
+
+#: The longest a child process may compile a module's kernels (seconds; ~5-15 s on 2 cores).
+_COMPILE_SECONDS = 600
 
 
 def fused_available() -> bool:
