@@ -353,3 +353,98 @@ def test_a_reference_prefix_is_found_the_same_once_the_candidate_rows_are_let_go
     assert held is not None and held["length"] == sorted(set(cut)) and held["sequences"] == len(cut)
     with pytest.raises(RuntimeError, match="let go"):
         _ = next(iter(alignment.cand_groups.values())).rows
+
+
+def _same_pairs(a, b) -> None:
+    for name in ("candidate", "reference"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.tolist() == y.tolist(), name
+    for name in ("offset", "unaligned", "duplicates", "replicas", "distinct_reference", "trailing", "insertions"):
+        assert getattr(a, name) == getattr(b, name), name
+    assert list(a.effective_delta.items()) == list(b.effective_delta.items())  # the same, in the same order
+    assert [(k, v.dtype, v.tolist()) for k, v in a.prefix_rows.items()] == \
+        [(k, v.dtype, v.tolist()) for k, v in b.prefix_rows.items()]
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), sequences=st.integers(1, 8), replicas=st.integers(1, 2), in_order=st.booleans(),
+       wide=st.booleans(), tokens=st.booleans())
+def test_sequences_paired_together_are_paired_as_one_by_one(
+    data: st.DataObject, sequences: int, replicas: int, in_order: bool, wide: bool, tokens: bool
+) -> None:
+    """``pair_rows``' batched path (sequences of one hypothesis over a reference without gaps, many at
+    once) gives the pairs, counts and notes of the loop that takes each sequence on its own, under
+    every label offset: candidates with extra tokens in front (prefix rows) or past the reference's
+    end (trailing), shifted positions (by labels, some past every reference row), dropped rows, unknown or disagreeing tokens, shared prefixes
+    (several hypotheses), references with gaps (those sequences stay on the loop), rows in order (a
+    trainer's spans) or shuffled, compact or int64 positions, with or without tokens."""
+    import tracediff.compare.align as align
+    from tracediff.compare.rowpairs import pair_rows
+
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    base = (1 << 40) if wide else 0
+    dtype = np.int64 if wide else np.int32
+
+    def index(groups, positions, toks, streams=1):
+        n = sum(t.size for t in toks)
+        per = -(-n // streams)
+        return RowIndex(store=None, tap="fc_in", streams=[None] * streams,
+                        offsets=np.minimum(np.arange(streams + 1) * per, n).astype(np.int64),
+                        group=np.concatenate(groups).astype(np.int32),
+                        position=np.concatenate(positions).astype(dtype), token_id=np.concatenate(toks).astype(np.int32),
+                        phase=np.zeros(n, dtype=np.int8), valid=np.ones(n, dtype=bool),
+                        group_keys=[str(g) for g in range(len(groups) + 8)])
+
+    lengths = [int(rng.integers(6, 40)) for _ in range(sequences)]
+    ref_tokens = [rng.integers(0, 50, n) for n in lengths]
+    if sequences > 1 and rng.random() < 0.5:  # a shared prefix: the second sequence starts as the first
+        k = min(lengths[0], lengths[1]) // 2
+        ref_tokens[1][:k] = ref_tokens[0][:k]
+    ref_pos = []
+    for n in lengths:
+        p = np.arange(n, dtype=np.int64) + base
+        if rng.random() < 0.3:  # a gap in the reference's positions
+            p[n // 2 :] += int(rng.integers(1, 4))
+        ref_pos.append(p)
+    ref = index([np.full(n, g) for g, n in enumerate(lengths)], ref_pos,
+                ref_tokens if tokens else [np.full(n, -1) for n in lengths])
+    groups, positions, toks = [], [], []
+    for _ in range(replicas):
+        for g, n in enumerate(lengths):
+            a = int(rng.integers(0, n // 2))
+            b = n - int(rng.integers(0, 3))
+            t = ref_tokens[g][a:b].copy()
+            p = ref_pos[g][a:b] + int(rng.integers(-3, 4))  # shifted positions
+            if rng.random() < 0.15:  # far from the reference's (by labels: nothing pairs)
+                p = p + 1000
+            front, back = int(rng.integers(0, 3)), int(rng.integers(0, 3))
+            t = np.r_[rng.integers(50, 60, front), t, rng.integers(50, 60, back)]  # extra tokens around
+            p = np.r_[p[0] - np.arange(front, 0, -1), p, p[-1] + 1 + np.arange(back)]
+            keep = rng.random(t.size) > 0.1  # dropped rows
+            keep[: min(6, keep.size)] = True
+            t, p = t[keep], p[keep]
+            t[rng.random(t.size) < 0.05] = -1  # unknown tokens
+            t[rng.random(t.size) < 0.05] = 7  # disagreeing ones
+            groups.append(np.full(t.size, len(groups)))
+            positions.append(p)
+            toks.append(t if tokens else np.full(t.size, -1))
+    cand = index(groups, positions, toks, replicas)
+    if not in_order:
+        shuffle = rng.permutation(len(cand))
+        cand.group, cand.position, cand.token_id = cand.group[shuffle], cand.position[shuffle], cand.token_id[shuffle]
+    alignment = align.align_sequences(ref, cand)
+    for offset in (-2, -1, 0, 1, 2):
+        _same_pairs(pair_rows(alignment, offset), pair_rows(alignment, offset, batched=False))
+
+
+def test_the_samples_pairs_are_the_same_paired_together_or_one_by_one() -> None:
+    """The shipped samples (a trainer against a server, and the reverse): the same pairs either way."""
+    from tracediff.compare.align import align_sequences
+    from tracediff.compare.rowpairs import pair_rows
+    from tracediff.store import open_store
+
+    for a, b in (("train", "server_broken"), ("server_fixed", "train")):
+        alignment = align_sequences(RowIndex.load(open_store(f"samples/{a}.zarr"), "fc_in"),
+                                    RowIndex.load(open_store(f"samples/{b}.zarr"), "fc_in"))
+        for offset in (-2, -1, 0, 1, 2):
+            _same_pairs(pair_rows(alignment, offset), pair_rows(alignment, offset, batched=False))

@@ -90,6 +90,17 @@ class _IndexGroup(SequenceRows):
         return f"_IndexGroup(key={self.key}, rows={self._span if self._rows is None else self._rows.size})"
 
 
+def end_positions(g: SequenceRows, index: RowIndex) -> tuple[int, int] | None:
+    """The first and last position of sequence ``g`` when it is one of ``index``'s own groups (its
+    positions, tokens and rows are those of ``index``'s entries ``g.rows``), read without gathering
+    the others; None for any other sequence (or an empty one)."""
+    if not isinstance(g, _IndexGroup) or g._index is not index or g.size == 0:
+        return None
+    if g._rows is None:
+        return int(index.position[g._span[0]]), int(index.position[g._span[1] - 1])
+    return int(index.position[g._rows[0]]), int(index.position[g._rows[-1]])
+
+
 class _LetGo(SequenceRows):
     """What is kept of a candidate sequence once the pairs are made (:meth:`Alignment.let_go_of_rows`):
     its key, size, duplicates and first position; its rows, positions and tokens are let go."""

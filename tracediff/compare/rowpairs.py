@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tracediff.compare.align import NGRAM, Alignment, SequenceRows, kept_in_place
+from tracediff.compare.align import NGRAM, Alignment, SequenceAlignment, SequenceRows, end_positions, kept_in_place
 from tracediff.compare.rows import COMPACT_BOUND, index_dtype
 
 
@@ -67,12 +67,17 @@ def _find_positions(positions: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarr
     return idx_c, (idx < n) & (positions[idx_c] == wanted)
 
 
-def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[int] | None = None) -> RowPairs:
+def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[int] | None = None, *,
+              batched: bool = True) -> RowPairs:
     """Pair rows under the alignment: candidate position p <-> reference position p - delta + offset.
 
     ``offset`` is the label offset: 0 when rows are labelled with the token whose forward produced
     them; the offset search tries -2..2. A hypothesis is used for a row only if the row's token agrees
     with the reference token at p - delta (rows without a token take the best hypothesis).
+
+    Sequences with one hypothesis whose reference sequence has no gap in its positions (nearly all)
+    are paired many at a time (:func:`_pair_batch`); the others, or every one with ``batched=False``
+    (the reference path, for tests), one by one. The same pairs, counts and notes either way.
     """
     # Every sequence: each pair written at its candidate row (each pairs at most once) in one column
     # as long as the candidate, -1 where unpaired, so the pairs come out in candidate order without a
@@ -89,9 +94,36 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     insertions: list[dict] = []
     prefix_rows: dict[int, np.ndarray] = {}
     effective: dict[int, int] = {}
+    # Sequences waiting to be paired together (their order kept: a batch is paired before any later
+    # sequence is, so the notes come out in the order one by one gives).
+    batch: list[tuple[SequenceAlignment, tuple[int, int]]] = []
+    batch_rows = 0
+
+    def flush() -> None:
+        nonlocal unaligned, trailing, held, batch_rows
+        if batch:
+            assert slot is not None
+            u, t, n = _pair_batch(alignment, offset, batch, slot, prefix_rows, effective)
+            unaligned, trailing, held = unaligned + u, trailing + t, held + n
+            batch.clear()
+            batch_rows = 0
+
     for seq in alignment.sequences:
         if wanted is not None and seq.candidate_group not in wanted:
             continue
+        if batched and slot is not None and len(seq.hypotheses) == 1:
+            cg = alignment.cand_groups[seq.candidate_group]
+            rg = alignment.ref_groups[seq.hypotheses[0][0]]
+            ends = end_positions(rg, alignment.reference)
+            if (ends is not None and ends[1] - ends[0] == rg.size - 1
+                    and abs(ends[0]) + abs(ends[1]) + abs(seq.hypotheses[0][1]) < _SAFE  # (int64 sums below)
+                    and end_positions(cg, alignment.candidate) is not None):
+                batch.append((seq, ends))
+                batch_rows += cg.size
+                if batch_rows >= _BATCH_ROWS:
+                    flush()
+                continue
+        flush()
         g = alignment.cand_groups[seq.candidate_group].held()
         if not seq.hypotheses:
             unaligned += g.size
@@ -148,6 +180,7 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             end = int(alignment.ref_groups[primary].positions[-1]) + int(seq.hypotheses[0][1])
             trailing += int((~taken & (g.positions > end)).sum())
         unaligned += int((~taken).sum())
+    flush()
     rows_dtype = index_dtype(max(n_cand, n_ref))
     if held == 0:
         cand = ref = np.empty(0, dtype=rows_dtype)
@@ -188,6 +221,80 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     order = np.argsort(cand)
     return RowPairs(cand[order], ref[order], offset, unaligned, duplicates, prefix_rows, effective, replicas,
                     insertions, distinct, trailing)
+
+
+#: Candidate rows :func:`pair_rows` pairs together at most (~40 bytes a row of temporaries).
+_BATCH_ROWS = 1 << 18
+#: Positions and deltas whose sums the batched pairing makes in int64 stay below this.
+_SAFE = 1 << 60
+
+
+def _pair_batch(alignment: Alignment, offset: int, batch: list[tuple[SequenceAlignment, tuple[int, int]]],
+                slot: np.ndarray, prefix_rows: dict[int, np.ndarray], effective: dict[int, int]) -> tuple[int, int, int]:
+    """:func:`pair_rows`' loop for candidate sequences of one hypothesis each, whose reference sequence
+    (first and last position given) has no gap in its positions, all at once: each row's reference
+    entry is its position less the delta and the reference's first position, no search. Writes the
+    pairs into ``slot`` and the notes into ``prefix_rows`` and ``effective`` (in the batch's order);
+    returns the unaligned and trailing rows and the pairs made."""
+    cand, ref = alignment.candidate, alignment.reference
+    groups = [alignment.cand_groups[seq.candidate_group] for seq, _ in batch]
+    refs = [alignment.ref_groups[seq.hypotheses[0][0]] for seq, _ in batch]
+    sizes = np.array([g.size for g in groups], dtype=np.int64)
+    ref_sizes = np.array([r.size for r in refs], dtype=np.int64)
+    delta = np.array([seq.hypotheses[0][1] for seq, _ in batch], dtype=np.int64)
+    first_ref = np.array([ends[0] for _, ends in batch], dtype=np.int64)
+    last_ref = np.array([ends[1] for _, ends in batch], dtype=np.int64)
+    rows = np.concatenate([g.rows for g in groups])
+    ref_rows = np.concatenate([r.rows for r in refs])
+    ref_base = np.cumsum(ref_sizes) - ref_sizes
+    member = np.repeat(np.arange(len(batch), dtype=np.int32), sizes)
+    pos = cand.position[rows]
+    # int32 arithmetic where compact positions and these shifts cannot leave its range, else int64
+    # (the same numbers either way).
+    shifts = np.abs(np.concatenate([delta + first_ref, last_ref + delta, first_ref + delta - offset]))
+    wide = np.int64 if (pos.dtype != np.int32 or int(shifts.max()) + abs(offset) >= COMPACT_BOUND
+                        or int(ref_sizes.sum()) >= COMPACT_BOUND) else np.int32
+    pos = pos.astype(wide, copy=False)
+    delta, first_ref, last_ref, ref_sizes, ref_base = (a.astype(wide) for a in (delta, first_ref, last_ref, ref_sizes,
+                                                                                ref_base))
+    n_r = ref_sizes[member]
+    # The reference entry under the hypothesis (label positions), then under the label offset.
+    idx = pos - (delta + first_ref)[member]
+    if alignment.by_tokens:
+        tok = cand.token_id[rows]
+        at = np.clip(idx, 0, n_r - 1)
+        at += ref_base[member]
+        agree = (idx >= 0) & (idx < n_r) & (ref.token_id[ref_rows[at]] == tok)
+        del at
+        use = agree | (tok < 0)
+        del agree, tok
+    else:
+        use = np.ones(rows.size, dtype=bool)
+    idx += offset
+    use &= (idx >= 0) & (idx < n_r)
+    del n_r
+    got = np.flatnonzero(use)
+    slot[rows[got]] = ref_rows[ref_base[member[got]] + idx[got]]
+    # Per sequence: its first paired row (positions ascend), then the notes pair_rows' loop makes.
+    paired_seq, first_at = np.unique(member[got], return_index=True)
+    any_paired = np.zeros(len(batch), dtype=bool)
+    any_paired[paired_seq] = True
+    first_pos = np.zeros(len(batch), dtype=wide)
+    first_pos[paired_seq] = pos[got[first_at]]
+    unpaired = ~use
+    counted = unpaired & any_paired[member]
+    trailing = int(np.count_nonzero(counted & (pos > (last_ref + delta)[member])))
+    eff = delta - wide(offset)
+    extra = counted & (eff > 0)[member] & (pos < first_pos[member]) & (pos < (first_ref + eff)[member])
+    with_extra = np.bincount(member[extra], minlength=len(batch)) if extra.any() else None
+    extra_rows = rows[extra]
+    at_extra = 0
+    for k, (seq, _) in enumerate(batch):
+        effective[seq.candidate_group] = int(eff[k])
+        if with_extra is not None and with_extra[k]:
+            prefix_rows[seq.candidate_group] = extra_rows[at_extra : at_extra + with_extra[k]]
+            at_extra += int(with_extra[k])
+    return int(np.count_nonzero(unpaired)), trailing, int(got.size)
 
 
 def _each_once(ref: np.ndarray, n_ref: int) -> bool:
