@@ -221,3 +221,27 @@ def test_a_child_that_cannot_compile_leaves_the_compile_to_this_process(monkeypa
     monkeypatch.setattr(kernels.sys, "executable", "/nonexistent/python3")
     kernels._compile_elsewhere(types.SimpleNamespace(__name__="tracediff.compare.fused"))
     assert "could not compile tracediff.compare.fused in a child process" in caplog.text
+
+
+def test_a_child_that_compiles_nothing_the_cache_keeps_is_a_warning(tmp_path, monkeypatch, caplog):
+    """A child that ran but left numba's index empty (here: its warm() calls nothing) means the cache
+    keeps nothing: said once, as a warning naming the module (every compare would compile)."""
+    import importlib
+    import logging
+    import sys
+
+    from tracediff.compare import kernels
+
+    (tmp_path / "tdwarm_probe.py").write_text(
+        "import numba\n\n@numba.njit(cache=True)\ndef one(x):\n    return x + 1\n\n"
+        "ENTRY_POINTS = (one,)\n\ndef warm():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    probe = importlib.import_module("tdwarm_probe")
+    try:
+        assert kernels._cold(probe)
+        caplog.set_level(logging.INFO, logger="tracediff")
+        kernels._compile_elsewhere(probe)
+        assert "numba's cache did not keep the compiled tdwarm_probe" in caplog.text
+    finally:
+        sys.modules.pop("tdwarm_probe", None)

@@ -118,6 +118,9 @@ def _compile_elsewhere(module: Any) -> None:
     if done.returncode != 0:
         tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
         log.info("tracediff: compiling %s in a child process failed (%s): compiling here", module.__name__, tail[0])
+    elif _cold(module):  # compiled, but nothing kept (a cache numba cannot write to): each compare compiles
+        log.warning("tracediff: numba's cache did not keep the compiled %s (is its cache folder writable? "
+                    "NUMBA_CACHE_DIR names another): every compare compiles it", module.__name__)
 
 
 #: The longest a child process may compile a module's kernels (seconds; ~5-15 s on 2 cores).
