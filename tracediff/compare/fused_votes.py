@@ -163,7 +163,6 @@ def batch_votes(h: Any, order: Any, starts: Any, window_group: Any, ref_h: Any, 
         w = e
 
 
-
 #: The compiled function an alignment calls (kernels.py asks numba's cache whether it is there).
 ENTRY_POINTS = (batch_votes,)
 
