@@ -38,10 +38,11 @@ def file_kind(mode: int) -> str:
     return "not a plain file"
 
 
-def open_plain_file(path: str) -> int | None:
-    """Open ``path`` for reading without ever blocking (a FIFO would wait forever for a writer);
-    None when it does not exist; :class:`CorruptStoreError` when it cannot be read or is not a
-    plain file (symlink loop, folder, FIFO, socket, device)."""
+def open_plain_file(path: str) -> tuple[int, int] | None:
+    """Open ``path`` for reading without ever blocking (a FIFO would wait forever for a writer): its
+    file descriptor and its size in bytes (from the one ``fstat`` that checks what it is); None when
+    it does not exist; :class:`CorruptStoreError` when it cannot be read or is not a plain file
+    (symlink loop, folder, FIFO, socket, device)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -49,23 +50,23 @@ def open_plain_file(path: str) -> int | None:
     except OSError as exc:
         raise read_error(path, exc) from exc
     try:
-        mode = os.fstat(fd).st_mode
+        st = os.fstat(fd)
     except OSError as exc:
         os.close(fd)
         raise read_error(path, exc) from exc
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise CorruptStoreError(f"{path}: is {file_kind(mode)}, not a file")
-    return fd
+        raise CorruptStoreError(f"{path}: is {file_kind(st.st_mode)}, not a file")
+    return fd, st.st_size
 
 
 def open_chunk_file(path: str, size: int) -> int:
     """File descriptor of an uncompressed chunk file of exactly ``size`` bytes. A missing chunk is
     corruption, never the fill value: the writer writes every chunk of the rows it commits."""
-    fd = open_plain_file(path)
-    if fd is None:
+    opened = open_plain_file(path)
+    if opened is None:
         raise CorruptStoreError(f"{path}: chunk file is missing (deleted?) but holds committed rows")
-    actual = os.fstat(fd).st_size
+    fd, actual = opened
     if actual != size:
         os.close(fd)
         raise CorruptStoreError(f"{path}: chunk holds {actual} bytes, expected {size} (truncated or foreign file?)")

@@ -209,11 +209,11 @@ class TraceStore:
                 raise CorruptStoreError(
                     f"{where}: cannot be read from the zip ({type(exc).__name__}: {first_line(exc)})"
                 ) from exc
-        fd = open_plain_file(where)
-        if fd is None:
+        opened = open_plain_file(where)
+        if opened is None:
             return None
+        fd, size = opened
         try:
-            size = os.fstat(fd).st_size
             if size > limit:
                 raise CorruptStoreError(f"{where}: {size} bytes, more than a trace store's metadata holds")
             parts, got = [], 0

@@ -151,11 +151,11 @@ class TraceStream:
         folder = os.fspath(self.store.path / self.tap / self.writer / name / "c")
         for index in range(count):
             path = f"{folder}/{index}"
-            fd = open_plain_file(path)
-            if fd is None:
+            opened = open_plain_file(path)
+            if opened is None:
                 raise CorruptStoreError(f"{path}: chunk file is missing (deleted?) but holds committed rows")
+            fd, size = opened
             try:
-                size = os.fstat(fd).st_size
                 if size == 0 or size > MAX_CHUNK_BYTES:
                     raise CorruptStoreError(f"{path}: chunk file holds {size} bytes (truncated or foreign file?)")
                 blob = os.pread(fd, size, 0)
