@@ -275,17 +275,16 @@ def _pair_batch(alignment: Alignment, offset: int, batch: list[tuple[SequenceAli
     del n_r
     got = np.flatnonzero(use)
     slot[rows[got]] = ref_rows[ref_base[member[got]] + idx[got]]
-    # Per sequence: its first paired row (positions ascend), then the notes pair_rows' loop makes.
-    paired_seq, first_at = np.unique(member[got], return_index=True)
-    any_paired = np.zeros(len(batch), dtype=bool)
-    any_paired[paired_seq] = True
-    first_pos = np.zeros(len(batch), dtype=wide)
-    first_pos[paired_seq] = pos[got[first_at]]
+    # Per sequence, the notes pair_rows' loop makes for a sequence with a paired row. A prefix row
+    # (the loop: before the first paired row and before the reference's start under the effective
+    # delta) is any row of the second kind: such a row is never paired (its entry is below 0), so it
+    # lies before every paired one.
+    any_paired = np.bincount(member[got], minlength=len(batch)) > 0
     unpaired = ~use
     counted = unpaired & any_paired[member]
     trailing = int(np.count_nonzero(counted & (pos > (last_ref + delta)[member])))
     eff = delta - wide(offset)
-    extra = counted & (eff > 0)[member] & (pos < first_pos[member]) & (pos < (first_ref + eff)[member])
+    extra = counted & (eff > 0)[member] & (pos < (first_ref + eff)[member])
     with_extra = np.bincount(member[extra], minlength=len(batch)) if extra.any() else None
     extra_rows = rows[extra]
     at_extra = 0
