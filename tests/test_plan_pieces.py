@@ -130,3 +130,75 @@ def test_noise_draws_a_piece_at_a_time_are_the_whole_draw(rows: int, cols: int, 
         segments._UNIFORM_CHUNK = old
     assert got.dtype == np.float32 and got.shape == (rows, cols)
     np.testing.assert_array_equal(got.view(np.uint32), whole.view(np.uint32))
+
+
+def _lower_middle(x: np.ndarray) -> np.ndarray:
+    """Each column's lower middle value, by a whole sort (what the selections must equal)."""
+    return np.sort(x, axis=0)[(x.shape[0] - 1) // 2]
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 700), k=st.integers(1, 3),
+       size=st.sampled_from([1, 5, 64, 129, 300]), kind=st.sampled_from(["normal", "massive", "ties", "half"]),
+       columns=st.sampled_from([1, 7, 128]), tile=st.sampled_from([1, 3, 16]))
+def test_column_medians_and_spreads_by_selection_are_a_sorts_middle_values(
+    seed: int, n: int, k: int, size: int, kind: str, columns: int, tile: int
+) -> None:
+    """The scales' median and MAD of each column of a segment (a strided view of the sample),
+    selected a few columns and rows at a time, are the sort's lower middle values, bit for bit
+    (signed zeros, ties, massive activations and float16-rounded values included)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, k * size)).astype(np.float32)
+    if kind == "massive":
+        x[:, rng.choice(k * size, max(1, k * size // 16), replace=False)] *= 500
+    elif kind == "ties":
+        x = (np.round(x * 2) / 2).astype(np.float32)
+        x[rng.random(x.shape) < 0.3] = -0.0
+    elif kind == "half":
+        x = x.astype(np.float16).astype(np.float32)
+    seg = segments.split(x, size)[:, k - 1]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(segments, "_MEDIAN_COLUMNS", columns)
+        mp.setattr(segments, "_TILE_ROWS", tile)
+        med, spread = segments._medians_and_spreads(seg)
+    want_med = _lower_middle(seg)
+    want_spread = _lower_middle(np.abs(seg - want_med))
+    # The same values; a signed zero compares equal to its other sign (a sort may put either first).
+    np.testing.assert_array_equal(med, want_med)
+    np.testing.assert_array_equal(spread, want_spread)
+    assert med.dtype == spread.dtype == np.float32
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 300), k=st.integers(1, 3),
+       size=st.sampled_from([1, 2, 5, 64, 300]), rows=st.sampled_from([1, 2, 8, 1000]))
+def test_mean_squares_a_few_rows_at_a_time_are_numpys_bits(
+    seed: int, n: int, k: int, size: int, rows: int
+) -> None:
+    """The scales' mean square of each column, summed a few rows at a time, is the same bits as
+    ``np.mean(np.square(x), axis=0, dtype=np.float32)`` of the whole segment."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n, k * size)) * rng.choice([1.0, 300.0], k * size)).astype(np.float32)
+    seg = segments.split(x, size)[:, k - 1]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(segments, "_SQUARE_ROWS", rows)
+        got = segments._mean_square(seg)
+    want = np.mean(np.square(seg), axis=0, dtype=np.float32)
+    assert got.dtype == want.dtype == np.float32
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_cosine_matrices_are_the_float64_cosines_within_float32_rounding() -> None:
+    """The plan's matrices (float32 cosines of each row, summed in float64) against the same
+    cosines computed in float64: within float32 rounding, and 1 (within it) for a segment paired
+    with itself."""
+    c, r = _sample(3, 300, 3, 256, 0)
+    size = 256
+    got = segments.segment_cosine_matrix(c, r, size)
+    c64, r64 = segments.split(c, size).astype(np.float64), segments.split(r, size).astype(np.float64)
+    cu = c64 / np.linalg.norm(c64, axis=2, keepdims=True)
+    ru = r64 / np.linalg.norm(r64, axis=2, keepdims=True)
+    want = np.einsum("nkh,njh->kj", cu, ru) / c.shape[0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+    same = segments.segment_cosine_matrix(r, r, size)
+    np.testing.assert_allclose(np.diag(same), 1.0, rtol=0, atol=2e-6)

@@ -479,13 +479,11 @@ def plan_segments(cand: np.ndarray, ref: np.ndarray, size: int, dtype_ref: str, 
     budgets = [n.budget**2 for n in noise]
     decisions = match_segments(std, baseline, floor.distance)
     c3, r3 = split(c, size), split(r, size)
-    fitted: dict[int, list[TransformFit]] = {}
-    for d in decisions:
-        if d.reference is None or d.duplicate_of is not None:
-            continue
-        i, j = d.candidate, d.reference
-        fitted[i] = fit_transforms(c3[:, i], r3[:, j], cs.mean[i], cs.scale[i], rs.mean[j], rs.scale[j],
-                                   identity_budget=budgets[j])
+    fit_pairs = [(d.candidate, d.reference) for d in decisions if d.reference is not None and d.duplicate_of is None]
+    # Each pair's fits on their own (numpy work on both cores; the same answers in any thread).
+    fitted: dict[int, list[TransformFit]] = dict(zip((i for i, _ in fit_pairs), in_parallel(*(
+        lambda i=i, j=j: fit_transforms(c3[:, i], r3[:, j], cs.mean[i], cs.scale[i], rs.mean[j], rs.scale[j],
+                                        identity_budget=budgets[j]) for i, j in fit_pairs)), strict=True))
     # The limits, from the data: the reference's own layers (how far apart they are per layer of
     # spacing) and the drift the other matched segments show.
     errors = {d.reference: math.sqrt(fitted[d.candidate][0].error) for d in decisions if d.candidate in fitted

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from tracediff.compare.kernels import dot, norms
+
 # A pair whose distance is below this fraction of its runner-up's is the same tensor up to numerics;
 # below the second fraction, the same source transformed (scaled, normalised, other context).
 NEAR_FRACTION = 0.02
@@ -175,9 +177,9 @@ def _segment_scales(rows: np.ndarray, size: int, resolution: float) -> SegmentSc
         # The median and MAD of a few hundred rows are as good a scale as of thousands, at a
         # fraction of the sort's cost (the plan's largest one).
         head = xj[:SCALE_ROWS]
-        med = _column_medians(head)
-        mad = _column_medians(np.abs(head - med)) * np.float32(1.4826)
-        rms = np.sqrt(np.mean(np.square(xj), axis=0, dtype=np.float32))
+        med, spread = _medians_and_spreads(head)
+        mad = spread * np.float32(1.4826)
+        rms = np.sqrt(_mean_square(xj))
         scale = np.sqrt(np.square(mad) + np.square(np.float32(RESOLUTION) * rms))
         # A dimension that never varies and is zero (padding) must not divide by zero.
         typical = max(float(lower_median(scale)), 1e-30)
@@ -201,17 +203,62 @@ def lower_median(v: np.ndarray) -> np.float32:
     return np.partition(v, k)[k]
 
 
-def _column_medians(x: np.ndarray) -> np.ndarray:
-    """The lower middle value of each column of a finite [n, H] array, by a partial selection over
-    contiguous columns: the same values at a quarter of a sort's cost."""
-    n = x.shape[0]
-    cols = np.ascontiguousarray(x.T)
+#: Columns of the sample transposed and selected at a time, and rows copied a tile at a time: the tile
+#: stays in the CPU's cache and below the allocator's mmap threshold. A whole transposed copy ([H, n],
+#: 8 MiB at 512 x 4096) cost 4x the selection itself here, most of it faulting in fresh pages.
+_MEDIAN_COLUMNS = 128
+_TILE_ROWS = 16
+#: Rows whose squares are summed at a time (below the mmap threshold at H = 8192).
+_SQUARE_ROWS = 8
+
+
+def _medians_and_spreads(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The lower middle value of each column of a finite [n, H] array, and the lower middle value of
+    each column's absolute deviations from it, by partial selections over contiguous columns: the
+    same values as a sort's, at a fraction of its cost. Each column's deviations are taken from its
+    selected copy (the same values in another order: the same order statistic)."""
+    n, h = x.shape
     k = (n - 1) // 2
-    return np.partition(cols, k, axis=1)[:, k].copy()
+    med, spread = np.empty(h, x.dtype), np.empty(h, x.dtype)
+    buf = np.empty((min(_MEDIAN_COLUMNS, h), n), x.dtype)
+    for c in range(0, h, _MEDIAN_COLUMNS):
+        cols = buf[: min(_MEDIAN_COLUMNS, h - c)]
+        for r in range(0, n, _TILE_ROWS):
+            cols[:, r : r + _TILE_ROWS] = x[r : r + _TILE_ROWS, c : c + cols.shape[0]].T
+        cols.partition(k, axis=1)
+        m = med[c : c + cols.shape[0]] = cols[:, k]
+        np.subtract(cols, m[:, None], out=cols)
+        np.abs(cols, out=cols)
+        cols.partition(k, axis=1)
+        spread[c : c + cols.shape[0]] = cols[:, k]
+    return med, spread
+
+
+def _mean_square(x: np.ndarray) -> np.ndarray:
+    """``np.mean(np.square(x), axis=0, dtype=np.float32)`` of a float32 [n, H] array, bit for bit (a
+    reduction over rows adds them one after the other, each partial sum carried into the next
+    block's first row), without an [n, H] temporary. A single column is numpy's pairwise sum of
+    it: that one is left to numpy (no temporary worth saving)."""
+    n, h = x.shape
+    if h < 2:
+        return np.mean(np.square(x), axis=0, dtype=np.float32)
+    buf = np.empty((_SQUARE_ROWS + 1, h), np.float32)
+    acc = np.empty(h, np.float32)
+    first = min(_SQUARE_ROWS, n)
+    np.square(x[:first], out=buf[:first])
+    np.add.reduce(buf[:first], axis=0, out=acc)
+    for r in range(first, n, _SQUARE_ROWS):
+        rows = x[r : r + _SQUARE_ROWS]
+        buf[0] = acc
+        np.square(rows, out=buf[1 : 1 + rows.shape[0]])
+        np.add.reduce(buf[: 1 + rows.shape[0]], axis=0, out=acc)
+    return np.true_divide(acc, n, out=acc, casting="unsafe")
 
 
 def _unit(z: np.ndarray) -> np.ndarray:
-    norm = np.sqrt(np.einsum("...h,...h->...", z, z))[..., None]
+    norm = np.empty(z.shape[:-1], np.result_type(z.dtype, np.float32))
+    norms(z, norm)
+    norm = norm[..., None]
     return z / np.maximum(norm, np.float32(1e-30))
 
 
@@ -250,9 +297,10 @@ def _masked_mean_cosines(c: np.ndarray, mc: np.ndarray, r: np.ndarray, mr: np.nd
                 rz = rz if prepare_r is None else prepare_r(rz)
                 cu = _unit(cz) if all_c else np.where(mc[a:b, :, None], _unit(np.where(mc[a:b, :, None], cz, 0.0)), 0.0)
                 ru = _unit(rz) if all_r else np.where(mr[a:b, :, None], _unit(np.where(mr[a:b, :, None], rz, 0.0)), 0.0)
-                # [b, Kc, H] x [b, H, Kr] -> [b, Kc, Kr] (float32, each row's cosines).
-                np.matmul(cu.astype(np.float32, copy=False), ru.astype(np.float32, copy=False).transpose(0, 2, 1),
-                          out=prods[a - s : b - s])
+                # [b, Kc, 1, H] . [b, 1, Kr, H] -> [b, Kc, Kr] (float32, each row's cosines). Not a stacked
+                # matmul: one BLAS call a row, 7x the time here, with the GIL held throughout.
+                dot(cu.astype(np.float32, copy=False)[:, :, None, :], ru.astype(np.float32, copy=False)[:, None, :, :],
+                    prods[a - s : b - s])
             sums += prods[: e - s].sum(axis=0, dtype=np.float64)
     counts = mc.astype(np.float64).T @ mr.astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):

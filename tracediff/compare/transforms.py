@@ -156,7 +156,10 @@ def fit_transforms(cand: np.ndarray, ref: np.ndarray, cand_mean: np.ndarray, can
     # float32 with float64 sums, on at most FIT_ROWS rows: one parameter per dimension is fitted from
     # hundreds of rows, and fresh float64 temporaries of a 2048 x 8192 segment would cost more than
     # the whole streaming pass.
-    c, r = cand[keep][:FIT_ROWS].astype(np.float32), ref[keep][:FIT_ROWS].astype(np.float32)
+    if keep.all():  # (nearly always: the first rows themselves, no copy of every row)
+        c, r = cand[:FIT_ROWS].astype(np.float32, copy=False), ref[:FIT_ROWS].astype(np.float32, copy=False)
+    else:
+        c, r = cand[keep][:FIT_ROWS].astype(np.float32), ref[keep][:FIT_ROWS].astype(np.float32)
     cm, cs, rm, rs = (np.asarray(a, dtype=np.float32) for a in (cand_mean, cand_scale, ref_mean, ref_scale))
     if c.shape[0] < 4:
         return [TransformFit("identity", None, float("nan"))]
