@@ -247,3 +247,32 @@ def test_a_child_that_compiles_nothing_the_cache_keeps_is_a_warning(tmp_path, mo
         assert "numba's cache did not keep the compiled tdwarm_probe" in caplog.text
     finally:
         sys.modules.pop("tdwarm_probe", None)
+
+
+_PRELOAD_SCRIPT = r'''
+import json, threading
+from tracediff.compare import kernels
+kernels.preload_fused_kernel("bfloat16", "float32")
+for t in threading.enumerate():
+    if t.name == "tracediff-kernel-load":
+        t.join()
+from tracediff.compare import fused
+print(json.dumps({"kernel": [[str(a) for a in sig[:2]] for sig in fused.kernel.signatures],
+                  "closed_forms": len(fused.closed_forms.signatures)}))
+'''
+
+
+def test_the_pass_kernel_is_loaded_ahead_for_its_stored_dtypes_only():
+    """Before a large pass, a background thread loads the kernel's machine code for the two sides'
+    stored dtypes (bf16 bits, float32), and only those, with the closed forms: the pass's first block
+    does not wait for numba to set itself up."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _PRELOAD_SCRIPT], env=dict(os.environ, TRACEDIFF_KERNEL="fused"),
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"kernel": [["array(uint16, 2d, C)", "array(float32, 2d, C)"]], "closed_forms": 1}

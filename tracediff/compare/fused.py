@@ -163,17 +163,23 @@ def warm() -> None:
     with, so that a pass afterwards loads each from the cache. Run in a child process on a cold cache
     (:func:`tracediff.compare.kernels.fused_kernel`): compiling keeps ~60 MiB of the compiler's memory
     in the process that compiles, which a compare at its peak cannot spare."""
+    for c_bf16 in (True, False):
+        for r_bf16 in (True, False):
+            load(c_bf16, r_bf16)
+
+
+def load(c_bf16: bool, r_bf16: bool) -> None:
+    """Compile or load :func:`kernel` for one pair of stored dtypes (bf16 bits or float32 a side) and
+    :func:`closed_forms`, by calling them on a few values of the types a pass calls them with."""
     n, size = 2, 4
     seg = np.zeros(1, dtype=np.int64)
 
     def f32(*shape: int) -> np.ndarray:
         return np.zeros(shape, dtype=np.float32)
 
-    for cdt in (np.uint16, np.float32):
-        for rdt in (np.uint16, np.float32):
-            kernel(np.zeros((n, size), cdt), np.zeros((n, size), rdt), n, size, cdt is np.uint16, rdt is np.uint16,
-                   seg, seg, f32(1, size), f32(1, size), f32(n, 1), f32(n, 1), f32(1, n), f32(1, n), f32(1, n),
-                   f32(1, n))
+    cdt, rdt = (np.uint16 if c_bf16 else np.float32), (np.uint16 if r_bf16 else np.float32)
+    kernel(np.zeros((n, size), cdt), np.zeros((n, size), rdt), n, size, c_bf16, r_bf16, seg, seg, f32(1, size),
+           f32(1, size), f32(n, 1), f32(n, 1), f32(1, n), f32(1, n), f32(1, n), f32(1, n))
     fin = np.ones((n, 1), dtype=np.bool_)
     closed_forms(n, f32(n, 1), f32(n, 1), seg, seg, fin, fin, f32(1, n), f32(1, n), f32(1, n), f32(1, n),
                  f32(5, n, 1), np.zeros((4, 1, n)), np.zeros((n, 1), dtype=np.bool_))

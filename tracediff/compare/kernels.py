@@ -132,11 +132,24 @@ def fused_available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-def preload_fused_kernel() -> None:
-    """Import numba and load the kernel on a background thread (a compare starts it once it knows its
-    pass will use the kernel, so the ~0.5-1 s overlap the plan)."""
-    if "pass" not in _COMPILED:
-        threading.Thread(target=fused_kernel, name="tracediff-kernel-load", daemon=True).start()
+def preload_fused_kernel(cdtype: str = "bfloat16", rdtype: str = "bfloat16") -> None:
+    """Import numba and load the kernel's machine code for these stored dtypes on a background thread
+    (a compare starts it once it knows its pass will use the kernel, so that the ~1 s, most of it
+    numba setting up its compiler's context and reading the cache with the GIL held, overlap the
+    plan instead of stopping the pass's first blocks)."""
+    if "pass" not in _COMPILED and cdtype in FUSED_DTYPES and rdtype in FUSED_DTYPES:
+        threading.Thread(target=_load_fused, args=(cdtype == "bfloat16", rdtype == "bfloat16"),
+                         name="tracediff-kernel-load", daemon=True).start()
+
+
+def _load_fused(c_bf16: bool, r_bf16: bool) -> None:
+    compiled = fused_kernel()
+    if compiled is None:
+        return
+    try:
+        compiled.load(c_bf16, r_bf16)
+    except Exception as exc:  # noqa: BLE001  (the pass's first call then compiles or loads it, and reports)
+        log.info("tracediff: the fused kernel could not be loaded ahead of the pass (%s)", exc)
 
 
 def fused_row_stats(craw: np.ndarray, rraw: np.ndarray, n: int, size: int, cdtype: str, rdtype: str,
@@ -207,7 +220,7 @@ def prepare_kernel(pairs: int, candidate: RowIndex, reference: RowIndex) -> None
     """Start loading the fused kernel in the background when a pass over ``pairs`` row pairs of these
     sides will use it (:func:`use_fused_kernel`)."""
     if pairs and use_fused_kernel(pairs * row_bytes(candidate, reference)):
-        preload_fused_kernel()
+        preload_fused_kernel(candidate.streams[0].dtype, reference.streams[0].dtype)
 
 
 def row_bytes(candidate: RowIndex, reference: RowIndex) -> int:
