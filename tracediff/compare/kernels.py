@@ -132,7 +132,7 @@ def fused_available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-def preload_fused_kernel(cdtype: str = "bfloat16", rdtype: str = "bfloat16") -> None:
+def preload_fused_kernel(cdtype: str, rdtype: str) -> None:
     """Import numba and load the kernel's machine code for these stored dtypes on a background thread
     (a compare starts it once it knows its pass will use the kernel, so that the ~1 s, most of it
     numba setting up its compiler's context and reading the cache with the GIL held, overlap the

@@ -226,7 +226,8 @@ def _medians_and_spreads(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         for r in range(0, n, _TILE_ROWS):
             cols[:, r : r + _TILE_ROWS] = x[r : r + _TILE_ROWS, c : c + cols.shape[0]].T
         cols.partition(k, axis=1)
-        m = med[c : c + cols.shape[0]] = cols[:, k]
+        m = med[c : c + cols.shape[0]]
+        m[:] = cols[:, k]
         np.subtract(cols, m[:, None], out=cols)
         np.abs(cols, out=cols)
         cols.partition(k, axis=1)
