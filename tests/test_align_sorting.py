@@ -4,10 +4,12 @@ every report built on them depend on the order of equal keys)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from tracediff.compare import argsort
 from tracediff.compare.align import (
     SequenceRows,
     _groups,
@@ -18,6 +20,7 @@ from tracediff.compare.align import (
     ngram_table,
     stable_argsort,
 )
+from tracediff.compare.argsort import stable_argsort_with_keys
 from tracediff.compare.kernels import vote_kernels
 from tracediff.compare.rows import RowIndex, _sequence_groups, _split_samples
 
@@ -41,6 +44,49 @@ def test_unique_first_counts_is_numpys_unique(key: np.ndarray) -> None:
     expected = np.unique(key, return_index=True, return_counts=True)
     for got, want in zip(_unique_first_counts(key), expected, strict=True):
         assert np.array_equal(got, want)
+
+
+packed_keys = st.one_of(
+    keys,
+    hnp.arrays(np.int32, st.integers(0, 300), elements=st.integers(-(2**31), 2**31 - 1)),
+    hnp.arrays(np.int16, st.integers(0, 300), elements=st.integers(-3, 3)),
+    hnp.arrays(np.uint32, st.integers(0, 300), elements=st.integers(0, 2**32 - 1)),
+    # 64-bit keys equal in their top bits and apart below them (the bits the index takes): the
+    # packed sort's runs put back in key order.
+    st.tuples(hnp.arrays(np.uint64, st.integers(0, 300), elements=st.integers(0, 3)),
+              hnp.arrays(np.uint64, 300, elements=st.integers(0, 2**12))).map(
+        lambda t: (t[0] << np.uint64(60)) | t[1][: t[0].size]),
+    hnp.arrays(np.int64, st.integers(0, 300), elements=st.sampled_from([-(2**63), 2**63 - 1, -1, 0, 1, 2**62])),
+)
+
+
+@pytest.mark.parametrize("bisect_runs", [0, 256])  # runs out of key order found from an array, by bisection
+@settings(max_examples=400, deadline=None)
+@given(key=packed_keys)
+def test_the_packed_sort_is_numpys_stable_argsort(key: np.ndarray, bisect_runs: int) -> None:
+    with pytest.MonkeyPatch.context() as mp:  # the packed sort for arrays of any size
+        mp.setattr(argsort, "PACKED_MIN", 2)
+        mp.setattr(argsort, "_BISECT_RUNS", bisect_runs)
+        order, ordered = stable_argsort_with_keys(key)
+    expected = np.argsort(key, kind="stable")
+    assert np.array_equal(order, expected)
+    assert np.array_equal(ordered, key[expected])
+    assert ordered.dtype == key.dtype
+
+
+@pytest.mark.parametrize("dtype", ["uint64", "int64", "int32"])
+def test_millions_of_keys_by_the_packed_sort_sort_like_numpy(dtype: str) -> None:
+    """Hashes (the n-gram table: 64 bits, the index's bits taken from their bottom), a row index's
+    sort keys (a narrow span: nothing dropped), heavy ties."""
+    rng = np.random.default_rng(11)
+    n = 1 << 21
+    info = np.iinfo(dtype)
+    for key in (rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True),
+                rng.integers(0, 1 << 20, n).astype(dtype), rng.integers(0, 50, n).astype(dtype)):
+        order, ordered = stable_argsort_with_keys(key)
+        expected = np.argsort(key, kind="stable")
+        assert np.array_equal(order, expected)
+        assert np.array_equal(ordered, key[expected])
 
 
 def test_a_million_random_hashes_sort_like_numpy() -> None:

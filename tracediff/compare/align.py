@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from tracediff.compare.argsort import stable_argsort_with_keys
 from tracediff.compare.gather import in_parallel
 from tracediff.compare.kernels import use_vote_kernel, vote_kernels
 from tracediff.compare.rows import RowIndex, index_dtype
@@ -178,24 +179,14 @@ def _groups(index: RowIndex) -> list[SequenceRows]:
 
 def stable_argsort(key: np.ndarray) -> np.ndarray:
     """``np.argsort(key, kind="stable")``, faster for the index's large keys: nothing to sort for keys
-    already in order (a trainer's rows), else numpy's vectorised (unstable) sort, then only the runs
-    of equal keys put back in index order (they are few: repeated n-grams, duplicated rows)."""
+    already in order (a trainer's rows), else a sort of the keys with their indices packed beside
+    them (:mod:`tracediff.compare.argsort`)."""
     return _stable_argsort(key)[0]
 
 
 def _stable_argsort(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """:func:`stable_argsort`, and ``key`` in that order (made on the way: no second gather)."""
-    n = key.size
-    if n < 2 or bool((key[1:] >= key[:-1]).all()):
-        return np.arange(n), key
-    order = np.argsort(key)
-    ordered = key[order]
-    tied = ordered[1:] == ordered[:-1]
-    if tied.any():  # (tied keys are equal: ``ordered`` stays key[order] as they are put back)
-        inside = np.flatnonzero(np.r_[tied, False] | np.r_[False, tied])
-        run = np.cumsum(np.r_[True, ~tied])[inside]
-        order[inside] = order[inside][np.lexsort((order[inside], run))]
-    return order, ordered
+    return stable_argsort_with_keys(key)
 
 
 def _unique_first_counts(key: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
