@@ -25,10 +25,10 @@ def _rows(n: int, width: int, dtype: str, seed: int) -> tuple[np.ndarray, torch.
     dimensions, and a zero, a NaN and an Inf row."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, width, generator=gen)
-    x[:, 5] *= 300.0
-    x[:, width // 2 + 7] *= -800.0
+    x[:, 5 % width] *= 300.0
+    x[:, (width // 2 + 7) % width] *= -800.0
     x[1] = 0.0
-    x[2, 3] = float("nan")
+    x[2, 3 % width] = float("nan")
     x[3, width - 1] = float("inf")
     if dtype == "bfloat16":
         b = x.to(torch.bfloat16)
@@ -50,16 +50,22 @@ def _torch_stats(c: torch.Tensor, r: torch.Tensor, size: int, seg_c, seg_r, mean
 
 @pytest.mark.parametrize("cdtype,rdtype", [("bfloat16", "float32"), ("float32", "bfloat16"),
                                            ("bfloat16", "bfloat16"), ("float32", "float32")])
-def test_fused_row_stats_equal_the_torch_kernels(cdtype, rdtype):
-    n, size = 40, 64
+@pytest.mark.parametrize("size,seg_c,seg_r", [
+    (64, [0, 1, 2, 2], [0, 1, 2, 0]),  # every segment read by a pair, one twice
+    (37, [2], [0]),  # segments no pair reads (their norms alone); a size no vector width divides
+    (1, [1, 0], [1, 2]),
+])
+def test_fused_row_stats_equal_the_torch_kernels(cdtype, rdtype, size, seg_c, seg_r):
+    n = 40
     craw, c = _rows(n, 3 * size, cdtype, 1)
     rraw, r = _rows(n, 3 * size, rdtype, 2)
-    seg_c, seg_r = np.array([0, 1, 2, 2], dtype=np.int64), np.array([0, 1, 2, 0], dtype=np.int64)
+    seg_c, seg_r = np.array(seg_c, dtype=np.int64), np.array(seg_r, dtype=np.int64)
+    pairs_n = seg_c.size
     gen = torch.Generator().manual_seed(3)
-    means = torch.randn(4, size, generator=gen)
-    invs = 1.0 / (0.5 + torch.rand(4, size, generator=gen))
+    means = torch.randn(pairs_n, size, generator=gen)
+    invs = 1.0 / (0.5 + torch.rand(pairs_n, size, generator=gen))
     xc, xr = np.zeros((n + 8, 3), np.float32), np.zeros((n + 8, 3), np.float32)
-    dn, mx, sn, sd = (np.zeros((4, n + 8), np.float32) for _ in range(4))
+    dn, mx, sn, sd = (np.zeros((pairs_n, n + 8), np.float32) for _ in range(4))
     assert fused_row_stats(craw, rraw, n, size, cdtype, rdtype, seg_c, seg_r, means.numpy(), invs.numpy(),
                            xc, xr, dn, mx, sn, sd)
     txc, txr, pairs = _torch_stats(c, r, size, seg_c, seg_r, means, invs)
