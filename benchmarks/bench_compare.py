@@ -443,7 +443,7 @@ def section(args, cmd: str, info: dict, data: dict, ours: list[dict], peer: list
         f"median {rss_median / 2**20:,.0f} MiB; median {probe['peak_rss_bytes'] / 2**20:,.0f} MiB on stores of "
         f"{probe['rows']:,} rows, an eighth the size: "
         + (f"about {per_row:,.0f} bytes a row (row index, pairs, per-row metrics) on top of about "
-           f"{fixed / 2**20:,.0f} MiB (interpreter, torch, the plan's 2048-row samples), so 1 GiB would be "
+           f"{fixed / 2**20:,.0f} MiB (interpreter, numpy, zarr, numba's code once the fused kernel is loaded, the plan's 2048-row samples), so 1 GiB would be "
            f"reached near {limit_rows / 1e6:.1f} M rows, {limit_rows * row_bytes / GIB:.0f} GiB a store at this "
            f"width" if per_row > 0 else
            "no growth with the row count above the run-to-run spread of a few tens of MiB; the row index, "
