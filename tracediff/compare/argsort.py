@@ -51,7 +51,11 @@ def _packed(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     low = u.min()
     bits = int(u.max() - low).bit_length()  # the keys' span, from the smallest
     drop = max(0, bits - (64 - room))  # the key's low bits that do not fit beside the index
-    packed = u - low  # (a new array)
+    if u is key:  # (uint64 keys: the caller's array, left as it is)
+        packed = u - low
+    else:  # a mapped copy of our own
+        packed = u
+        packed -= low
     del u
     if drop:
         packed >>= np.uint64(drop)
