@@ -54,7 +54,8 @@ def _value(row: Any, j: int, bf16: bool) -> Any:
 def kernel(craw: Any, rraw: Any, n: int, size: int, c_bf16: bool, r_bf16: bool, seg_c: Any, seg_r: Any,
            means: Any, invs: Any, xc: Any, xr: Any, dn: Any, mx: Any, sn: Any, sd: Any) -> None:
     # Each stored value is widened where a loop reads it, in registers (no widened copy of the row
-    # written and read again: at 3 x 64 that copy was 40% of the kernel's time). The largest
+    # written and read again, nor a stored difference read by a second loop: with them, the kernel
+    # took 1.7x this time at 3 x 64, 1.2x at 3 x 4096; benchmarks/bench_kernel.py). The largest
     # |difference| is an integer max over the difference's bits with the sign bit cleared (LLVM
     # vectorises it; a float max with NaN semantics it does not): the bits of |NaN| exceed those of
     # Inf, so a NaN difference comes out as NaN.

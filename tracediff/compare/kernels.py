@@ -6,13 +6,13 @@ difference in units of the reference segment's robust scale, and the norm of the
 reference. The reference implementation (:meth:`tracediff.compare.stream._Pass.block_metrics`' numpy
 path) runs about eight eager kernels per pair over float32 copies of the rows: some ten reads and
 six writes of every value. :func:`fused_row_stats` widens each stored value (bf16 bits or float32)
-once, in a compiled loop whose float32 sums LLVM vectorises: the same numbers up to float32
+in registers where its loop reads it, in a compiled loop whose float32 sums LLVM vectorises: the same numbers up to float32
 summation order (tests/test_kernels.py holds it to the per-element formulas and a compare's
 decisions to the numpy path's).
 
 Compiled by numba (a registry package; ``nogil``: the pass's block threads run it concurrently,
 each on its own block, so it is serial inside). Without numba, or for other stored dtypes (float16),
-the pass keeps the numpy path. Pure computation: no I/O, no allocation beyond two row buffers.
+the pass keeps the numpy path. Pure computation: no I/O, no allocation beyond a flag per segment.
 """
 
 from __future__ import annotations
