@@ -40,7 +40,7 @@ from tracediff.compare.rowpairs import pair_rows
 from tracediff.compare.rows import COMPACT_BOUND, RowIndex
 from tracediff.describe import describe_store
 from tracediff.errors import TracediffError
-from tracediff.store import ChunkFiles, TraceStore, open_store
+from tracediff.store import ChunkFiles, TraceStore, fused_reads, open_store
 from tracediff.testing.stores import write_small_store
 
 STORE_EXAMPLES = 100
@@ -168,7 +168,7 @@ def _mutate(store: Path, files: list[str], mutation: tuple[Any, ...]) -> None:
 
 def _read_everything(store: TraceStore) -> None:
     """Every read path of every stream: labels, read, iter_chunks, read_chunk (whole and rows), take,
-    read_rows through a ChunkFiles cache."""
+    read_rows through a ChunkFiles cache (run by run in Python, and by the compiled loop)."""
     describe_store(store)
     for tap in store.taps:
         for s in store.tap_streams(tap):
@@ -184,8 +184,10 @@ def _read_everything(store: TraceStore) -> None:
                 rows = np.unique(np.linspace(0, s.rows - 1, 7).astype(np.int64))
                 s.take(rows)
                 if s.reads_rows_directly:
-                    with ChunkFiles(limit=2) as files:
-                        s.read_rows(rows[::-1].copy(), files=files)
+                    for reader in (None, fused_reads.read_runs):  # run by run in Python; the compiled loop
+                        with ChunkFiles(limit=2) as files:
+                            files.runs_reader = reader
+                            s.read_rows(rows[::-1].copy(), files=files)
 
 
 @settings(FUZZ, max_examples=STORE_EXAMPLES)

@@ -411,12 +411,22 @@ def raw_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return store
 
 
+def _compiled_reader() -> object:
+    """The compiled run reader the streaming pass gives its ChunkFiles (numba is a dependency)."""
+    from tracediff.store import fused_reads
+
+    return fused_reads.read_runs
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "compiled"])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_read_rows_puts_every_row_at_its_destination_like_take(raw_store: Path, data: st.DataObject) -> None:
+def test_read_rows_puts_every_row_at_its_destination_like_take(raw_store: Path, compiled: bool,
+                                                               data: st.DataObject) -> None:
     """Any rows (repeated, out of order, across chunks) to any distinct destinations of a larger
     ``out``: runs whose destinations are consecutive go straight in, the rest through the staging
-    buffer; either way each row lands where asked and nothing else is written."""
+    buffer; either way each row lands where asked and nothing else is written. Run by run in Python
+    or by the compiled loop, over fewer open files than the request touches (its runs in batches)."""
     rows = np.array(data.draw(st.lists(st.integers(0, 60), max_size=80)), dtype=np.int64)
     spare = data.draw(st.integers(0, 5))
     consecutive = data.draw(st.booleans())
@@ -425,6 +435,7 @@ def test_read_rows_puts_every_row_at_its_destination_like_take(raw_store: Path, 
     else:
         dest = np.array(data.draw(st.permutations(range(rows.size + spare)))[: rows.size], dtype=np.int64)
     with TraceStore(raw_store) as opened, ChunkFiles(limit=data.draw(st.integers(1, 4))) as files:
+        files.runs_reader = _compiled_reader() if compiled else None
         stream = opened.streams["t"][0]
         assert stream.reads_rows_directly
         out = np.full((rows.size + spare, 6), 0xFFFF, dtype=np.uint16)
@@ -433,3 +444,26 @@ def test_read_rows_puts_every_row_at_its_destination_like_take(raw_store: Path, 
         if rows.size:
             expected[dest] = stream.take(np.sort(rows))[np.argsort(np.argsort(rows, kind="stable"), kind="stable")]
         assert np.array_equal(out, expected)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "compiled"])
+def test_a_chunk_file_cut_short_under_an_open_reader_is_a_one_line_error_naming_it(tmp_path: Path,
+                                                                                   compiled: bool) -> None:
+    """A chunk file truncated after the reader opened it (its size checked then): the compiled loop's
+    short read is read again in Python, which names the file, as the Python loop does."""
+    store = create_store(tmp_path / "s.zarr")
+    _write(store, "t", "w", [30], width=6, dtype="bfloat16", chunk_rows=7)
+    with TraceStore(store) as opened, ChunkFiles(limit=8) as files:
+        files.runs_reader = _compiled_reader() if compiled else None
+        stream = opened.streams["t"][0]
+        everything = stream.read_rows(np.arange(30))
+        rows = np.array([0, 1, 2, 15, 16, 3, 4], dtype=np.int64)  # chunk 0, then chunk 2, then chunk 0 again
+        out = np.zeros((rows.size, 6), dtype=np.uint16)
+        stream.read_rows(rows, out=out, files=files)  # both files now open
+        assert np.array_equal(out, everything[rows])
+        chunk = store / "t" / "w" / "values" / "c" / "2" / "0"
+        chunk.write_bytes(chunk.read_bytes()[: 6 * 2 * 2])  # two rows of the chunk's seven are left
+        out[:] = 0
+        with pytest.raises(CorruptStoreError, match=r"values/c/2/0: short read at byte \d+ \(file truncated"):
+            stream.read_rows(rows, out=out, files=files)
+        assert np.array_equal(stream.read_rows(rows[[0, 1, 2, 5, 6]]), everything[[0, 1, 2, 3, 4]])  # chunk 0 reads

@@ -24,12 +24,20 @@ class ChunkReader:
     into the output (only the rows asked for); other chunks are decoded whole, through a small LRU
     cache. Not thread-safe: one per thread."""
 
-    def __init__(self, streams: Sequence[TraceStream], max_chunks: int = 64, max_files: int | None = None) -> None:
+    def __init__(self, streams: Sequence[TraceStream], max_chunks: int = 64, max_files: int | None = None,
+                 compiled: bool = False) -> None:
+        """``compiled``: rows of uncompressed chunk files are read by the compiled loop
+        (:func:`tracediff.compare.kernels.read_kernel`) where it runs."""
         self.streams = list(streams)
         self.cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self.max_chunks = max_chunks
         self.bytes_read = 0
         self.files = ChunkFiles(limit=max(8, max_chunks) if max_files is None else max_files)
+        if compiled:
+            from tracediff.compare.kernels import read_kernel  # noqa: PLC0415
+
+            reads = read_kernel()
+            self.files.runs_reader = reads.read_runs if reads is not None else None
 
     def close(self) -> None:
         self.files.close()

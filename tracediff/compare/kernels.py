@@ -47,6 +47,12 @@ def _build(name: str) -> Any:
         from tracediff.compare import fused_votes  # noqa: PLC0415
 
         return fused_votes
+    if name == "reads":
+        from tracediff.store import fused_reads  # noqa: PLC0415
+
+        if not fused_reads.usable():
+            raise ImportError("the compiled reads need a 64-bit POSIX process")
+        return fused_reads
     from tracediff.compare import fused  # noqa: PLC0415
 
     return fused
@@ -65,6 +71,13 @@ def vote_kernels() -> Any:
     return _compiled("votes")
 
 
+def read_kernel() -> Any:
+    """The pass's compiled row reader (:mod:`tracediff.store.fused_reads`: ``read_runs``), or None
+    where numba is missing, the process is not a 64-bit POSIX one, or ``TRACEDIFF_KERNEL=numpy``
+    (``read_rows`` then reads run by run in Python: the same bytes)."""
+    return _compiled("reads")
+
+
 def _compiled(name: str) -> Any:
     if os.environ.get("TRACEDIFF_KERNEL", "").lower() == "numpy":
         return None
@@ -76,9 +89,9 @@ def _compiled(name: str) -> Any:
                 if _cold(module):
                     _compile_elsewhere(module)
                 _COMPILED[name] = module
-            except ImportError:
-                log.info("tracediff: numba is not installed: the %s use numpy kernels",
-                         "alignment's votes" if name == "votes" else "streaming pass")
+            except ImportError as exc:
+                log.info("tracediff: %s: the %s use numpy kernels", exc,
+                         {"votes": "alignment's votes", "reads": "streaming pass's reads"}.get(name, "streaming pass"))
             except Exception as exc:  # a numba that cannot compile here must not stop a compare
                 log.warning("tracediff: a compiled kernel could not be loaded (%s): using the numpy kernels", exc)
         return _COMPILED[name]
@@ -148,6 +161,9 @@ def _load_fused(c_bf16: bool, r_bf16: bool) -> None:
         return
     try:
         compiled.load(c_bf16, r_bf16)
+        reads = read_kernel()
+        if reads is not None:
+            reads.load()
     except Exception as exc:  # noqa: BLE001  (the pass's first call then compiles or loads it, and reports)
         log.info("tracediff: the fused kernel could not be loaded ahead of the pass (%s)", exc)
 

@@ -236,9 +236,9 @@ class _Pass:
     def buffers(self) -> _Buffers:
         p, q = len(self.matches), len(self.profiles)
         return _Buffers(
-            cand=ChunkReader(self.candidate, max_chunks=8),
+            cand=ChunkReader(self.candidate, max_chunks=8, compiled=self.plan.fused),
             # The reference is read in the candidate's order, across many chunk files at once.
-            ref=ChunkReader(self.reference, max_chunks=64, max_files=reference_files()),
+            ref=ChunkReader(self.reference, max_chunks=64, max_files=reference_files(), compiled=self.plan.fused),
             craw=aligned_empty((self.block, self.wc), VALUE_DTYPES[self.cdt]),
             rraw=aligned_empty((self.block, self.wr), VALUE_DTYPES[self.rdt]),
             cf=aligned_empty((self.sub, self.wc), np.float32),

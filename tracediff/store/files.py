@@ -92,6 +92,10 @@ class ChunkFiles:
         self.limit = max(1, int(limit))
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._scratch = memoryview(b"")
+        #: The compiled loop that reads a request's runs of rows
+        #: (:func:`tracediff.store.fused_reads.read_runs`), set by the owner where it runs; None: read
+        #: run by run in Python (the same bytes, the same errors).
+        self.runs_reader: Any = None
 
     def scratch(self, nbytes: int) -> memoryview:
         """A writable, 64-byte aligned buffer of at least ``nbytes`` bytes, the same one again for

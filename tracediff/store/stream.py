@@ -465,38 +465,79 @@ class TraceStream:
         ends = np.r_[starts[1:], n]
         breaks = np.r_[0, np.cumsum(np.diff(dest) != 1)]
         direct = breaks[ends - 1] == breaks[starts]
-        staged = None if bool(direct.all()) else np.repeat(~direct, ends - starts)
-        flat = out.data.cast("B")
         own = files is None
         files = ChunkFiles(limit=4) if files is None else files
-        stage = None if staged is None else files.scratch(n * row_bytes)
-        prefix = self._values_dir
-        chunk_bytes = cr * row_bytes
         try:
-            for a, b, c, r0, d0, straight in zip(starts.tolist(), ends.tolist(), chunk[starts].tolist(),
-                                                 rows[starts].tolist(), dest[starts].tolist(), direct.tolist(),
-                                                 strict=True):
-                path = f"{prefix}/c/{c}/0"
-                fd = files.open(path, chunk_bytes)
-                size = (b - a) * row_bytes
-                at = d0 * row_bytes if straight else a * row_bytes
-                self._pread(fd, path, [(flat if straight else stage)[at : at + size]], (r0 - c * cr) * row_bytes, size)
+            if files.runs_reader is not None:
+                self._read_runs_compiled(files, rows, dest, out, starts, ends, chunk[starts], direct, row_bytes)
+            else:
+                self._read_runs(files, rows, dest, out, starts, ends, chunk[starts], direct, row_bytes)
         finally:
             if own:
                 files.close()
+        if self._raw_dtype.byteorder not in ("=", "|", "<" if sys.byteorder == "little" else ">"):
+            out[dest] = out[dest].byteswap()
+        return out
+
+    def _read_runs(self, files: ChunkFiles, rows: np.ndarray, dest: np.ndarray, out: np.ndarray, starts: np.ndarray,
+                   ends: np.ndarray, chunks: np.ndarray, direct: np.ndarray, row_bytes: int) -> None:
+        """:meth:`read_rows`' runs ``starts[r]..ends[r]`` (of chunks ``chunks[r]``) read one ``pread``
+        at a time: into ``out`` where ``direct[r]``, else into ``files``' staging buffer, from which
+        every staged row is then put in its place."""
+        cr = self.chunk_rows
+        staged = None if bool(direct.all()) else np.repeat(~direct, ends - starts)
+        flat = out.data.cast("B")
+        stage = None if staged is None else files.scratch(int(ends[-1]) * row_bytes)
+        prefix = self._values_dir
+        chunk_bytes = cr * row_bytes
+        for a, b, c, r0, d0, straight in zip(starts.tolist(), ends.tolist(), chunks.tolist(), rows[starts].tolist(),
+                                             dest[starts].tolist(), direct.tolist(), strict=True):
+            path = f"{prefix}/c/{c}/0"
+            fd = files.open(path, chunk_bytes)
+            size = (b - a) * row_bytes
+            at = d0 * row_bytes if straight else a * row_bytes
+            self._pread(fd, path, [(flat if straight else stage)[at : at + size]], (r0 - c * cr) * row_bytes, size)
         if staged is not None:
             # Rows to their places a few at a time: a whole block's gathered copy would be a fresh
             # allocation (and fresh pages to fault in) for every block read.
-            k = np.flatnonzero(staged)
+            k = np.flatnonzero(staged) + int(starts[0])
             to = out.view(np.uint8).reshape(out.shape[0], row_bytes)
-            src = np.frombuffer(stage, dtype=np.uint8, count=n * row_bytes).reshape(n, row_bytes)
+            src = np.frombuffer(stage, dtype=np.uint8, count=int(ends[-1]) * row_bytes).reshape(-1, row_bytes)
             step = max(1, _SCATTER_BYTES // row_bytes)
             for i in range(0, k.size, step):
                 part = k[i : i + step]
                 to[dest[part]] = src[part]
-        if self._raw_dtype.byteorder not in ("=", "|", "<" if sys.byteorder == "little" else ">"):
-            out[dest] = out[dest].byteswap()
-        return out
+
+    def _read_runs_compiled(self, files: ChunkFiles, rows: np.ndarray, dest: np.ndarray, out: np.ndarray,
+                            starts: np.ndarray, ends: np.ndarray, chunks: np.ndarray, direct: np.ndarray,
+                            row_bytes: int) -> None:
+        """:meth:`_read_runs` by ``files.runs_reader`` (:func:`tracediff.store.fused_reads.read_runs`:
+        every ``pread`` and staged copy in one compiled loop, without the GIL), the runs of at most
+        ``files.limit`` chunk files at a time (each opened here, and so open, through the call). A run
+        it could not read whole is read again, with the runs after it of that call, by
+        :meth:`_read_runs`: the same one-line error a short read or a failing file gives there."""
+        cr = self.chunk_rows
+        chunk_bytes = cr * row_bytes
+        prefix = self._values_dir
+        flat = out.view(np.uint8).reshape(-1)
+        stage = np.frombuffer(files.scratch(int(np.max(ends - starts, initial=0)) * row_bytes), dtype=np.uint8)
+        offsets = (rows[starts] - chunks * cr) * row_bytes
+        # Rows are sorted: each file's runs are consecutive. Batches of runs over <= limit files.
+        first = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1]])
+        for lo in range(0, first.size, files.limit):
+            files_of = first[lo : lo + files.limit]
+            r0 = int(files_of[0])
+            r1 = int(first[lo + files.limit]) if lo + files.limit < first.size else starts.size
+            fds = np.repeat(
+                np.array([files.open(f"{prefix}/c/{c}/0", chunk_bytes) for c in chunks[files_of].tolist()], dtype=np.int32),
+                np.diff(np.r_[files_of, r1]),
+            )
+            failed = int(files.runs_reader(fds, offsets[r0:r1], starts[r0:r1], ends[r0:r1], direct[r0:r1], dest, flat,
+                                           stage, row_bytes))
+            if failed >= 0:
+                at = r0 + failed
+                self._read_runs(files, rows, dest, out, starts[at:r1], ends[at:r1], chunks[at:r1], direct[at:r1],
+                                row_bytes)
 
     @staticmethod
     def _pread(fd: int, path: str, buffers: list[memoryview], offset: int, size: int) -> None:
