@@ -23,42 +23,56 @@ flags = {"reassoc", "contract", "arcp", "nsz"}
 
 
 @intrinsic
+def _widen(typingctx: Any, value: Any) -> Any:
+    """A stored value as float32, decided by its type when compiled (no test in the loop): uint16 bf16
+    bits widened exactly (shifted into the top half of a float32's bits), a float32 as itself."""
+    if value == types.uint16:
+        def bits(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+            return builder.bitcast(wide, ir.FloatType())
+
+        return types.float32(types.uint16), bits
+    if value == types.float32:
+        def same(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return args[0]
+
+        return types.float32(types.float32), same
+    return None
+
+
+@intrinsic
+def _abs_bits(typingctx: Any, value: Any) -> Any:
+    """The int32 bits of the float32 ``value`` with the sign bit cleared: ordered as the magnitudes
+    are (every NaN above Inf), so a signed 32-bit max of them is the largest |value|."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        bits = builder.bitcast(args[0], ir.IntType(32))
+        return builder.and_(bits, ir.Constant(ir.IntType(32), 0x7FFFFFFF))
+
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
 def _f32_of_bits(typingctx: Any, bits: Any) -> Any:
-    """The float32 whose bits are the uint32 ``bits`` (a register move: numba has no scalar view)."""
+    """The float32 whose bits are the int32 ``bits`` (a register move: numba has no scalar view)."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         return builder.bitcast(args[0], ir.FloatType())
 
-    return types.float32(types.uint32), codegen
-
-
-@intrinsic
-def _bits_of_f32(typingctx: Any, value: Any) -> Any:
-    """The uint32 bits of the float32 ``value``."""
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(types.float32), codegen
-
-
-@numba.njit(nogil=True, cache=True, fastmath=flags, inline="always")
-def _value(row: Any, j: int, bf16: bool) -> Any:
-    """Stored value ``row[j]`` as float32: bf16 bits widened exactly, or float32 itself."""
-    if bf16:
-        return _f32_of_bits(np.uint32(row[j]) << np.uint32(16))
-    return np.float32(row[j])
+    return types.float32(types.int32), codegen
 
 
 @numba.njit(nogil=True, cache=True, fastmath=flags)
-def kernel(craw: Any, rraw: Any, n: int, size: int, c_bf16: bool, r_bf16: bool, seg_c: Any, seg_r: Any,
-           means: Any, invs: Any, xc: Any, xr: Any, dn: Any, mx: Any, sn: Any, sd: Any) -> None:
+def kernel(craw: Any, rraw: Any, n: int, size: int, seg_c: Any, seg_r: Any, means: Any, invs: Any, xc: Any, xr: Any,
+           dn: Any, mx: Any, sn: Any, sd: Any) -> None:
     # Each stored value is widened where a loop reads it, in registers (no widened copy of the row
     # written and read again, nor a stored difference read by a second loop: with them, the kernel
-    # took 1.7x this time at 3 x 64, 1.2x at 3 x 4096; benchmarks/bench_kernel.py). The largest
-    # |difference| is an integer max over the difference's bits with the sign bit cleared (LLVM
-    # vectorises it; a float max with NaN semantics it does not): the bits of |NaN| exceed those of
-    # Inf, so a NaN difference comes out as NaN.
+    # took 1.7x this time at 3 x 64, 1.2x at 3 x 4096; benchmarks/bench_kernel.py), by the rows'
+    # dtype (uint16: bf16 bits), so the loop holds no branch and LLVM vectorises it 8 floats wide.
+    # The largest |difference| is a signed 32-bit max over the difference's bits with the sign bit
+    # cleared (a float max with NaN semantics LLVM does not vectorise; an unsigned or 64-bit one
+    # it does only half as wide): the bits of |NaN| exceed those of Inf, so a NaN difference comes
+    # out as NaN.
     kc, kr, pairs = craw.shape[1] // size, rraw.shape[1] // size, seg_c.shape[0]
     # Segments no pair reads still need their norms (a missing or extra segment's).
     c_alone = np.ones(kc, dtype=np.bool_)
@@ -71,16 +85,18 @@ def kernel(craw: Any, rraw: Any, n: int, size: int, c_bf16: bool, r_bf16: bool, 
         rr = rraw[row]
         for k in range(kc):
             if c_alone[k]:
+                seg = cr[k * size : (k + 1) * size]
                 acc = np.float32(0.0)
-                for j in range(k * size, (k + 1) * size):
-                    x = _value(cr, j, c_bf16)
+                for j in range(size):
+                    x = _widen(seg[j])
                     acc += x * x
                 xc[row, k] = np.sqrt(acc)
         for k in range(kr):
             if r_alone[k]:
+                seg = rr[k * size : (k + 1) * size]
                 acc = np.float32(0.0)
-                for j in range(k * size, (k + 1) * size):
-                    y = _value(rr, j, r_bf16)
+                for j in range(size):
+                    y = _widen(seg[j])
                     acc += y * y
                 xr[row, k] = np.sqrt(acc)
         for p in range(pairs):
@@ -92,15 +108,15 @@ def kernel(craw: Any, rraw: Any, n: int, size: int, c_bf16: bool, r_bf16: bool, 
             d2 = np.float32(0.0)
             s2 = np.float32(0.0)
             z2 = np.float32(0.0)
-            top = np.uint32(0)
+            top = np.int32(0)
             for j in range(size):
-                x = _value(a, j, c_bf16)
-                y = _value(b, j, r_bf16)
+                x = _widen(a[j])
+                y = _widen(b[j])
                 a2 += x * x
                 b2 += y * y
                 d = x - y
                 d2 += d * d
-                v = _bits_of_f32(d) & np.uint32(0x7FFFFFFF)
+                v = _abs_bits(d)
                 top = v if v > top else top
                 s = d * inv[j]
                 s2 += s * s
@@ -192,8 +208,8 @@ def load(c_bf16: bool, r_bf16: bool) -> None:
         return np.zeros(shape, dtype=np.float32)
 
     cdt, rdt = (np.uint16 if c_bf16 else np.float32), (np.uint16 if r_bf16 else np.float32)
-    kernel(np.zeros((n, size), cdt), np.zeros((n, size), rdt), n, size, c_bf16, r_bf16, seg, seg, f32(1, size),
-           f32(1, size), f32(n, 1), f32(n, 1), f32(1, n), f32(1, n), f32(1, n), f32(1, n))
+    kernel(np.zeros((n, size), cdt), np.zeros((n, size), rdt), n, size, seg, seg, f32(1, size), f32(1, size),
+           f32(n, 1), f32(n, 1), f32(1, n), f32(1, n), f32(1, n), f32(1, n))
     fin = np.ones((n, 1), dtype=np.bool_)
     closed_forms(n, f32(n, 1), f32(n, 1), seg, seg, fin, fin, f32(1, n), f32(1, n), f32(1, n), f32(1, n),
                  f32(5, n, 1), np.zeros((4, 1, n)), np.zeros((n, 1), dtype=np.bool_))

@@ -182,8 +182,7 @@ def fused_row_stats(craw: np.ndarray, rraw: np.ndarray, n: int, size: int, cdtyp
         return False
     c = craw.view(np.uint16) if cdtype == "bfloat16" else craw
     r = rraw.view(np.uint16) if rdtype == "bfloat16" else rraw
-    compiled.kernel(c, r, n, size, cdtype == "bfloat16", rdtype == "bfloat16", seg_c, seg_r, means, invs, xc, xr, dn,
-                    mx, sn, sd)
+    compiled.kernel(c, r, n, size, seg_c, seg_r, means, invs, xc, xr, dn, mx, sn, sd)
     return True
 
 
