@@ -417,7 +417,8 @@ def test_sequences_paired_together_are_paired_as_one_by_one(
     every label offset: candidates with extra tokens in front (prefix rows) or past the reference's
     end (trailing), shifted positions (by labels, some past every reference row), dropped rows, unknown or disagreeing tokens, shared prefixes
     (several hypotheses), references with gaps (those sequences stay on the loop), rows in order (a
-    trainer's spans) or shuffled, compact or int64 positions, with or without tokens."""
+    trainer's spans) or shuffled, compact or int64 positions, with or without tokens; in one batch or
+    in many run on threads (their notes merged in order)."""
     import tracediff.compare.align as align
     from tracediff.compare.rowpairs import pair_rows
 
@@ -473,8 +474,16 @@ def test_sequences_paired_together_are_paired_as_one_by_one(
         shuffle = rng.permutation(len(cand))
         cand.group, cand.position, cand.token_id = cand.group[shuffle], cand.position[shuffle], cand.token_id[shuffle]
     alignment = align.align_sequences(ref, cand)
-    for offset in (-2, -1, 0, 1, 2):
-        _same_pairs(pair_rows(alignment, offset), pair_rows(alignment, offset, batched=False))
+    import tracediff.compare.rowpairs as rowpairs
+
+    default = rowpairs._BATCH_ROWS
+    for batch_rows in (default, int(rng.integers(1, 24))):  # few rows a batch: many, paired on the pool's threads
+        rowpairs._BATCH_ROWS = batch_rows
+        try:
+            for offset in (-2, -1, 0, 1, 2):
+                _same_pairs(pair_rows(alignment, offset), pair_rows(alignment, offset, batched=False))
+        finally:
+            rowpairs._BATCH_ROWS = default
 
 
 def test_the_samples_pairs_are_the_same_paired_together_or_one_by_one() -> None:

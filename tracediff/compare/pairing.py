@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from tracediff.compare.gather import in_parallel
 from tracediff.compare.rowpairs import RowPairs
 from tracediff.compare.rows import RowIndex
 from tracediff.store import PHASES
@@ -84,10 +85,12 @@ def check_token_pairing(pairs: RowPairs, reference: RowIndex, candidate: RowInde
     follows that sequence (the end of a request, the next turn of a longer sample, the next sample
     of a packed row), which the other side need not share.
     """
-    ref_col, cand_col = reference.column("next_token_id"), candidate.column("next_token_id")
+    # Per side, its next tokens (read from the store again) and, for its rows, whether their
+    # sequence goes on past them (only rows both sides continue past feed a next token both must
+    # agree on): the two sides at once.
+    (ref_col, ref_on), (cand_col, cand_on) = in_parallel(lambda: (reference.column("next_token_id"), _continues(reference)),
+                                                         lambda: (candidate.column("next_token_id"), _continues(candidate)))
     edges = {(i["group"], i["position"] - 1) for i in pairs.insertions}
-    # Only rows that both sides continue past feed a next token both sides must agree on.
-    ref_on, cand_on = _continues(reference), _continues(candidate)
     bad = np.zeros(len(pairs), dtype=bool)
     compared = unknown = diverging = 0
     for a in range(0, len(pairs), _PAIRING_PIECE):  # a piece of the pairs at a time: no whole gathered columns

@@ -8,11 +8,14 @@ candidate writer group (a retry is a duplicate, another rank a replica). Labels 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from tracediff.compare.align import NGRAM, Alignment, SequenceAlignment, SequenceRows, end_positions, kept_in_place
+from tracediff.compare.gather import usable_cpus
 from tracediff.compare.rows import COMPACT_BOUND, index_dtype
 
 
@@ -94,19 +97,38 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     insertions: list[dict] = []
     prefix_rows: dict[int, np.ndarray] = {}
     effective: dict[int, int] = {}
-    # Sequences waiting to be paired together (their order kept: a batch is paired before any later
-    # sequence is, so the notes come out in the order one by one gives).
+    # Sequences waiting to be paired together. Batches write disjoint candidate rows of ``slot``: they
+    # run on the cores (numpy's gathers release the GIL), and their notes are merged in batch order
+    # before any later sequence's, so the notes come out in the order one by one gives.
     batch: list[tuple[SequenceAlignment, tuple[int, int]]] = []
     batch_rows = 0
+    running: list[Any] = []  # futures of the batches sent off, in order
+    pool = (ThreadPoolExecutor(min(2, usable_cpus()), thread_name_prefix="tracediff-pairs")
+            if slot is not None and batched and n_cand > _BATCH_ROWS and usable_cpus() > 1 else None)
 
     def flush() -> None:
-        nonlocal unaligned, trailing, held, batch_rows
+        nonlocal batch, batch_rows
         if batch:
             assert slot is not None
-            u, t, n = _pair_batch(alignment, offset, batch, slot, prefix_rows, effective)
-            unaligned, trailing, held = unaligned + u, trailing + t, held + n
-            batch.clear()
-            batch_rows = 0
+            if pool is not None:
+                running.append(pool.submit(_pair_batch, alignment, offset, batch, slot))
+            else:
+                merge(_pair_batch(alignment, offset, batch, slot))
+            batch, batch_rows = [], 0
+
+    def merge(got: tuple[int, int, int, dict[int, int], dict[int, np.ndarray]]) -> None:
+        nonlocal unaligned, trailing, held
+        u, t, n, eff, prefix = got
+        unaligned, trailing, held = unaligned + u, trailing + t, held + n
+        effective.update(eff)
+        prefix_rows.update(prefix)
+
+    def settle() -> None:
+        """Every batch sent off paired, its notes merged (in order)."""
+        flush()
+        for future in running:
+            merge(future.result())
+        running.clear()
 
     for seq in alignment.sequences:
         if wanted is not None and seq.candidate_group not in wanted:
@@ -123,7 +145,7 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
                 if batch_rows >= _BATCH_ROWS:
                     flush()
                 continue
-        flush()
+        settle()
         g = alignment.cand_groups[seq.candidate_group].held()
         if not seq.hypotheses:
             unaligned += g.size
@@ -180,7 +202,11 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             end = int(alignment.ref_groups[primary].positions[-1]) + int(seq.hypotheses[0][1])
             trailing += int((~taken & (g.positions > end)).sum())
         unaligned += int((~taken).sum())
-    flush()
+    try:
+        settle()
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     rows_dtype = index_dtype(max(n_cand, n_ref))
     if held == 0:
         cand = ref = np.empty(0, dtype=rows_dtype)
@@ -230,12 +256,15 @@ _SAFE = 1 << 60
 
 
 def _pair_batch(alignment: Alignment, offset: int, batch: list[tuple[SequenceAlignment, tuple[int, int]]],
-                slot: np.ndarray, prefix_rows: dict[int, np.ndarray], effective: dict[int, int]) -> tuple[int, int, int]:
+                slot: np.ndarray) -> tuple[int, int, int, dict[int, int], dict[int, np.ndarray]]:
     """:func:`pair_rows`' loop for candidate sequences of one hypothesis each, whose reference sequence
     (first and last position given) has no gap in its positions, all at once: each row's reference
     entry is its position less the delta and the reference's first position, no search. Writes the
-    pairs into ``slot`` and the notes into ``prefix_rows`` and ``effective`` (in the batch's order);
-    returns the unaligned and trailing rows and the pairs made."""
+    pairs into ``slot`` (only the batch's candidate rows: batches may run concurrently); returns the
+    unaligned and trailing rows, the pairs made, and the notes: each sequence's effective delta and
+    its prefix rows (in the batch's order)."""
+    effective: dict[int, int] = {}
+    prefix_rows: dict[int, np.ndarray] = {}
     cand, ref = alignment.candidate, alignment.reference
     groups = [alignment.cand_groups[seq.candidate_group] for seq, _ in batch]
     refs = [alignment.ref_groups[seq.hypotheses[0][0]] for seq, _ in batch]
@@ -293,7 +322,7 @@ def _pair_batch(alignment: Alignment, offset: int, batch: list[tuple[SequenceAli
         if with_extra is not None and with_extra[k]:
             prefix_rows[seq.candidate_group] = extra_rows[at_extra : at_extra + with_extra[k]]
             at_extra += int(with_extra[k])
-    return int(np.count_nonzero(unpaired)), trailing, int(got.size)
+    return int(np.count_nonzero(unpaired)), trailing, int(got.size), effective, prefix_rows
 
 
 def _each_once(ref: np.ndarray, n_ref: int) -> bool:
