@@ -181,6 +181,13 @@ class BlockSpec:
                    buckets.index[start:stop])
 
 
+#: The most rows a block of the pass holds. Narrow rows fill ``block_bytes`` with many rows, and each
+#: block costs ~1 ms of Python between its compiled calls (held against the other block threads):
+#: 8192 rows a block made 977 blocks of 8 M rows of 3 x 64, whose pass took 6.8-6.9 s; 16 MiB blocks
+#: (21,845 rows) 6.0 s (docs/performance.md).
+_BLOCK_ROWS = 1 << 15
+
+
 def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches: list[tuple[int, int]],
               segment_size: int, scales: list[tuple[np.ndarray, np.ndarray]] | None = None,
               profiles: list[ProfileRequest] | None = None, block_bytes: int = 16 << 20,
@@ -192,7 +199,9 @@ def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches
     wr = reference.streams[0].width
     cdt, rdt = candidate.streams[0].dtype, reference.streams[0].dtype
     raw_row = row_bytes(candidate, reference)
-    block = max(64, min(8192, block_bytes // max(1, raw_row)))
+    # Rows of a block: ``block_bytes`` of raw rows, at most _BLOCK_ROWS (the block's per-row bookkeeping,
+    # ~50 bytes a row and pair, stays a few MiB however narrow the rows).
+    block = max(64, min(_BLOCK_ROWS, block_bytes // max(1, raw_row)))
     # Sub-blocks of about 2 MiB of float32 rows: small enough to stay in cache between kernels,
     # large enough that the per-kernel dispatch cost stays small.
     sub = max(16, min(block, (2 << 20) // max(1, (wc + wr) * 4)))
