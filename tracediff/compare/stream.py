@@ -181,11 +181,10 @@ class BlockSpec:
                    buckets.index[start:stop])
 
 
-#: The most rows a block of the pass holds. Narrow rows fill ``block_bytes`` with many rows, and each
-#: block costs ~1 ms of Python between its compiled calls (held against the other block threads):
-#: 8192 rows a block made 977 blocks of 8 M rows of 3 x 64, whose pass took 6.8-6.9 s; 16 MiB blocks
-#: (21,845 rows) 6.0 s (docs/performance.md).
-_BLOCK_ROWS = 1 << 15
+#: The most rows of a block, with the compiled kernels and with numpy's (docs/performance.md): each
+#: block costs ~1 ms of Python (8 M rows of 3 x 64: the pass 6.8-6.9 s in 8192-row blocks, 6.0 s in
+#: 16 MiB ones); numpy's per-row temporaries grow with it (0.5 M such rows: 169 MiB against 127).
+_BLOCK_ROWS = (1 << 15, 1 << 13)
 
 
 def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches: list[tuple[int, int]],
@@ -199,9 +198,10 @@ def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches
     wr = reference.streams[0].width
     cdt, rdt = candidate.streams[0].dtype, reference.streams[0].dtype
     raw_row = row_bytes(candidate, reference)
+    fused = use_fused_kernel(len(pairs) * raw_row)
     # Rows of a block: ``block_bytes`` of raw rows, at most _BLOCK_ROWS (the block's per-row bookkeeping,
-    # ~50 bytes a row and pair, stays a few MiB however narrow the rows).
-    block = max(64, min(_BLOCK_ROWS, block_bytes // max(1, raw_row)))
+    # ~50 bytes a row and pair with the compiled kernels, stays a few MiB however narrow the rows).
+    block = max(64, min(_BLOCK_ROWS[0 if fused else 1], block_bytes // max(1, raw_row)))
     # Sub-blocks of about 2 MiB of float32 rows: small enough to stay in cache between kernels,
     # large enough that the per-kernel dispatch cost stays small.
     sub = max(16, min(block, (2 << 20) // max(1, (wc + wr) * 4)))
@@ -212,7 +212,7 @@ def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches
     return PassPlan(tuple((int(i), int(j)) for i, j in matches), size, block, sub, tuple(scales),
                     tuple(profiles or ()), buckets.edges, wc, wr, cdt, rdt,
                     tuple(location_of(s) for s in candidate.streams), tuple(location_of(s) for s in reference.streams),
-                    use_fused_kernel(len(pairs) * raw_row))
+                    fused)
 
 
 class _Pass:
@@ -346,8 +346,7 @@ class _Pass:
         # overflow of finite values: only those rows are checked value by value.
         fin_c = self._finite(xc, craw, self.cdt, kc)
         fin_r = self._finite(xr, rraw, self.rdt, kr)
-        # (Nearly every block is finite throughout: a column sum of a [rows, segments] bool array is
-        # a strided reduction, ~0.3 ms a block, that such a block skips.)
+        # (A finite block, nearly all, skips the strided column sums of its [rows, segments] flags.)
         all_c, all_r = bool(fin_c.all()), bool(fin_r.all())
         bad_c = np.zeros(kc, dtype=np.intp) if all_c else (~fin_c).sum(axis=0)
         bad_r = np.zeros(kr, dtype=np.intp) if all_r else (~fin_r).sum(axis=0)
