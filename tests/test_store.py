@@ -411,6 +411,16 @@ def raw_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return store
 
 
+@pytest.fixture(scope="module")
+def wide_raw_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same rows 4 KiB wide: runs are cut where their destinations jump, never staged."""
+    from tracediff.store.stream import _DIRECT_ROW_BYTES
+
+    store = create_store(tmp_path_factory.mktemp("wide_rows") / "s.zarr")
+    _write(store, "t", "w", [20, 30, 11], width=_DIRECT_ROW_BYTES // 2, dtype="bfloat16", chunk_rows=7)
+    return store
+
+
 def _compiled_reader() -> object:
     """The compiled run reader the streaming pass gives its ChunkFiles (numba is a dependency)."""
     from tracediff.store import fused_reads
@@ -418,11 +428,12 @@ def _compiled_reader() -> object:
     return fused_reads.read_runs
 
 
+@pytest.mark.parametrize("rows_of", ["raw_store", "wide_raw_store"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["python", "compiled"])
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_read_rows_puts_every_row_at_its_destination_like_take(raw_store: Path, compiled: bool,
-                                                               data: st.DataObject) -> None:
+def test_read_rows_puts_every_row_at_its_destination_like_take(request: pytest.FixtureRequest, rows_of: str,
+                                                               compiled: bool, data: st.DataObject) -> None:
     """Any rows (repeated, out of order, across chunks) to any distinct destinations of a larger
     ``out``: runs whose destinations are consecutive go straight in, the rest through the staging
     buffer; either way each row lands where asked and nothing else is written. Run by run in Python
@@ -434,11 +445,12 @@ def test_read_rows_puts_every_row_at_its_destination_like_take(raw_store: Path, 
         dest = np.arange(rows.size, dtype=np.int64) + spare
     else:
         dest = np.array(data.draw(st.permutations(range(rows.size + spare)))[: rows.size], dtype=np.int64)
-    with TraceStore(raw_store) as opened, ChunkFiles(limit=data.draw(st.integers(1, 4))) as files:
+    with TraceStore(request.getfixturevalue(rows_of)) as opened, \
+            ChunkFiles(limit=data.draw(st.integers(1, 4))) as files:
         files.runs_reader = _compiled_reader() if compiled else None
         stream = opened.streams["t"][0]
         assert stream.reads_rows_directly
-        out = np.full((rows.size + spare, 6), 0xFFFF, dtype=np.uint16)
+        out = np.full((rows.size + spare, stream.width), 0xFFFF, dtype=np.uint16)
         stream.read_rows(rows, out=out, dest=dest, files=files)
         expected = np.full_like(out, 0xFFFF)
         if rows.size:
