@@ -93,8 +93,9 @@ class CompareOptions:
     #: Where the streaming pass runs its blocks (:class:`tracediff.compare.cluster.DaskRunner`); None:
     #: threads of this process.
     runner: Any = None
-    #: Raw rows of both sides one block of the streaming pass reads (rows of a block: 64..32768 with the compiled kernels, ..8192 without): what
-    #: bounds the memory of each thread or cluster worker running blocks.
+    #: Raw rows of both sides one block of the streaming pass reads (rows of a block: 64..32768 with
+    #: the compiled kernels, 64..8192 without): what bounds the memory of each thread or cluster
+    #: worker running blocks.
     block_bytes: int = 16 << 20
     #: Passed to :func:`tracediff.store.open_store` with each store's location (URLs: fsspec's options),
     #: here and on cluster workers; None: none.

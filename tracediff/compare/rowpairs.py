@@ -103,8 +103,10 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     batch: list[tuple[SequenceAlignment, tuple[int, int]]] = []
     batch_rows = 0
     running: list[Any] = []  # futures of the batches sent off, in order
-    pool = (ThreadPoolExecutor(min(2, usable_cpus()), thread_name_prefix="tracediff-pairs")
-            if slot is not None and batched and n_cand > _BATCH_ROWS and usable_cpus() > 1 else None)
+    # Two threads at most: each batch holds ~a dozen temporaries of its rows (the alignment's peak).
+    cpus = usable_cpus()
+    pool = (ThreadPoolExecutor(min(2, cpus), thread_name_prefix="tracediff-pairs")
+            if slot is not None and batched and n_cand > _BATCH_ROWS and cpus > 1 else None)
 
     def flush() -> None:
         nonlocal batch, batch_rows
@@ -130,79 +132,79 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
             merge(future.result())
         running.clear()
 
-    for seq in alignment.sequences:
-        if wanted is not None and seq.candidate_group not in wanted:
-            continue
-        if batched and slot is not None and len(seq.hypotheses) == 1:
-            cg = alignment.cand_groups[seq.candidate_group]
-            rg = alignment.ref_groups[seq.hypotheses[0][0]]
-            ends = end_positions(rg, alignment.reference)
-            if (ends is not None and ends[1] - ends[0] == rg.size - 1
-                    and abs(ends[0]) + abs(ends[1]) + abs(seq.hypotheses[0][1]) < _SAFE  # (int64 sums below)
-                    and end_positions(cg, alignment.candidate) is not None):
-                batch.append((seq, ends))
-                batch_rows += cg.size
-                if batch_rows >= _BATCH_ROWS:
-                    flush()
-                continue
-        settle()
-        g = alignment.cand_groups[seq.candidate_group].held()
-        if not seq.hypotheses:
-            unaligned += g.size
-            continue
-        taken = np.zeros(g.size, dtype=bool)
-        row_delta = np.zeros(g.size, dtype=np.int64)
-        # Reference rows this candidate sequence already paired: each at most once, so a row past
-        # the end of the reference's sequence (a server that records one more position than the
-        # trainer kept) never re-pairs an earlier reference row under another delta.
-        used: dict[int, np.ndarray] = {}
-        primary = seq.hypotheses[0][0]
-        for h_i, (ref_key, delta, _votes) in enumerate(seq.hypotheses):
-            rg = alignment.ref_groups[ref_key].held()
-            free = ~taken
-            # Token consistency under this hypothesis (label positions, before the offset).
-            idx_c, at = _find_positions(rg.positions, _shifted(g.positions, delta, 0))
-            agree = at & (rg.tokens[idx_c] == g.tokens)
-            unknown = g.tokens < 0
-            ok = free & (agree | (unknown & (h_i == 0)) if alignment.by_tokens else free)
-            # The value pairing: shift by the label offset.
-            vidx_c, vat = _find_positions(rg.positions, _shifted(g.positions, delta, offset))
-            seen = used.setdefault(ref_key, np.zeros(rg.size, dtype=bool))
-            use = ok & vat & ~seen[vidx_c]
-            if h_i > 0 and ref_key != primary:
-                # Another reference sequence takes only whole runs of rows (a shared prefix's last
-                # row matching a longer sample is where the sequences diverge, not a pairing).
-                use &= _runs_of_at_least(use, NGRAM)
-            seen[vidx_c[use]] = True
-            got = g.rows[use]
-            if slot is not None:
-                slot[got] = rg.rows[vidx_c[use]]
-            else:
-                cand_buf[held : held + got.size] = got
-                ref_buf[held : held + got.size] = rg.rows[vidx_c[use]]
-            held += got.size
-            taken |= use
-            row_delta[use] = delta
-            if h_i == 0:
-                effective[seq.candidate_group] = delta - offset
-        if taken.any():
-            # A prefix: candidate rows before the first paired one, in front of the reference's start.
-            # Python ints: positions near the int64 limits must not wrap around.
-            first = int(np.argmax(taken))  # positions are sorted
-            eff = int(row_delta[first]) - offset
-            rg0 = alignment.ref_groups[seq.hypotheses[0][0]]
-            before = (g.positions < int(g.positions[first])) & (g.positions < int(rg0.positions[0]) + eff) \
-                if eff > 0 else np.zeros(g.size, dtype=bool)
-            extra = before & ~taken
-            if extra.any():
-                prefix_rows[seq.candidate_group] = g.rows[extra]
-            insertions += _insertions(seq.candidate_group, g, taken, row_delta)
-            # Rows past the last position of the reference sequence they align with: the two
-            # sequences end differently (coverage), whatever else they are.
-            end = int(alignment.ref_groups[primary].positions[-1]) + int(seq.hypotheses[0][1])
-            trailing += int((~taken & (g.positions > end)).sum())
-        unaligned += int((~taken).sum())
     try:
+        for seq in alignment.sequences:
+            if wanted is not None and seq.candidate_group not in wanted:
+                continue
+            if batched and slot is not None and len(seq.hypotheses) == 1:
+                cg = alignment.cand_groups[seq.candidate_group]
+                rg = alignment.ref_groups[seq.hypotheses[0][0]]
+                ends = end_positions(rg, alignment.reference)
+                if (ends is not None and ends[1] - ends[0] == rg.size - 1
+                        and abs(ends[0]) + abs(ends[1]) + abs(seq.hypotheses[0][1]) < _SAFE  # (int64 sums below)
+                        and end_positions(cg, alignment.candidate) is not None):
+                    batch.append((seq, ends))
+                    batch_rows += cg.size
+                    if batch_rows >= _BATCH_ROWS:
+                        flush()
+                    continue
+            settle()
+            g = alignment.cand_groups[seq.candidate_group].held()
+            if not seq.hypotheses:
+                unaligned += g.size
+                continue
+            taken = np.zeros(g.size, dtype=bool)
+            row_delta = np.zeros(g.size, dtype=np.int64)
+            # Reference rows this candidate sequence already paired: each at most once, so a row past
+            # the end of the reference's sequence (a server that records one more position than the
+            # trainer kept) never re-pairs an earlier reference row under another delta.
+            used: dict[int, np.ndarray] = {}
+            primary = seq.hypotheses[0][0]
+            for h_i, (ref_key, delta, _votes) in enumerate(seq.hypotheses):
+                rg = alignment.ref_groups[ref_key].held()
+                free = ~taken
+                # Token consistency under this hypothesis (label positions, before the offset).
+                idx_c, at = _find_positions(rg.positions, _shifted(g.positions, delta, 0))
+                agree = at & (rg.tokens[idx_c] == g.tokens)
+                unknown = g.tokens < 0
+                ok = free & (agree | (unknown & (h_i == 0)) if alignment.by_tokens else free)
+                # The value pairing: shift by the label offset.
+                vidx_c, vat = _find_positions(rg.positions, _shifted(g.positions, delta, offset))
+                seen = used.setdefault(ref_key, np.zeros(rg.size, dtype=bool))
+                use = ok & vat & ~seen[vidx_c]
+                if h_i > 0 and ref_key != primary:
+                    # Another reference sequence takes only whole runs of rows (a shared prefix's last
+                    # row matching a longer sample is where the sequences diverge, not a pairing).
+                    use &= _runs_of_at_least(use, NGRAM)
+                seen[vidx_c[use]] = True
+                got = g.rows[use]
+                if slot is not None:
+                    slot[got] = rg.rows[vidx_c[use]]
+                else:
+                    cand_buf[held : held + got.size] = got
+                    ref_buf[held : held + got.size] = rg.rows[vidx_c[use]]
+                held += got.size
+                taken |= use
+                row_delta[use] = delta
+                if h_i == 0:
+                    effective[seq.candidate_group] = delta - offset
+            if taken.any():
+                # A prefix: candidate rows before the first paired one, in front of the reference's start.
+                # Python ints: positions near the int64 limits must not wrap around.
+                first = int(np.argmax(taken))  # positions are sorted
+                eff = int(row_delta[first]) - offset
+                rg0 = alignment.ref_groups[seq.hypotheses[0][0]]
+                before = (g.positions < int(g.positions[first])) & (g.positions < int(rg0.positions[0]) + eff) \
+                    if eff > 0 else np.zeros(g.size, dtype=bool)
+                extra = before & ~taken
+                if extra.any():
+                    prefix_rows[seq.candidate_group] = g.rows[extra]
+                insertions += _insertions(seq.candidate_group, g, taken, row_delta)
+                # Rows past the last position of the reference sequence they align with: the two
+                # sequences end differently (coverage), whatever else they are.
+                end = int(alignment.ref_groups[primary].positions[-1]) + int(seq.hypotheses[0][1])
+                trailing += int((~taken & (g.positions > end)).sum())
+            unaligned += int((~taken).sum())
         settle()
     finally:
         if pool is not None:
