@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from tracediff.compare.metrics import Accumulator, _quantiles, reduce_block
+from tracediff.compare.metrics import Accumulator, _order_statistics, _quantiles, reduce_block
 
 QS = (0.0, 0.01, 0.25, 0.5, 0.75, 0.99, 1.0)
 
@@ -32,6 +32,23 @@ def _same(a: list[float], b: list[float]) -> bool:
 )
 def test_quantiles_equal_numpys_single_q_calls_bit_for_bit(values: np.ndarray, qs: list[float]) -> None:
     assert _same(_quantiles(values.copy(), *qs), _numpy(values, *qs))
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data(),
+       values=hnp.arrays(np.float32, st.integers(1, 200),
+                         elements=st.floats(width=32, allow_nan=False, allow_infinity=False) | st.sampled_from([0.0, 1.0])))
+def test_order_statistics_are_the_sorted_values_for_any_set_of_ranks(data: st.DataObject, values: np.ndarray) -> None:
+    """One partition a rank, from the top down, and the maximum of the front for a rank just below
+    the one before: each rank's value is the sorted array's (runs of adjacent ranks, ties included)."""
+    n = values.size
+    starts = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=5))
+    runs = data.draw(st.lists(st.integers(1, 4), min_size=len(starts), max_size=len(starts)))
+    ranks = {min(n - 1, a + i) for a, r in zip(starts, runs, strict=True) for i in range(r)}
+    got = _order_statistics(values.copy(), ranks)
+    ordered = np.sort(values)
+    assert set(got) == ranks
+    assert all(got[k] == ordered[k] for k in ranks)
 
 
 def test_quantiles_of_a_million_metric_like_values_equal_numpys() -> None:

@@ -34,7 +34,6 @@ import numpy as np
 from tracediff.compare.gather import (
     ChunkReader,
     StreamLocation,
-    in_parallel,
     location_of,
     reference_files,
     usable_cpus,
@@ -53,10 +52,11 @@ from tracediff.compare.kernels import (
 from tracediff.compare.metrics import (
     Accumulator,
     BlockReduction,
+    FinishJob,
     PositionBuckets,
     ProfileRequest,
     StreamResult,
-    finish_metrics,
+    finish_pairs,
     profile_of,
     reduce_block,
 )
@@ -619,15 +619,14 @@ def stream_metrics(
             for res in run_blocks(plan, reference.streams, candidate.streams, lazy, workers):  # type: ignore[arg-type]
                 merger.add(res)
         merger.check_complete()
-        # Per pair, its columns one at a time (held arrays in memory, fresh reads from the file); the
-        # per-row errors finish_metrics makes of the numerators are written back to the file (in
-        # memory, made in place). Pairs are independent (their own columns, their own rows of the
-        # file): they finish on both cores, one pair's columns per core at a time.
-        metrics = in_parallel(*(
-            functools.partial(
-                finish_metrics, acc, functools.partial(_read_column, columns, p), pairs, reference, candidate,
-                buckets, lim, keep_errors=functools.partial(columns.write, p, STD_ERROR, 0) if columns.spilled else None)
-            for p, (acc, lim) in enumerate(zip(accs, limits, strict=True))))
+        # Per pair, its columns (held arrays in memory, fresh reads from the file), a column per core
+        # at a time; the per-row errors made of the numerators are written back to the file (in
+        # memory, made in place). Pairs are independent: their own columns, their own rows of the file.
+        metrics = finish_pairs([
+            FinishJob(acc, functools.partial(_read_column, columns, p), lim,
+                      functools.partial(columns.write, p, STD_ERROR, 0) if columns.spilled else None)
+            for p, (acc, lim) in enumerate(zip(accs, limits, strict=True))], pairs, reference, candidate, buckets,
+            usable_cpus())
     except BaseException:
         columns.close()
         raise
