@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import warnings
+from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -185,3 +189,42 @@ def test_finish_metrics_from_file_or_memory_columns_gives_the_defined_metrics(co
         assert held.norm_ratio_hist == {"edges": [float(e) for e in edges], "counts": [float(c) for c in counts]}
     else:
         assert held.norm_ratio_hist == {"edges": [], "counts": []}
+
+
+@pytest.mark.parametrize("spilled", [False, True])
+def test_finishing_pairs_a_column_at_a_time_on_threads_gives_one_threads_metrics(monkeypatch, spilled: bool) -> None:
+    """The pass's last step (metrics.finish_pairs) on two threads, a column of a pair a task, makes
+    the same metrics and per-row errors, bit for bit, as finish_metrics one pair after another: on
+    the shipped samples (bf16, engine order), the per-row columns in memory or in the spill file."""
+    from tracediff.compare import metrics, rowcolumns, stream  # noqa: PLC0415
+    from tracediff.compare.align import align_sequences  # noqa: PLC0415
+    from tracediff.compare.rowpairs import pair_rows  # noqa: PLC0415
+    from tracediff.compare.rows import RowIndex  # noqa: PLC0415
+    from tracediff.store import open_store  # noqa: PLC0415
+
+    if spilled:
+        monkeypatch.setattr(rowcolumns, "SPILL_BYTES", 1)
+    samples = Path(__file__).resolve().parents[1] / "samples"
+    ref = RowIndex.load(open_store(samples / "train.zarr"), "fc_in")
+    cand = RowIndex.load(open_store(samples / "server_broken.zarr"), "fc_in")
+    pairs = pair_rows(align_sequences(ref, cand))
+    matches = [(0, 0), (1, 1), (2, 2), (0, 1), (2, 0)]
+    calls: list[int] = []
+    finish = metrics.finish_pairs
+
+    def counted(jobs, *args):  # noqa: ANN001, ANN002, ANN202
+        calls.append(args[-1])
+        return finish(jobs, *args)
+
+    monkeypatch.setattr(stream, "finish_pairs", counted)
+    results = []
+    for cpus in (1, 2):
+        monkeypatch.setattr(stream, "usable_cpus", lambda cpus=cpus: cpus)
+        results.append(stream.stream_metrics(pairs, ref, cand, matches, 64, workers=1))
+    assert calls == [1, 2] and len(pairs) > 100
+    one, two = results
+    as_json = lambda ms: json.dumps([dataclasses.asdict(m) for m in ms], default=str)  # noqa: E731  (NaN == NaN here)
+    assert as_json(two.metrics) == as_json(one.metrics)
+    assert [(m.candidate, m.reference) for m in two.metrics] == matches
+    for key in one.row_errors:
+        np.testing.assert_array_equal(two.row_errors[key], one.row_errors[key])
