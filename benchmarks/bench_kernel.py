@@ -31,7 +31,7 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 
 
 def _numpy_loop(craw: np.ndarray, rraw: np.ndarray, k: int, size: int, out: dict, sub: int) -> None:
-    """The numpy kernels of the pass as tracediff/compare/stream.py runs them: widened a sub-block at a time
+    """The numpy kernels of the pass as tracediff/compare/blocks.py runs them: widened a sub-block at a time
     into reused buffers."""
     n = craw.shape[0]
     d = np.empty((sub, size), np.float32)

@@ -7,9 +7,10 @@ drives it):
 2. :mod:`~tracediff.compare.plan` on a sample of pairs: label offset, segment size, and per segment
    :mod:`~tracediff.compare.segments` (which reference segment it is), :mod:`~tracediff.compare.transforms`
    (how it was transformed) and :mod:`~tracediff.compare.noise` (how far numerics may move it);
-3. :mod:`~tracediff.compare.stream`: one pass over every aligned row pair (rows read by
-   :mod:`~tracediff.compare.gather`, per-row statistics by :mod:`~tracediff.compare.kernels`, in threads
-   or on a dask cluster: :mod:`~tracediff.compare.cluster`), turned into metrics by
+3. :mod:`~tracediff.compare.stream`: one pass over every aligned row pair, block by block
+   (:mod:`~tracediff.compare.blocks`; rows read by :mod:`~tracediff.compare.gather`, per-row
+   statistics by :mod:`~tracediff.compare.kernels`, in threads or on a dask cluster:
+   :mod:`~tracediff.compare.cluster`), turned into metrics by
    :mod:`~tracediff.compare.metrics`;
 4. :mod:`~tracediff.compare.subsets` (rows that differ: which ones), :mod:`~tracediff.compare.metadata`
    (the config diff), :mod:`~tracediff.compare.findings` and :mod:`~tracediff.compare.segment_findings`

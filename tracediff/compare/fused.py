@@ -17,6 +17,10 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
+# (numba's cache of read_and_measure is keyed to this file only: a change to pread's declaration
+# there must come with a change here.)
+from tracediff.store.fused_reads import pread, usable
+
 # Reassociation lets LLVM vectorise the float32 reductions; NaN and Inf keep their meaning (the pass
 # tells non-finite rows by their norms).
 flags = {"reassoc", "contract", "arcp", "nsz"}
@@ -131,6 +135,55 @@ def kernel(craw: Any, rraw: Any, n: int, size: int, seg_c: Any, seg_r: Any, mean
 
 
 @numba.njit(nogil=True, cache=True)
+def _read_part(fds: Any, offsets: Any, dest: Any, lengths: Any, r: int, s0: int, s1: int, buf: Any) -> int:
+    """Rows ``s0..s1`` of a block into ``buf``'s first rows, from the block's runs (in destination
+    order, run ``r`` the first not yet wholly read): the index of the first run not wholly read
+    afterwards, or -1 when a read came back short or failed."""
+    row_bytes = buf.shape[1] * buf.itemsize
+    base = buf.ctypes.data
+    while r < fds.shape[0] and dest[r] < s1:
+        a = max(dest[r], s0)
+        b = min(dest[r] + lengths[r], s1)
+        size = (b - a) * row_bytes
+        if pread(fds[r], base + (a - s0) * row_bytes, size, offsets[r] + (a - dest[r]) * row_bytes) != size:
+            return -1
+        if dest[r] + lengths[r] > s1:  # the run goes on into the next part
+            break
+        r += 1
+    return r
+
+
+@numba.njit(nogil=True, cache=True)
+def read_and_measure(c_fds: Any, c_offsets: Any, c_dest: Any, c_lengths: Any, r_fds: Any, r_offsets: Any, r_dest: Any,
+                     r_lengths: Any, cbuf: Any, rbuf: Any, n: int, size: int, seg_c: Any, seg_r: Any, means: Any,
+                     invs: Any, xc: Any, xr: Any, dn: Any, mx: Any, sn: Any, sd: Any) -> int:
+    """:func:`kernel` on rows ``0..n`` of a block read part by part: the rows of each side come from
+    runs (run k: ``lengths[k]`` consecutive stored rows at byte ``offsets[k]`` of file ``fds[k]``, for
+    the block's rows ``dest[k]..dest[k] + lengths[k]``; runs in destination order, covering ``0..n``),
+    read ``cbuf.shape[0]`` rows at a time into ``cbuf`` / ``rbuf`` (stored values, small enough to stay
+    in the cache), each part measured while its rows are there. The same numbers as reading the
+    whole block and calling :func:`kernel` on it (each row's are its own), without writing a block of
+    rows to memory and reading it back (the copies from the page cache run ~2x as fast into a
+    buffer the cache holds). Returns -1, or the first row of the part whose read came back short or
+    failed (rows before it are measured; the caller reads the block again, which raises the store's
+    error)."""
+    part = cbuf.shape[0]
+    ci = 0
+    ri = 0
+    for s0 in range(0, n, part):
+        s1 = min(n, s0 + part)
+        ci = _read_part(c_fds, c_offsets, c_dest, c_lengths, ci, s0, s1, cbuf)
+        if ci < 0:
+            return s0
+        ri = _read_part(r_fds, r_offsets, r_dest, r_lengths, ri, s0, s1, rbuf)
+        if ri < 0:
+            return s0
+        kernel(cbuf, rbuf, s1 - s0, size, seg_c, seg_r, means, invs, xc[s0:s1], xr[s0:s1], dn[:, s0:s1], mx[:, s0:s1],
+               sn[:, s0:s1], sd[:, s0:s1])
+    return -1
+
+
+@numba.njit(nogil=True, cache=True)
 def closed_forms(m: int, xc: Any, xr: Any, seg_c: Any, seg_r: Any, fin_c: Any, fin_r: Any, dn: Any, mx: Any, sn: Any,
                  sd: Any, rows: Any, sums: Any, odd: Any) -> None:
     """The pass's per-row metrics of rows ``0..m`` from the norms: :func:`tracediff.compare.kernels.
@@ -183,13 +236,14 @@ def closed_forms(m: int, xc: Any, xr: Any, seg_c: Any, seg_r: Any, fin_c: Any, f
             odd[i, p] = ok and not fast
 
 
-#: The compiled functions a pass calls (kernels.py asks numba's cache whether they are there).
-ENTRY_POINTS = (kernel, closed_forms)
+#: The compiled functions a pass calls (kernels.py asks numba's cache whether they are there);
+#: :func:`read_and_measure` where the compiled reads run (:func:`tracediff.store.fused_reads.usable`).
+ENTRY_POINTS = (kernel, closed_forms, read_and_measure) if usable() else (kernel, closed_forms)
 
 
 def warm() -> None:
-    """Compile (or load from numba's cache) :func:`kernel` for every pair of stored dtypes a pass
-    reads (bf16 bits, float32) and :func:`closed_forms`, on a few values: the types a pass calls them
+    """Compile (or load from numba's cache) :func:`kernel` and :func:`read_and_measure` for every pair
+    of stored dtypes a pass reads (bf16 bits, float32) and :func:`closed_forms`, on a few values: the types a pass calls them
     with, so that a pass afterwards loads each from the cache. Run in a child process on a cold cache
     (:func:`tracediff.compare.kernels.fused_kernel`): compiling keeps ~60 MiB of the compiler's memory
     in the process that compiles, which a compare at its peak cannot spare."""
@@ -199,8 +253,9 @@ def warm() -> None:
 
 
 def load(c_bf16: bool, r_bf16: bool) -> None:
-    """Compile or load :func:`kernel` for one pair of stored dtypes (bf16 bits or float32 a side) and
-    :func:`closed_forms`, by calling them on a few values of the types a pass calls them with."""
+    """Compile or load :func:`kernel` and (where the compiled reads run) :func:`read_and_measure` for
+    one pair of stored dtypes (bf16 bits or float32 a side), and :func:`closed_forms`, by calling them
+    on a few values (no rows to read) of the types a pass calls them with."""
     n, size = 2, 4
     seg = np.zeros(1, dtype=np.int64)
 
@@ -210,6 +265,11 @@ def load(c_bf16: bool, r_bf16: bool) -> None:
     cdt, rdt = (np.uint16 if c_bf16 else np.float32), (np.uint16 if r_bf16 else np.float32)
     kernel(np.zeros((n, size), cdt), np.zeros((n, size), rdt), n, size, seg, seg, f32(1, size), f32(1, size),
            f32(n, 1), f32(n, 1), f32(1, n), f32(1, n), f32(1, n), f32(1, n))
+    if usable():
+        runs = (np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
+                np.zeros(0, dtype=np.int64))
+        read_and_measure(*runs, *runs, np.zeros((1, size), cdt), np.zeros((1, size), rdt), 0, size, seg, seg,
+                         f32(1, size), f32(1, size), f32(n, 1), f32(n, 1), f32(1, n), f32(1, n), f32(1, n), f32(1, n))
     fin = np.ones((n, 1), dtype=np.bool_)
     closed_forms(n, f32(n, 1), f32(n, 1), seg, seg, fin, fin, f32(1, n), f32(1, n), f32(1, n), f32(1, n),
                  f32(5, n, 1), np.zeros((4, 1, n)), np.zeros((n, 1), dtype=np.bool_))

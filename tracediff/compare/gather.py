@@ -56,6 +56,39 @@ class ChunkReader:
             self.cache.popitem(last=False)
         return data
 
+    def runs_at(self, stream: np.ndarray, within: np.ndarray) -> RowRuns | None:
+        """The rows ``within[k]`` of streams ``stream[k]`` (k = 0..n, the rows of a block in its order)
+        as runs of consecutive stored rows in that order, their files open (run r: rows
+        ``dest[r]..dest[r] + lengths[r]`` of the block), for the compiled loop that reads and measures
+        them part by part (:func:`tracediff.compare.fused.read_and_measure`). None where that loop
+        cannot read them: no compiled reads here, chunks not plain files, or more chunk files than
+        this reader keeps open (the block is then read with :meth:`gather_at`). The caller counts
+        the bytes it reads in :attr:`bytes_read`."""
+        n = stream.size
+        if self.files.runs_reader is None or n == 0:
+            return None
+        single = len(self.streams) == 1
+        rows_per_chunk = self.streams[0].chunk_rows if single else \
+            np.array([s.chunk_rows for s in self.streams], dtype=np.int64)[stream]
+        chunk = within // rows_per_chunk
+        cut = (np.diff(within) != 1) | (np.diff(chunk) != 0)
+        if not single:
+            cut |= np.diff(stream) != 0
+        dest = np.flatnonzero(np.r_[True, cut])
+        lengths = np.diff(np.r_[dest, n])
+        files = np.unique(chunk[dest] if single else stream[dest] * (int(chunk.max()) + 1) + chunk[dest])
+        if files.size > self.files.limit:
+            return None
+        fds = np.empty(dest.size, dtype=np.int32)
+        offsets = np.empty(dest.size, dtype=np.int64)
+        for s in [0] if single else np.unique(stream[dest]).tolist():
+            sel = slice(None) if single else np.flatnonzero(stream[dest] == s)
+            opened = self.streams[s].open_runs(within[dest[sel]], lengths[sel], self.files)
+            if opened is None:
+                return None
+            fds[sel], offsets[sel] = opened
+        return RowRuns(fds, offsets, dest, lengths)
+
     def gather(self, index: RowIndex, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Raw values of RowIndex entries ``rows`` into ``out[:len(rows)]``."""
         rows = np.asarray(rows)
@@ -83,6 +116,18 @@ class ChunkReader:
                 data = self._chunk(int(s), int(c))
                 out[part] = data[within[part] - c * cr]
         return out[:n]
+
+
+@dataclass(frozen=True)
+class RowRuns:
+    """A block's rows of one side as runs of consecutive stored rows (:meth:`ChunkReader.runs_at`):
+    run r, ``lengths[r]`` rows at byte ``offsets[r]`` of the open file ``fds[r]``, goes to the block's
+    rows ``dest[r]..dest[r] + lengths[r]``."""
+
+    fds: np.ndarray  # int32
+    offsets: np.ndarray  # int64
+    dest: np.ndarray  # int64
+    lengths: np.ndarray  # int64
 
 
 def usable_cpus() -> int:

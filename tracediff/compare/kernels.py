@@ -3,7 +3,7 @@
 For a block of row pairs the pass needs, per row, the norm of every segment of both sides and, per
 matched segment pair, the norm and the largest absolute value of the difference, the norm of the
 difference in units of the reference segment's robust scale, and the norm of the standardised
-reference. The reference implementation (:meth:`tracediff.compare.stream._Pass.block_metrics`' numpy
+reference. The reference implementation (:meth:`tracediff.compare.blocks._Pass.block_metrics`' numpy
 path) runs about eight eager kernels per pair over float32 copies of the rows: some ten reads and
 six writes of every value. :func:`fused_row_stats` widens each stored value (bf16 bits or float32)
 in registers where its loop reads it, in a compiled loop whose float32 sums LLVM vectorises: the same numbers up to float32
@@ -12,7 +12,8 @@ decisions to the numpy path's).
 
 Compiled by numba (a registry package; ``nogil``: the pass's block threads run it concurrently,
 each on its own block, so it is serial inside). Without numba, or for other stored dtypes (float16),
-the pass keeps the numpy path. Pure computation: no I/O, no allocation beyond a flag per segment.
+the pass keeps the numpy path. The kernel is pure computation (no I/O, no allocation beyond a flag
+per segment); :func:`tracediff.compare.fused.read_and_measure` runs it on wide rows as it reads them.
 """
 
 from __future__ import annotations

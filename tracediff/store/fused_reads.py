@@ -24,7 +24,7 @@ from numba.core import types
 #: ``ssize_t pread(int fd, void *buf, size_t count, off_t offset)`` from the C library the process
 #: has loaded, the buffer passed as an address (a pointer and a ``size_t`` travel alike on the 64-bit
 #: ABIs numba runs on; :func:`usable` says where).
-_pread = types.ExternalFunction("pread", types.intp(types.int32, types.uintp, types.uintp, types.int64))
+pread = types.ExternalFunction("pread", types.intp(types.int32, types.uintp, types.uintp, types.int64))
 
 
 def usable() -> bool:
@@ -46,10 +46,10 @@ def read_runs(fds: Any, offsets: Any, starts: Any, ends: Any, direct: Any, dest:
         a, b = starts[r], ends[r]
         size = (b - a) * row_bytes
         if direct[r]:
-            if _pread(fds[r], base + dest[a] * row_bytes, size, offsets[r]) != size:
+            if pread(fds[r], base + dest[a] * row_bytes, size, offsets[r]) != size:
                 return r
             continue
-        if _pread(fds[r], staging, size, offsets[r]) != size:
+        if pread(fds[r], staging, size, offsets[r]) != size:
             return r
         for k in range(a, b):
             at = dest[k] * row_bytes

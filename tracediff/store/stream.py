@@ -488,6 +488,28 @@ class TraceStream:
             out[dest] = out[dest].byteswap()
         return out
 
+    def open_runs(self, first: np.ndarray, lengths: np.ndarray, files: ChunkFiles) -> tuple[np.ndarray, np.ndarray] | None:
+        """Runs of consecutive committed rows, run r the ``lengths[r]`` rows from ``first[r]``, each
+        inside one chunk, as a compiled loop reads them (:func:`tracediff.compare.fused.read_and_measure`):
+        per run the file descriptor of its chunk file (opened through ``files``: open while it is
+        asked for no more than ``files.limit`` others) and the run's byte offset in it. None where
+        rows are not read straight from plain chunk files in this machine's byte order (the caller
+        then reads them with :meth:`read_rows`)."""
+        if not self._raw_chunks or self._raw_dtype.byteorder not in ("=", "|", "<" if sys.byteorder == "little" else ">"):
+            return None
+        first = np.asarray(first, dtype=np.int64)
+        if first.size and (int(first.min()) < 0 or int((first + lengths).max()) > self.rows):
+            raise UsageError(f"open_runs: rows must lie in 0..{self.rows - 1}")
+        cr = self.chunk_rows
+        row_bytes = self.width * VALUE_DTYPES[self.dtype].itemsize
+        chunk = first // cr
+        if first.size and bool((first + lengths - 1 >= (chunk + 1) * cr).any()):
+            raise UsageError("open_runs: a run must lie inside one chunk")
+        names, which = np.unique(chunk, return_inverse=True)
+        prefix = self._values_dir
+        fds = np.array([files.open(f"{prefix}/c/{c}/0", cr * row_bytes) for c in names.tolist()], dtype=np.int32)
+        return fds[which], (first - chunk * cr) * row_bytes
+
     def _read_runs(self, files: ChunkFiles, rows: np.ndarray, dest: np.ndarray, out: np.ndarray, starts: np.ndarray,
                    ends: np.ndarray, chunks: np.ndarray, direct: np.ndarray, row_bytes: int) -> None:
         """:meth:`read_rows`' runs ``starts[r]..ends[r]`` (of chunks ``chunks[r]``) read one ``pread``
