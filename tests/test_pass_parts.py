@@ -9,6 +9,7 @@ keeps open, and a chunk file cut short while the pass reads it (the store's one-
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -131,11 +132,13 @@ def test_a_short_read_names_the_part_it_stopped_at(tmp_path):
 WIDTH, SEGMENT = 3 * 1024, 1024  # bf16: 6 KiB a row a side
 
 
-def _traces(root: Path, seed: int = 0) -> tuple[Path, Path]:
+def _traces(root: Path, seed: int = 0, many_odd: bool = False) -> tuple[Path, Path]:
     """A trainer-ordered reference (one writer) and an engine-ordered candidate (prefill chunks and
     decode steps of many sequences interleaved, split over two writer streams): the candidate's
     values are the reference's with bf16-sized noise, a few dimensions massive; some candidate rows
-    hold NaN or Inf, some are scaled to norms too small for the closed forms (measured value by value)."""
+    hold NaN or Inf, some are scaled to norms too small for the closed forms (measured value by value).
+    ``many_odd``: whole sequences so (and others to norms too large), more such rows in a block than
+    its raw buffers hold."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(40, 120, size=14)
     seqs = [(s, np.arange(int(n))) for s, n in enumerate(lengths)]
@@ -143,6 +146,9 @@ def _traces(root: Path, seed: int = 0) -> tuple[Path, Path]:
     scale = np.ones(WIDTH, np.float32)
     scale[rng.choice(WIDTH, 6, replace=False)] = 400.0  # massive activations
     base = {s: (rng.standard_normal((int(n), WIDTH)) * scale).astype(np.float32) for s, n in enumerate(lengths)}
+    if many_odd:  # sequences 5-7 huge on both sides: finite values whose norms float32 cannot hold
+        for s in (5, 6, 7):
+            base[s] *= np.float32(1e20)
 
     def labels(parts):
         seq = np.concatenate([np.full(p.size, s, dtype=np.int64) for s, p in parts])
@@ -181,6 +187,10 @@ def _traces(root: Path, seed: int = 0) -> tuple[Path, Path]:
             values[0, 5] = np.nan if k == 3 else np.inf
         if k in (9, 25):
             values[-1] *= np.float32(1e-19)  # norms under the closed forms' range
+        if many_odd:  # every row of sequences 2-4 with a non-finite value, of 8-9 tiny
+            seq = np.concatenate([np.full(p.size, s) for s, p in batch])
+            values[(seq >= 2) & (seq <= 4), 5] = np.nan
+            values[(seq >= 8) & (seq <= 9)] *= np.float32(1e-19)
         writers[k % 2].append(_bf16(values), labels(batch))
     for w in writers:
         w.close()
@@ -192,9 +202,33 @@ def traces(tmp_path_factory) -> tuple[Path, Path]:
     return _traces(tmp_path_factory.mktemp("wide"))
 
 
+#: Raw rows of 12 KiB a pair: blocks of 64 rows, or 256 when read by parts.
+BLOCK_BYTES = 768 << 10
+
+
 def _report(ref: Path, cand: Path) -> str:
-    return json.dumps(compare_stores(ref, cand, CompareOptions(block_bytes=96 << 10)).to_dict(), sort_keys=True,
+    return json.dumps(compare_stores(ref, cand, CompareOptions(block_bytes=BLOCK_BYTES)).to_dict(), sort_keys=True,
                       default=str)
+
+
+def _same_report(a: str, b: str, rel: float = 1e-12) -> None:
+    """Every field the same, floats within ``rel`` (float64 sums added in another grouping)."""
+    def walk(x, y, where: str) -> None:
+        assert type(x) is type(y), where
+        if isinstance(x, dict):
+            assert x.keys() == y.keys(), where
+            for k in x:
+                walk(x[k], y[k], f"{where}/{k}")
+        elif isinstance(x, list):
+            assert len(x) == len(y), where
+            for i, (u, v) in enumerate(zip(x, y, strict=True)):
+                walk(u, v, f"{where}[{i}]")
+        elif isinstance(x, float) and not (math.isnan(x) and math.isnan(y)):
+            assert x == pytest.approx(y, rel=rel, abs=1e-300), where
+        elif not isinstance(x, float):
+            assert x == y, where
+
+    walk(json.loads(a), json.loads(b), "")
 
 
 def _count_calls(monkeypatch) -> list[int]:
@@ -212,8 +246,9 @@ def _count_calls(monkeypatch) -> list[int]:
 
 
 def test_a_compare_of_wide_rows_read_by_parts_is_the_whole_blocks_compare(monkeypatch, traces):
-    """Parts of one to a few rows (runs of the candidate's chunks cut anywhere), blocks of 64 rows:
-    the report is the one of blocks read whole, bit for bit, non-finite and tiny-norm rows included."""
+    """Parts of one to a few rows (runs of the candidate's chunks cut anywhere), blocks of 64 rows
+    either way: the report is the one of blocks read whole, bit for bit, non-finite and tiny-norm
+    rows included."""
     ref, cand = traces
     monkeypatch.setenv("TRACEDIFF_KERNEL", "fused")
     monkeypatch.setattr(blocks, "_PART_ROW_BYTES", 1 << 40)  # every block read whole
@@ -221,6 +256,7 @@ def test_a_compare_of_wide_rows_read_by_parts_is_the_whole_blocks_compare(monkey
     monkeypatch.undo()
 
     monkeypatch.setenv("TRACEDIFF_KERNEL", "fused")
+    monkeypatch.setattr(blocks, "_PARTS_BLOCK", 1)  # blocks of the same rows
     calls = _count_calls(monkeypatch)
     for part_bytes in (1, 30 << 10, 1 << 20):  # parts of 1 row, 2 rows, the whole block
         monkeypatch.setattr(blocks, "_PART_BYTES", part_bytes)
@@ -231,9 +267,31 @@ def test_a_compare_of_wide_rows_read_by_parts_is_the_whole_blocks_compare(monkey
     assert report["verdict"] and any(f["kind"] == "nonfinite" for f in report["findings"])
 
 
-def test_blocks_over_more_chunk_files_than_a_reader_keeps_open_are_read_whole(monkeypatch, traces):
-    """A reference reader keeping 3 files open: blocks whose reference rows span more are read whole,
-    the others part by part, in one pass: the same report."""
+@pytest.mark.parametrize("many_odd", [False, True])
+def test_larger_blocks_read_by_parts_give_the_report_within_summation_order(monkeypatch, tmp_path, many_odd):
+    """Blocks read by parts are four times larger (256 rows here; their rows are never held whole):
+    the same report as 64-row blocks read whole, its float64 sums added in another grouping; with
+    more non-finite and tiny-norm rows in a block than the raw buffers hold, those rows read again
+    a buffer at a time."""
+    ref, cand = _traces(tmp_path, seed=2, many_odd=many_odd)
+    monkeypatch.setenv("TRACEDIFF_KERNEL", "fused")
+    monkeypatch.setattr(blocks, "_PART_ROW_BYTES", 1 << 40)
+    whole = _report(ref, cand)
+    monkeypatch.undo()
+
+    monkeypatch.setenv("TRACEDIFF_KERNEL", "fused")
+    calls = _count_calls(monkeypatch)
+    by_parts = _report(ref, cand)
+    pairs = json.loads(whole)["plan"]["pairs"]
+    assert len(calls) == -(-pairs // 256), "every block of 256 rows read by parts"
+    _same_report(by_parts, whole)
+    if many_odd:
+        assert sum(f["kind"] == "nonfinite" for f in json.loads(whole)["findings"]) >= 1
+
+
+def test_blocks_over_more_chunk_files_than_a_reader_keeps_open_are_read_in_slices(monkeypatch, traces):
+    """A reference reader keeping 12 files open: blocks whose reference rows span more are measured
+    as blocks the raw buffers hold (64 rows), the others by parts, in one pass: the same report."""
     ref, cand = traces
     monkeypatch.setenv("TRACEDIFF_KERNEL", "fused")
     monkeypatch.setattr(blocks, "_PART_ROW_BYTES", 1 << 40)
@@ -241,12 +299,20 @@ def test_blocks_over_more_chunk_files_than_a_reader_keeps_open_are_read_whole(mo
     monkeypatch.undo()
 
     monkeypatch.setenv("TRACEDIFF_KERNEL", "fused")
-    monkeypatch.setattr(blocks, "reference_files", lambda: 3)
+    monkeypatch.setattr(blocks, "reference_files", lambda: 12)
+    sliced: list[int] = []
+    real = blocks._Pass._in_slices
+
+    def counted(self, w, spec):
+        sliced.append(spec.stop - spec.start)
+        return real(self, w, spec)
+
+    monkeypatch.setattr(blocks._Pass, "_in_slices", counted)
     calls = _count_calls(monkeypatch)
     by_parts = _report(ref, cand)
-    count = -(-json.loads(whole)["plan"]["pairs"] // 64)
-    assert 0 < len(calls) < count, "some blocks part by part, some whole"
-    assert by_parts == whole
+    count = -(-json.loads(whole)["plan"]["pairs"] // 256)
+    assert calls and sliced and len(calls) + len(sliced) == count, "some blocks by parts, some in slices"
+    _same_report(by_parts, whole)
 
 
 def test_a_chunk_file_cut_short_during_the_pass_is_the_stores_one_line_error(monkeypatch, tmp_path):
@@ -269,6 +335,6 @@ def test_a_chunk_file_cut_short_during_the_pass_is_the_stores_one_line_error(mon
 
     monkeypatch.setattr(compiled, "read_and_measure", truncating)
     with pytest.raises(StoreError) as err:
-        compare_stores(ref, cand, CompareOptions(block_bytes=96 << 10))
+        compare_stores(ref, cand, CompareOptions(block_bytes=BLOCK_BYTES))
     message = str(err.value)
     assert cut and cut[0] in message and "\n" not in message

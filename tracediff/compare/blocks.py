@@ -118,6 +118,35 @@ class BlockResult:
     row_metrics: np.ndarray | None = None  # [5, rows, pairs] float32
     bytes_read: int = 0
 
+    @classmethod
+    def joined(cls, parts: list[BlockResult]) -> BlockResult:
+        """The result of consecutive blocks ``parts`` (in order) as one block's: counts and sums added
+        in that order, first indices taken from the first that has one, per-row metrics one after
+        the other."""
+        head = parts[0]
+
+        def total(name: str) -> np.ndarray:
+            out = getattr(head, name).copy()
+            for r in parts[1:]:
+                out += getattr(r, name)
+            return out
+
+        first_c: dict[int, int] = {}
+        first_r: dict[int, int] = {}
+        for r in parts:
+            for s, k in r.first_c.items():
+                first_c.setdefault(s, k)
+            for s, k in r.first_r.items():
+                first_r.setdefault(s, k)
+        profile_sums = [sum((r.profile_sums[q] for r in parts[1:]), head.profile_sums[q].copy())
+                        for q in range(len(head.profile_sums))]
+        profile_den = [sum((r.profile_den[q] for r in parts[1:]), head.profile_den[q].copy())
+                       for q in range(len(head.profile_den))]
+        rows = None if head.row_metrics is None else np.concatenate([r.row_metrics for r in parts], axis=1)
+        return cls(total("bad_c"), total("bad_r"), first_c, first_r, total("pair_bad_c"), total("pair_bad_r"),
+                   total("sq_err"), total("sq_ref"), total("std_num"), total("std_den"), profile_sums, profile_den,
+                   head.number, head.start, parts[-1].stop, rows, sum(r.bytes_read for r in parts))
+
 
 @dataclass(frozen=True)
 class PassPlan:
@@ -140,6 +169,12 @@ class PassPlan:
     reference_streams: tuple[StreamLocation, ...] = ()
     # Whether blocks use the fused kernel (tracediff.compare.kernels) where it runs.
     fused: bool = False
+    # Whether blocks are read and measured a part at a time (:meth:`_Pass._read_and_measure`): rows of
+    # 4 KiB or more a side, the fused kernel, no profiles, chunk files read straight. Such blocks are
+    # larger (their rows are never held whole); ``raw_block`` rows are what a worker's buffers of raw
+    # rows hold (0: the block), for what is read whole after all.
+    parts: bool = False
+    raw_block: int = 0
 
 
 @dataclass(frozen=True)
@@ -186,6 +221,13 @@ def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches
     # Rows of a block: ``block_bytes`` of raw rows, at most _BLOCK_ROWS (the block's per-row bookkeeping,
     # ~50 bytes a row and pair with the compiled kernels, stays a few MiB however narrow the rows).
     block = max(64, min(_BLOCK_ROWS[0 if fused else 1], block_bytes // max(1, raw_row)))
+    raw_block = block
+    parts = (fused and not profiles and cdt in FUSED_DTYPES and rdt in FUSED_DTYPES
+             and min(wc * VALUE_DTYPES[cdt].itemsize, wr * VALUE_DTYPES[rdt].itemsize) >= _PART_ROW_BYTES
+             and all(s.reads_rows_directly for s in (*candidate.streams, *reference.streams)))
+    if parts:  # (each block costs ~1-2 ms of Python, held between two threads: at 3 GiB of 3 x 4096, 16 MiB
+        # blocks 0.91-1.07 s of the pass, 64 MiB ones 0.74-0.79)
+        block = max(block, min(_BLOCK_ROWS[0], _PARTS_BLOCK * block_bytes // max(1, raw_row)))
     # Sub-blocks of about 2 MiB of float32 rows: small enough to stay in cache between kernels,
     # large enough that the per-kernel dispatch cost stays small.
     sub = max(16, min(block, (2 << 20) // max(1, (wc + wr) * 4)))
@@ -196,7 +238,7 @@ def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches
     return PassPlan(tuple((int(i), int(j)) for i, j in matches), size, block, sub, tuple(scales),
                     tuple(profiles or ()), buckets.edges, wc, wr, cdt, rdt,
                     tuple(location_of(s) for s in candidate.streams), tuple(location_of(s) for s in reference.streams),
-                    fused)
+                    fused, parts, raw_block)
 
 
 class _Pass:
@@ -227,11 +269,10 @@ class _Pass:
             np.stack([s for _, s in self.scales]) if self.scales else np.zeros((0, self.size), np.float32))
         # Wide rows (where each run of rows costs one read anyway) are read and measured by one compiled
         # loop a part of ~1 MiB at a time, while the part is in the cache (:meth:`_read_and_measure`);
-        # not for profiles (their numpy kernels read the block's rows).
+        # what must be read whole after all goes through buffers of ``raw_block`` rows.
         raw_row = self.wc * VALUE_DTYPES[self.cdt].itemsize + self.wr * VALUE_DTYPES[self.rdt].itemsize
-        self.by_parts = (plan.fused and not self.profiles and self.cdt in FUSED_DTYPES and self.rdt in FUSED_DTYPES
-                         and min(self.wc * VALUE_DTYPES[self.cdt].itemsize,
-                                 self.wr * VALUE_DTYPES[self.rdt].itemsize) >= _PART_ROW_BYTES)
+        self.by_parts = plan.parts
+        self.raw_block = plan.raw_block or plan.block
         self.part = max(1, min(self.block, _PART_BYTES // raw_row)) if self.by_parts else 0
 
     def buffers(self) -> _Buffers:
@@ -240,8 +281,8 @@ class _Pass:
             cand=ChunkReader(self.candidate, max_chunks=8, compiled=self.plan.fused),
             # The reference is read in the candidate's order, across many chunk files at once.
             ref=ChunkReader(self.reference, max_chunks=64, max_files=reference_files(), compiled=self.plan.fused),
-            craw=aligned_empty((self.block, self.wc), VALUE_DTYPES[self.cdt]),
-            rraw=aligned_empty((self.block, self.wr), VALUE_DTYPES[self.rdt]),
+            craw=aligned_empty((self.raw_block, self.wc), VALUE_DTYPES[self.cdt]),
+            rraw=aligned_empty((self.raw_block, self.wr), VALUE_DTYPES[self.rdt]),
             cf=aligned_empty((self.sub, self.wc), np.float32),
             rf=aligned_empty((self.sub, self.wr), np.float32),
             d=np.empty((self.sub, self.size), np.float32),
@@ -301,25 +342,41 @@ class _Pass:
             pool.put(bufs)
 
     def block_metrics(self, w: _Buffers, spec: BlockSpec) -> BlockResult:
+        before = w.cand.bytes_read + w.ref.bytes_read
+        m = spec.stop - spec.start
+        measured = self.by_parts and self._read_and_measure(w, spec, m)
+        # (A block larger than the raw buffers that could not be read by parts is measured in slices.)
+        res = self._in_slices(w, spec) if not measured and m > self.raw_block else self._block(w, spec, measured)
+        res.bytes_read = w.cand.bytes_read + w.ref.bytes_read - before
+        return res
+
+    def _in_slices(self, w: _Buffers, spec: BlockSpec) -> BlockResult:
+        """A block made to be read by parts that cannot be here (no compiled reads on this worker,
+        rows in more chunk files than a reader keeps open, a read that came back short): measured as
+        consecutive blocks the raw buffers hold, their results joined."""
+        m = spec.stop - spec.start
+        return BlockResult.joined([
+            self._block(w, BlockSpec(spec.number, spec.start + a, spec.start + b, spec.cand_stream[a:b],
+                                     spec.cand_row[a:b], spec.ref_stream[a:b], spec.ref_row[a:b], spec.buckets[a:b]),
+                        False)
+            for a, b in ((a, min(m, a + self.raw_block)) for a in range(0, m, self.raw_block))])
+
+    def _block(self, w: _Buffers, spec: BlockSpec, measured: bool) -> BlockResult:
+        """The block's results; ``measured``: its rows were read and measured by parts already, else
+        (at most ``raw_block`` rows) it reads them whole here."""
         start, stop = spec.start, spec.stop
         m, size, kc, kr = stop - start, self.size, self.kc, self.kr
-        before = w.cand.bytes_read + w.ref.bytes_read
         # The norms of every segment and, per matched pair, of the difference: one fused loop that
         # reads each stored value once (tracediff.compare.kernels), where it runs, on wide rows as
         # they are read; else (and for the profiles) numpy kernels a sub-block at a time (its float32
-        # rows stay in cache). The block's stored rows are read whole unless measured as read, and
-        # then only if a row needs its values (non-finite or extreme norms: rare).
+        # rows stay in cache). Rows measured as read are read again only where a row needs its values
+        # (non-finite or extreme norms: rare), those rows alone.
         read: list[tuple[np.ndarray, np.ndarray]] = []
-
-        def raw() -> tuple[np.ndarray, np.ndarray]:
-            if not read:
-                read.append((w.cand.gather_at(spec.cand_stream, spec.cand_row, w.craw),
-                             w.ref.gather_at(spec.ref_stream, spec.ref_row, w.rraw)))
-            return read[0]
-
-        fused = self.by_parts and self._read_and_measure(w, spec, m)
-        if not fused:
-            craw, rraw = raw()
+        fused = measured
+        if not measured:
+            craw = w.cand.gather_at(spec.cand_stream, spec.cand_row, w.craw)
+            rraw = w.ref.gather_at(spec.ref_stream, spec.ref_row, w.rraw)
+            read.append((craw, rraw))
             fused = self.plan.fused and fused_row_stats(craw, rraw, m, size, self.cdt, self.rdt, self.seg_c, self.seg_r,
                                                         self.np_means, self.np_invs, w.xc, w.xr, w.dn, w.mx, w.sn, w.sd)
         sub_, mul = np.subtract, np.multiply
@@ -349,8 +406,8 @@ class _Pass:
         xc, xr = w.xc[:m], w.xr[:m]
         # A segment with a non-finite value has a non-finite norm; a non-finite norm may also be an
         # overflow of finite values: only those rows are checked value by value.
-        fin_c = self._finite(xc, lambda: raw()[0], self.cdt, kc)
-        fin_r = self._finite(xr, lambda: raw()[1], self.rdt, kr)
+        fin_c = self._finite(w, spec, read, 0, xc)
+        fin_r = self._finite(w, spec, read, 1, xr)
         # (A finite block, nearly all, skips the strided column sums of its [rows, segments] flags.)
         all_c, all_r = bool(fin_c.all()), bool(fin_r.all())
         bad_c = np.zeros(kc, dtype=np.intp) if all_c else (~fin_c).sum(axis=0)
@@ -373,15 +430,14 @@ class _Pass:
             cos, ratio, rel, max_abs, sq_err, sq_ref, std_num, std_den, std_metric, odd_rows, odd_pairs = \
                 numpy_closed_forms(m, xc, xr, self.seg_c, self.seg_r, fin_c, fin_r, w.dn, w.mx, w.sn, w.sd)
         for p in np.unique(odd_pairs).tolist():
-            rows = odd_rows[odd_pairs == p]
-            craw, rraw = raw()
-            e_cos, e_ratio, e_rel, e_max, e_sq, e_nb = exact_row_stats(
-                to_float32(craw[rows], self.cdt).reshape(-1, kc, size)[:, self.seg_c[p]],
-                to_float32(rraw[rows], self.rdt).reshape(-1, kr, size)[:, self.seg_r[p]],
-            )
-            cos[rows, p], ratio[rows, p], rel[rows, p], max_abs[rows, p] = e_cos, e_ratio, e_rel, e_max
-            sq_err[p] += e_sq
-            sq_ref[p] += e_nb
+            for rows in self._slices(odd_rows[odd_pairs == p]):
+                e_cos, e_ratio, e_rel, e_max, e_sq, e_nb = exact_row_stats(
+                    to_float32(self._stored(w, spec, read, 0, rows), self.cdt).reshape(-1, kc, size)[:, self.seg_c[p]],
+                    to_float32(self._stored(w, spec, read, 1, rows), self.rdt).reshape(-1, kr, size)[:, self.seg_r[p]],
+                )
+                cos[rows, p], ratio[rows, p], rel[rows, p], max_abs[rows, p] = e_cos, e_ratio, e_rel, e_max
+                sq_err[p] += e_sq
+                sq_ref[p] += e_nb
         if compiled is None:
             row_metrics = np.empty((5, m, len(self.matches)), dtype=np.float32)
             row_metrics[0], row_metrics[1], row_metrics[2], row_metrics[3] = cos, ratio, rel, max_abs
@@ -394,7 +450,6 @@ class _Pass:
             bad_c[self.seg_c] if all_c else (~fin_c[:, self.seg_c]).sum(axis=0),
             bad_r[self.seg_r] if all_r else (~fin_r[:, self.seg_r]).sum(axis=0), sq_err, sq_ref,
             std_num, std_den, profile_sums, profile_den, spec.number, start, stop, row_metrics,
-            w.cand.bytes_read + w.ref.bytes_read - before,
         )
 
     def _profile_sums(self, w: _Buffers, m: int, index: np.ndarray, xc: np.ndarray, xr: np.ndarray,
@@ -450,15 +505,30 @@ class _Pass:
         w.ref.bytes_read += m * w.rpart.strides[0]
         return True
 
-    @staticmethod
-    def _finite(norms: np.ndarray, raw: Callable[[], np.ndarray], dtype: str, k: int) -> np.ndarray:
-        """Per row and segment, whether its values are finite: from its norm, and for a row with a
-        non-finite norm (overflow or a non-finite value) from its stored values (``raw()``)."""
+    def _finite(self, w: _Buffers, spec: BlockSpec, read: list, side: int, norms: np.ndarray) -> np.ndarray:
+        """Per row and segment of one side (0: the candidate), whether its values are finite: from its
+        norm, and for a row with a non-finite norm (overflow or a non-finite value) from its values."""
         fin = np.isfinite(norms)
         if not fin.all():
-            rows = np.flatnonzero(~fin.all(axis=1))
-            fin[rows] = np.isfinite(to_float32(raw()[rows], dtype).reshape(rows.size, k, -1)).all(axis=2)
+            dtype, k = (self.cdt, self.kc) if side == 0 else (self.rdt, self.kr)
+            for rows in self._slices(np.flatnonzero(~fin.all(axis=1))):
+                values = to_float32(self._stored(w, spec, read, side, rows), dtype)
+                fin[rows] = np.isfinite(values.reshape(rows.size, k, -1)).all(axis=2)
         return fin
+
+    def _slices(self, rows: np.ndarray) -> list[np.ndarray]:
+        """``rows`` in pieces the raw buffers hold."""
+        return [rows[a : a + self.raw_block] for a in range(0, rows.size, self.raw_block)]
+
+    @staticmethod
+    def _stored(w: _Buffers, spec: BlockSpec, read: list, side: int, rows: np.ndarray) -> np.ndarray:
+        """The stored values of the block's rows ``rows`` of one side (0: the candidate): from the block
+        read whole (``read``), else read now into that side's raw buffer (at most ``raw_block`` rows)."""
+        if read:
+            return read[0][side][rows]
+        if side == 0:
+            return w.cand.gather_at(spec.cand_stream[rows], spec.cand_row[rows], w.craw)
+        return w.ref.gather_at(spec.ref_stream[rows], spec.ref_row[rows], w.rraw)
 
 
 #: Rows of at least this many bytes a side are read and measured a part at a time (one read per run of
@@ -466,6 +536,8 @@ class _Pass:
 #: parts of about _PART_BYTES (both sides), which the cache holds.
 _PART_ROW_BYTES = 4096
 _PART_BYTES = 1 << 20
+#: Blocks read by parts are this many times ``block_bytes`` of raw rows.
+_PARTS_BLOCK = 4
 
 
 def _stored(dtype: str) -> np.dtype:
