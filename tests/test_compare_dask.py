@@ -26,6 +26,7 @@ import cloudpickle  # noqa: E402
 import dask  # noqa: E402
 import distributed  # noqa: E402
 from store_parts import split_store  # noqa: E402
+from wide_traces import write_wide_traces  # noqa: E402
 
 import tracediff  # noqa: E402
 from tracediff.compare import CompareOptions, compare_stores  # noqa: E402
@@ -102,11 +103,15 @@ def _kinds(report) -> list[tuple[str, str]]:
 
 
 @slow
-@pytest.mark.parametrize("pair", ["samples_broken", "samples_fixed", "llama_adjacent", "split_over_stores"])
-def test_dask_compare_gives_the_in_process_report(pair, runner, llama_pair, tmp_path):
+@pytest.mark.parametrize("pair", ["samples_broken", "samples_fixed", "llama_adjacent", "split_over_stores",
+                                  "wide_by_parts"])
+def test_dask_compare_gives_the_in_process_report(pair, runner, llama_pair, tmp_path, monkeypatch):
     if pair == "split_over_stores":  # workers open every store of each side by its own location
         ref = split_store(SAMPLES / "train.zarr", [tmp_path / f"train-{i}.zarr" for i in range(2)])
         cand = split_store(SAMPLES / "server_broken.zarr", [tmp_path / f"server-{i}.zarr" for i in range(3)])
+    elif pair == "wide_by_parts":  # rows of 6 KiB a side: the workers read and measure them a part at a time
+        monkeypatch.setenv("TRACEDIFF_KERNEL", "fused")  # (the client's plan decides; workers load the kernel)
+        ref, cand = write_wide_traces(tmp_path, seed=3)
     else:
         ref, cand = {
             "samples_broken": (SAMPLES / "train.zarr", SAMPLES / "server_broken.zarr"),
@@ -128,7 +133,7 @@ def test_dask_compare_gives_the_in_process_report(pair, runner, llama_pair, tmp_
     # Same function per block, merged in block order: not just close, the same report.
     assert _json(remote) == _json(local)
     assert sum(done) == remote.plan.pairs > 64  # several blocks, every row reported once
-    if pair != "samples_fixed":
+    if pair not in ("samples_fixed", "wide_by_parts"):
         assert remote.verdict == "mismatch"
 
 

@@ -19,20 +19,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from wide_traces import bf16, write_wide_traces
 
 import tracediff.compare.blocks as blocks
 from tracediff.compare import CompareOptions, compare_stores
 from tracediff.compare.kernels import fused_kernel
 from tracediff.errors import StoreError
-from tracediff.store import TraceWriter, create_store
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the compiled reads run on 64-bit POSIX")
-
-
-def _bf16(x: np.ndarray) -> np.ndarray:
-    """float32 values rounded to bf16 bits (round to nearest even)."""
-    u = x.astype(np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 # -------------------------------------------------------------------- the compiled loop on its own
@@ -51,14 +45,14 @@ def test_reading_and_measuring_part_by_part_is_the_kernel_on_the_whole_block(tmp
     size, kc, kr = 8, 3, 2
     seg_c, seg_r = np.array([0, 2], dtype=np.int64), np.array([1, 0], dtype=np.int64)
 
-    def side(name: str, k: int, bf16: bool):
+    def side(name: str, k: int, as_bf16: bool):
         stored = []
         fds = []
         for f in range(2):
             rows = 30 + 7 * f
             values = (rng.standard_normal((rows, k * size)) * rng.choice([1e-3, 1.0, 300.0], size=(rows, 1)))
             values = values.astype(np.float32)
-            data = _bf16(values) if bf16 else values
+            data = bf16(values) if as_bf16 else values
             path = folder / f"{name}{f}"
             path.write_bytes(data.tobytes())
             stored.append(data)
@@ -129,77 +123,9 @@ def test_a_short_read_names_the_part_it_stopped_at(tmp_path):
 
 
 # -------------------------------------------------------------------- whole compares
-WIDTH, SEGMENT = 3 * 1024, 1024  # bf16: 6 KiB a row a side
-
-
-def _traces(root: Path, seed: int = 0, many_odd: bool = False) -> tuple[Path, Path]:
-    """A trainer-ordered reference (one writer) and an engine-ordered candidate (prefill chunks and
-    decode steps of many sequences interleaved, split over two writer streams): the candidate's
-    values are the reference's with bf16-sized noise, a few dimensions massive; some candidate rows
-    hold NaN or Inf, some are scaled to norms too small for the closed forms (measured value by value).
-    ``many_odd``: whole sequences so (and others to norms too large), more such rows in a block than
-    its raw buffers hold."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(40, 120, size=14)
-    seqs = [(s, np.arange(int(n))) for s, n in enumerate(lengths)]
-    tokens = {s: rng.integers(0, 50_000, size=int(n)) for s, n in enumerate(lengths)}
-    scale = np.ones(WIDTH, np.float32)
-    scale[rng.choice(WIDTH, 6, replace=False)] = 400.0  # massive activations
-    base = {s: (rng.standard_normal((int(n), WIDTH)) * scale).astype(np.float32) for s, n in enumerate(lengths)}
-    if many_odd:  # sequences 5-7 huge on both sides: finite values whose norms float32 cannot hold
-        for s in (5, 6, 7):
-            base[s] *= np.float32(1e20)
-
-    def labels(parts):
-        seq = np.concatenate([np.full(p.size, s, dtype=np.int64) for s, p in parts])
-        pos = np.concatenate([p for _, p in parts])
-        tok = np.concatenate([tokens[s][p] for s, p in parts])
-        return {"seq": seq, "position": pos, "token_id": tok}
-
-    ref, cand = root / "ref.zarr", root / "cand.zarr"
-    create_store(ref, role="trainer", meta={"hidden_size": SEGMENT})
-    w = TraceWriter(ref, "fc_in", "rank0", width=WIDTH, dtype="bfloat16", chunk_rows=64, compressor="none",
-                    attrs={"segment_size": SEGMENT})
-    for s, p in seqs:
-        w.append(_bf16(base[s][p]), labels([(s, p)]))
-    w.close()
-
-    # Engine order: each sequence's prefill in chunks, then decode rows, all interleaved.
-    pending = {s: 0 for s, _ in seqs}
-    steps = []
-    while pending:
-        batch = []
-        for s in rng.permutation(list(pending)).tolist()[:5]:
-            at = pending[s]
-            step = int(rng.integers(8, 40)) if at == 0 else 1
-            batch.append((s, np.arange(at, min(at + step, int(lengths[s])))))
-            pending[s] = at + step
-            if pending[s] >= lengths[s]:
-                del pending[s]
-        steps.append(batch)
-    create_store(cand, role="server", meta={"hidden_size": SEGMENT})
-    writers = [TraceWriter(cand, "fc_in", f"rank{r}", width=WIDTH, dtype="bfloat16", chunk_rows=48, compressor="none",
-                           attrs={"segment_size": SEGMENT}) for r in range(2)]
-    for k, batch in enumerate(steps):
-        values = np.concatenate([base[s][p] for s, p in batch])
-        values = values * (1 + np.float32(2.0**-8) * rng.standard_normal(values.shape).astype(np.float32))
-        if k in (3, 17):
-            values[0, 5] = np.nan if k == 3 else np.inf
-        if k in (9, 25):
-            values[-1] *= np.float32(1e-19)  # norms under the closed forms' range
-        if many_odd:  # every row of sequences 2-4 with a non-finite value, of 8-9 tiny
-            seq = np.concatenate([np.full(p.size, s) for s, p in batch])
-            values[(seq >= 2) & (seq <= 4), 5] = np.nan
-            values[(seq >= 8) & (seq <= 9)] *= np.float32(1e-19)
-        writers[k % 2].append(_bf16(values), labels(batch))
-    for w in writers:
-        w.close()
-    return ref, cand
-
-
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory) -> tuple[Path, Path]:
-    return _traces(tmp_path_factory.mktemp("wide"))
+    return write_wide_traces(tmp_path_factory.mktemp("wide"))
 
 
 #: Raw rows of 12 KiB a pair: blocks of 64 rows, or 256 when read by parts.
@@ -273,7 +199,7 @@ def test_larger_blocks_read_by_parts_give_the_report_within_summation_order(monk
     the same report as 64-row blocks read whole, its float64 sums added in another grouping; with
     more non-finite and tiny-norm rows in a block than the raw buffers hold, those rows read again
     a buffer at a time."""
-    ref, cand = _traces(tmp_path, seed=2, many_odd=many_odd)
+    ref, cand = write_wide_traces(tmp_path, seed=2, many_odd=many_odd)
     monkeypatch.setenv("TRACEDIFF_KERNEL", "fused")
     monkeypatch.setattr(blocks, "_PART_ROW_BYTES", 1 << 40)
     whole = _report(ref, cand)
@@ -318,7 +244,7 @@ def test_blocks_over_more_chunk_files_than_a_reader_keeps_open_are_read_in_slice
 def test_a_chunk_file_cut_short_during_the_pass_is_the_stores_one_line_error(monkeypatch, tmp_path):
     """A candidate chunk file truncated after the pass opened it: the part-by-part read comes back
     short, the block is read again and the compare stops with the store's error naming the file."""
-    ref, cand = _traces(tmp_path, seed=1)
+    ref, cand = write_wide_traces(tmp_path, seed=1)
     monkeypatch.setenv("TRACEDIFF_KERNEL", "fused")
     compiled = fused_kernel()
     real = compiled.read_and_measure
