@@ -243,10 +243,10 @@ ENTRY_POINTS = (kernel, closed_forms, read_and_measure) if usable() else (kernel
 
 def warm() -> None:
     """Compile (or load from numba's cache) :func:`kernel` and :func:`read_and_measure` for every pair
-    of stored dtypes a pass reads (bf16 bits, float32) and :func:`closed_forms`, on a few values: the types a pass calls them
-    with, so that a pass afterwards loads each from the cache. Run in a child process on a cold cache
-    (:func:`tracediff.compare.kernels.fused_kernel`): compiling keeps ~60 MiB of the compiler's memory
-    in the process that compiles, which a compare at its peak cannot spare."""
+    of stored dtypes a pass reads (bf16 bits, float32) and :func:`closed_forms`, on a few values: the
+    types a pass calls them with, so that a pass afterwards loads each from the cache. Run in a child
+    process on a cold cache (:func:`tracediff.compare.kernels.fused_kernel`): compiling keeps ~60 MiB
+    of the compiler's memory in the process that compiles, which a compare at its peak cannot spare."""
     for c_bf16 in (True, False):
         for r_bf16 in (True, False):
             load(c_bf16, r_bf16)

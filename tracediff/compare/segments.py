@@ -241,19 +241,20 @@ def _mean_square(x: np.ndarray) -> np.ndarray:
     block's first row), without an [n, H] temporary. A single column is numpy's pairwise sum of
     it: that one is left to numpy (no temporary worth saving)."""
     n, h = x.shape
-    if h < 2:
-        return np.mean(np.square(x), axis=0, dtype=np.float32)
-    buf = np.empty((_SQUARE_ROWS + 1, h), np.float32)
-    acc = np.empty(h, np.float32)
-    first = min(_SQUARE_ROWS, n)
-    np.square(x[:first], out=buf[:first])
-    np.add.reduce(buf[:first], axis=0, out=acc)
-    for r in range(first, n, _SQUARE_ROWS):
-        rows = x[r : r + _SQUARE_ROWS]
-        buf[0] = acc
-        np.square(rows, out=buf[1 : 1 + rows.shape[0]])
-        np.add.reduce(buf[: 1 + rows.shape[0]], axis=0, out=acc)
-    return np.true_divide(acc, n, out=acc, casting="unsafe")
+    with np.errstate(over="ignore"):  # (values whose squares float32 cannot hold give inf, as numpy's would)
+        if h < 2:
+            return np.mean(np.square(x), axis=0, dtype=np.float32)
+        buf = np.empty((_SQUARE_ROWS + 1, h), np.float32)
+        acc = np.empty(h, np.float32)
+        first = min(_SQUARE_ROWS, n)
+        np.square(x[:first], out=buf[:first])
+        np.add.reduce(buf[:first], axis=0, out=acc)
+        for r in range(first, n, _SQUARE_ROWS):
+            rows = x[r : r + _SQUARE_ROWS]
+            buf[0] = acc
+            np.square(rows, out=buf[1 : 1 + rows.shape[0]])
+            np.add.reduce(buf[: 1 + rows.shape[0]], axis=0, out=acc)
+        return np.true_divide(acc, n, out=acc, casting="unsafe")
 
 
 def _unit(z: np.ndarray) -> np.ndarray:

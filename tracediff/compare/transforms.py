@@ -76,7 +76,8 @@ def _error(target: np.ndarray, pred: np.ndarray, mean: np.ndarray, scale: np.nda
 
 
 def _rms(x: np.ndarray) -> np.ndarray:
-    return np.maximum(np.sqrt(np.mean(np.square(x), axis=1, keepdims=True, dtype=np.float32)), np.float32(1e-30))
+    with np.errstate(over="ignore"):  # (an overflowing row's rms is inf, without a warning)
+        return np.maximum(np.sqrt(np.mean(np.square(x), axis=1, keepdims=True, dtype=np.float32)), np.float32(1e-30))
 
 
 def _rms_unit(x: np.ndarray) -> np.ndarray:
