@@ -506,9 +506,17 @@ class TraceStream:
         if first.size and bool((first + lengths - 1 >= (chunk + 1) * cr).any()):
             raise UsageError("open_runs: a run must lie inside one chunk")
         names, which = np.unique(chunk, return_inverse=True)
-        prefix = self._values_dir
-        fds = np.array([files.open(f"{prefix}/c/{c}/0", cr * row_bytes) for c in names.tolist()], dtype=np.int32)
+        fds = np.array([self._open_chunk(files, c) for c in names.tolist()], dtype=np.int32)
         return fds[which], (first - chunk * cr) * row_bytes
+
+    def _chunk_path(self, chunk: int) -> str:
+        """The file of values chunk ``chunk`` (uncompressed folder stores)."""
+        return f"{self._values_dir}/c/{chunk}/0"
+
+    def _open_chunk(self, files: ChunkFiles, chunk: int) -> int:
+        """File descriptor of values chunk ``chunk``, opened through ``files`` (a chunk file holds
+        ``chunk_rows`` whole rows: any other size is corruption)."""
+        return files.open(self._chunk_path(chunk), self._raw_chunk_bytes)
 
     def _read_runs(self, files: ChunkFiles, rows: np.ndarray, dest: np.ndarray, out: np.ndarray, starts: np.ndarray,
                    ends: np.ndarray, chunks: np.ndarray, direct: np.ndarray, row_bytes: int) -> None:
@@ -519,12 +527,10 @@ class TraceStream:
         staged = None if bool(direct.all()) else np.repeat(~direct, ends - starts)
         flat = out.data.cast("B")
         stage = None if staged is None else files.scratch(int(ends[-1]) * row_bytes)
-        prefix = self._values_dir
-        chunk_bytes = cr * row_bytes
         for a, b, c, r0, d0, straight in zip(starts.tolist(), ends.tolist(), chunks.tolist(), rows[starts].tolist(),
                                              dest[starts].tolist(), direct.tolist(), strict=True):
-            path = f"{prefix}/c/{c}/0"
-            fd = files.open(path, chunk_bytes)
+            path = self._chunk_path(c)
+            fd = self._open_chunk(files, c)
             size = (b - a) * row_bytes
             at = d0 * row_bytes if straight else a * row_bytes
             self._pread(fd, path, [(flat if straight else stage)[at : at + size]], (r0 - c * cr) * row_bytes, size)
@@ -548,8 +554,6 @@ class TraceStream:
         it could not read whole is read again, with the runs after it of that call, by
         :meth:`_read_runs`: the same one-line error a short read or a failing file gives there."""
         cr = self.chunk_rows
-        chunk_bytes = cr * row_bytes
-        prefix = self._values_dir
         flat = out.view(np.uint8).reshape(-1)
         stage = np.frombuffer(files.scratch(int(np.max(ends - starts, initial=0)) * row_bytes), dtype=np.uint8)
         offsets = (rows[starts] - chunks * cr) * row_bytes
@@ -560,7 +564,7 @@ class TraceStream:
             r0 = int(files_of[0])
             r1 = int(first[lo + files.limit]) if lo + files.limit < first.size else starts.size
             fds = np.repeat(
-                np.array([files.open(f"{prefix}/c/{c}/0", chunk_bytes) for c in chunks[files_of].tolist()], dtype=np.int32),
+                np.array([self._open_chunk(files, c) for c in chunks[files_of].tolist()], dtype=np.int32),
                 np.diff(np.r_[files_of, r1]),
             )
             failed = int(files.runs_reader(fds, offsets[r0:r1], starts[r0:r1], ends[r0:r1], direct[r0:r1], dest, flat,
