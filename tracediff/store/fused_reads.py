@@ -25,6 +25,10 @@ from numba.core import types
 #: has loaded, the buffer passed as an address (a pointer and a ``size_t`` travel alike on the 64-bit
 #: ABIs numba runs on; :func:`usable` says where).
 pread = types.ExternalFunction("pread", types.intp(types.int32, types.uintp, types.uintp, types.int64))
+#: ``void *memcpy(void *dest, const void *src, size_t n)``, likewise: a staged row copied to its place by
+#: the C library's copy (numba's assignment of one byte slice to another copied byte by byte: 1.3 GB/s
+#: of staged narrow rows here, where this copies ~3.5).
+memcpy = types.ExternalFunction("memcpy", types.uintp(types.uintp, types.uintp, types.uintp))
 
 
 def usable() -> bool:
@@ -52,9 +56,7 @@ def read_runs(fds: Any, offsets: Any, starts: Any, ends: Any, direct: Any, dest:
         if pread(fds[r], staging, size, offsets[r]) != size:
             return r
         for k in range(a, b):
-            at = dest[k] * row_bytes
-            src = (k - a) * row_bytes
-            out[at : at + row_bytes] = stage[src : src + row_bytes]
+            memcpy(base + dest[k] * row_bytes, staging + (k - a) * row_bytes, row_bytes)
     return -1
 
 
