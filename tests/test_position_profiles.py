@@ -137,28 +137,83 @@ def test_position_buckets_a_few_rows_at_a_time_equal_the_whole(monkeypatch: pyte
         assert got.index.dtype == np.int16 and got.index.tolist() == index
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["numpy", "compiled"])
 @settings(max_examples=200, deadline=None)
 @given(data=st.data(), n=st.integers(0, 400), count=st.integers(1, 64), rows_at_a_time=st.sampled_from([1, 7, 64, 1 << 17]),
        dtype=st.sampled_from([np.float32, np.float64]), square=st.booleans())
-def test_position_bucket_sums_are_bincounts_bits(data: st.DataObject, n: int, count: int, rows_at_a_time: int,
-                                                 dtype: type, square: bool) -> None:
+def test_position_bucket_sums_are_bincounts_bits(compiled: bool, data: st.DataObject, n: int, count: int,
+                                                 rows_at_a_time: int, dtype: type, square: bool) -> None:
     """PositionBuckets.sums a chunk of rows at a time (issue #27: no whole float64 copy) gives
     np.bincount's sums bit for bit: float64, each bucket summed in row order; values huge, tiny,
-    of mixed signs, some rows left out."""
+    of mixed signs, Inf, some rows left out; NaN where bincount's is NaN (the callers keep finite
+    rows only). Without the compiled kernels, and in a process where a pass has loaded them (float32
+    values then take the compiled loop)."""
     import tracediff.compare.metrics as metrics_module
+    from tracediff.compare.kernels import fused_kernel
 
     index = data.draw(hnp.arrays(np.int16, n, elements=st.integers(0, count - 1)))
-    values = data.draw(hnp.arrays(dtype, n, elements=st.floats(width=32, allow_nan=False, allow_infinity=False)))
+    values = data.draw(hnp.arrays(dtype, n, elements=st.floats(width=32)))
     keep = data.draw(hnp.arrays(np.bool_, n))
     buckets = metrics_module.PositionBuckets(np.linspace(0, count, count + 1), index)
-    old = metrics_module._BUCKET_ROWS
+    loaded = fused_kernel() if compiled else None
+    assert (loaded is not None) == compiled
+    old, old_loaded = metrics_module._BUCKET_ROWS, metrics_module.loaded_fused_kernel
     metrics_module._BUCKET_ROWS = rows_at_a_time
+    metrics_module.loaded_fused_kernel = lambda: loaded
     try:
+        assert metrics_module._compiled_sums_take(index, values, keep, count) == (dtype == np.float32)
         for mask in (keep, np.ones(n, dtype=bool)):
             got_sums, got_counts = buckets.sums(index, values, mask, square=square)
             w = np.square(values, dtype=np.float64) if square else values
             want_sums = np.bincount(index[mask], weights=w[mask], minlength=count)
-            assert got_sums.view(np.int64).tolist() == want_sums.view(np.int64).tolist()
+            # (A NaN is a NaN: its sign bit, which arithmetic on NaN does not keep, is not compared.)
+            number = ~np.isnan(want_sums)
+            assert np.array_equal(np.isnan(got_sums), ~number)
+            assert got_sums[number].view(np.int64).tolist() == want_sums[number].view(np.int64).tolist()
             assert got_counts.tolist() == np.bincount(index[mask], minlength=count).astype(np.float64).tolist()
     finally:
-        metrics_module._BUCKET_ROWS = old
+        metrics_module._BUCKET_ROWS, metrics_module.loaded_fused_kernel = old, old_loaded
+
+
+def test_position_bucket_sums_outside_the_buckets_are_never_compiled() -> None:
+    """The compiled loop does not check its buckets: an index outside ``0..count - 1`` (or of another
+    type, or strided) takes numpy's path, which refuses it as it always did."""
+    import tracediff.compare.metrics as metrics_module
+
+    index = np.array([0, 1, 2], dtype=np.int16)
+    values, keep = np.ones(3, dtype=np.float32), np.ones(3, dtype=bool)
+    assert metrics_module._compiled_sums_take(index, values, keep, 3)
+    assert not metrics_module._compiled_sums_take(index, values, keep, 2)
+    assert not metrics_module._compiled_sums_take(np.array([-1, 0, 1], dtype=np.int16), values, keep, 3)
+    assert not metrics_module._compiled_sums_take(index.astype(np.int32), values, keep, 3)
+    assert not metrics_module._compiled_sums_take(index, np.ones(6, dtype=np.float32)[::2], keep, 3)
+    with pytest.raises(IndexError):
+        metrics_module.PositionBuckets(np.linspace(0, 2, 3), index).sums(index, values, keep)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["numpy", "compiled"])
+def test_position_bucket_sums_of_nan_and_inf(compiled: bool) -> None:
+    """A bucket with a NaN (of either sign), or with Inf and -Inf, sums to NaN; one with Inf alone to
+    Inf; the others are untouched, with or without the compiled loop, and without numpy's warnings."""
+    import warnings
+
+    import tracediff.compare.metrics as metrics_module
+    from tracediff.compare.kernels import fused_kernel
+
+    loaded = fused_kernel() if compiled else None
+    index = np.array([0, 0, 1, 1, 2, 3], dtype=np.int16)
+    values = np.array([1.5, 0.0, np.inf, -np.inf, np.inf, 2.0], dtype=np.float32)
+    values[1] = -np.float32(np.nan)
+    buckets = metrics_module.PositionBuckets(np.linspace(0, 4, 5), index)
+    old = metrics_module.loaded_fused_kernel
+    metrics_module.loaded_fused_kernel = lambda: loaded
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for square in (False, True):
+                sums, counts = buckets.sums(index, values, np.ones(6, dtype=bool), square=square)
+                assert np.isnan(sums[0]) and sums[2] == np.inf and sums[3] == (4.0 if square else 2.0)
+                assert np.isnan(sums[1]) != square and (not square or sums[1] == np.inf)
+                assert counts.tolist() == [2.0, 2.0, 1.0, 1.0]
+    finally:
+        metrics_module.loaded_fused_kernel = old

@@ -236,9 +236,24 @@ def closed_forms(m: int, xc: Any, xr: Any, seg_c: Any, seg_r: Any, fin_c: Any, f
             odd[i, p] = ok and not fast
 
 
+@numba.njit(nogil=True, cache=True)
+def bucket_sums(index: Any, values: Any, keep: Any, every: bool, square: bool, total: Any, counts: Any) -> None:
+    """:meth:`tracediff.compare.metrics.PositionBuckets.sums` in one loop: per row ``i`` kept
+    (``every``, or ``keep[i]``), its value (squared in float64 with ``square``) added to
+    ``total[index[i]]`` and one to ``counts[index[i]]``. Each bucket's values are added one after the
+    other in row order, in float64 (no fastmath here): ``np.add.at``'s and ``np.bincount``'s bits (a
+    NaN sum is NaN, its sign bit aside: the callers add finite values only)."""
+    for i in range(index.shape[0]):
+        if every or keep[i]:
+            b = index[i]
+            v = np.float64(values[i])
+            total[b] += v * v if square else v
+            counts[b] += 1
+
+
 #: The compiled functions a pass calls (kernels.py asks numba's cache whether they are there);
 #: :func:`read_and_measure` where the compiled reads run (:func:`tracediff.store.fused_reads.usable`).
-ENTRY_POINTS = (kernel, closed_forms, read_and_measure) if usable() else (kernel, closed_forms)
+ENTRY_POINTS = (kernel, closed_forms, bucket_sums, read_and_measure) if usable() else (kernel, closed_forms, bucket_sums)
 
 
 def warm() -> None:
@@ -254,7 +269,8 @@ def warm() -> None:
 
 def load(c_bf16: bool, r_bf16: bool) -> None:
     """Compile or load :func:`kernel` and (where the compiled reads run) :func:`read_and_measure` for
-    one pair of stored dtypes (bf16 bits or float32 a side), and :func:`closed_forms`, by calling them
+    one pair of stored dtypes (bf16 bits or float32 a side), :func:`closed_forms` and
+    :func:`bucket_sums` (float32 values: the finish's per-row columns), by calling them
     on a few values (no rows to read) of the types a pass calls them with."""
     n, size = 2, 4
     seg = np.zeros(1, dtype=np.int64)
@@ -273,3 +289,5 @@ def load(c_bf16: bool, r_bf16: bool) -> None:
     fin = np.ones((n, 1), dtype=np.bool_)
     closed_forms(n, f32(n, 1), f32(n, 1), seg, seg, fin, fin, f32(1, n), f32(1, n), f32(1, n), f32(1, n),
                  f32(5, n, 1), np.zeros((4, 1, n)), np.zeros((n, 1), dtype=np.bool_))
+    bucket_sums(np.zeros(n, dtype=np.int16), f32(n), np.ones(n, dtype=np.bool_), True, False, np.zeros(1),
+                np.zeros(1, dtype=np.int64))

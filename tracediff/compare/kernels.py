@@ -66,6 +66,12 @@ def fused_kernel() -> Any:
     return _compiled("pass")
 
 
+def loaded_fused_kernel() -> Any:
+    """:func:`fused_kernel` where this process has loaded it already (a pass used it), else None:
+    never imports numba (a compare whose pass ran without it, or on a cluster, stays numpy's)."""
+    return _COMPILED.get("pass")
+
+
 def vote_kernels() -> Any:
     """The alignment's compiled kernels (:mod:`tracediff.compare.fused_votes`: ``batch_votes``), or None
     where numba is missing (or ``TRACEDIFF_KERNEL=numpy``)."""
@@ -345,4 +351,4 @@ def exact_row_stats(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 __all__ = ["FUSED_DTYPES", "FUSED_MIN_BYTES", "VOTE_KERNEL_MIN_ROWS", "prepare_kernel", "row_bytes", "use_fused_kernel",
            "use_vote_kernel", "TINY", "dot", "exact_row_stats", "norms", "numpy_closed_forms", "numpy_row_stats", "fused_available",
-           "fused_kernel", "fused_row_stats", "preload_fused_kernel", "vote_kernels"]
+           "fused_kernel", "fused_row_stats", "loaded_fused_kernel", "preload_fused_kernel", "vote_kernels"]

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from tracediff.compare.align import kept_in_place
+from tracediff.compare.kernels import loaded_fused_kernel
 from tracediff.compare.results import RowRef, SegmentMetrics, SegmentProfile
 from tracediff.compare.rowpairs import RowPairs
 from tracediff.compare.rows import RowIndex
@@ -126,13 +127,20 @@ class PositionBuckets:
         total = np.zeros(self.count)
         counts = np.zeros(self.count, dtype=np.int64)
         every = bool(keep.all())
+        compiled = loaded_fused_kernel()
+        if compiled is not None and _compiled_sums_take(index, values, keep, self.count):
+            # (one loop where a pass loaded the compiled kernels: ufunc.at costs ~10 ns a row)
+            compiled.bucket_sums(index, values, keep, every, square, total, counts)
+            return total, counts.astype(np.float64)
         for a in range(0, index.size, _BUCKET_ROWS):
             idx, w = index[a : a + _BUCKET_ROWS], values[a : a + _BUCKET_ROWS]
             if not every:
                 k = keep[a : a + _BUCKET_ROWS]
                 idx, w = idx[k], w[k]
-            # ufunc.at adds value after value in row order, as bincount does: the same bits.
-            np.add.at(total, idx.astype(np.intp), np.square(w, dtype=np.float64) if square else w.astype(np.float64))
+            # ufunc.at adds value after value in row order, as bincount does: the same bits. (Inf and
+            # -Inf in one bucket give NaN, as in the compiled loop, without numpy's warning.)
+            with np.errstate(invalid="ignore"):
+                np.add.at(total, idx.astype(np.intp), np.square(w, dtype=np.float64) if square else w.astype(np.float64))
             counts += np.bincount(idx, minlength=self.count)
         return total, counts.astype(np.float64)
 
@@ -145,6 +153,18 @@ class PositionBuckets:
                 v = float(sums[b] / (counts[b] * divide))
                 out.append([float(self.edges[b]), math.sqrt(v) if root and v >= 0 else v, int(counts[b])])
         return out
+
+
+def _compiled_sums_take(index: np.ndarray, values: np.ndarray, keep: np.ndarray, count: int) -> bool:
+    """Whether :func:`tracediff.compare.fused.bucket_sums` takes these arrays as the one signature it
+    is compiled for ahead of a compare (:func:`tracediff.compare.fused.load`): contiguous int16
+    buckets within ``0..count - 1`` (the compiled loop does not check them), float32 values (the
+    finish's per-row columns), bool flags. Others (the profiles' float64 sums) take numpy's path: no
+    compile inside a compare."""
+    return (index.dtype == np.int16 and values.dtype == np.float32 and keep.dtype == np.bool_
+            and index.ndim == values.ndim == keep.ndim == 1 and index.size == values.size == keep.size
+            and index.flags.c_contiguous and values.flags.c_contiguous and keep.flags.c_contiguous
+            and (index.size == 0 or (int(index.min()) >= 0 and int(index.max()) < count)))
 
 
 @dataclass(frozen=True)
