@@ -339,11 +339,10 @@ class TraceStream:
         if start >= stop:
             return np.empty((0, self.width), dtype=VALUE_DTYPES[self.dtype])
         if self._raw_chunks:
-            path = os.fspath(self.store.path / self.tap / self.writer / "values" / "c" / str(index) / "0")
-            count = self.chunk_rows * self.width
-            fd = open_chunk_file(path, count * self._raw_dtype.itemsize)
+            path = self._chunk_path(index)
+            fd = open_chunk_file(path, self._raw_chunk_bytes)
             try:
-                data = np.empty(count, dtype=self._raw_dtype)
+                data = np.empty(self.chunk_rows * self.width, dtype=self._raw_dtype)
                 self._pread(fd, path, [data.data.cast("B")], 0, data.nbytes)
             finally:
                 os.close(fd)
@@ -530,7 +529,7 @@ class TraceStream:
         for a, b, c, r0, d0, straight in zip(starts.tolist(), ends.tolist(), chunks.tolist(), rows[starts].tolist(),
                                              dest[starts].tolist(), direct.tolist(), strict=True):
             path = self._chunk_path(c)
-            fd = self._open_chunk(files, c)
+            fd = files.open(path, self._raw_chunk_bytes)  # (as _open_chunk, the path kept for its errors)
             size = (b - a) * row_bytes
             at = d0 * row_bytes if straight else a * row_bytes
             self._pread(fd, path, [(flat if straight else stage)[at : at + size]], (r0 - c * cr) * row_bytes, size)
