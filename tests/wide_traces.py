@@ -9,13 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from tracediff.store import TraceWriter, create_store
-
-
-def bf16(x: np.ndarray) -> np.ndarray:
-    """float32 values rounded to bf16 bits (round to nearest even)."""
-    u = x.astype(np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
+from tracediff.store import encode_bfloat16 as bf16  # float32 -> bf16 bits (round to nearest even)
 
 WIDTH, SEGMENT = 3 * 1024, 1024  # bf16: 6 KiB a row a side
 
