@@ -7,7 +7,8 @@ hash up by two binary searches over the reference table, then repeats, gathers a
 of the batch to count them; here the lookup walks the sorted hashes and the table together (each
 search starts where the previous one ended and gallops; a window found once has its reference group
 and start read then), and each candidate sequence's distinct votes are counted in small arrays of
-its own, grown as needed: four temporaries of the batch's size (each window's lookup), no more.
+its own, grown as needed: nine temporaries of the batch's size (the hashes in order, each window's
+lookup in that order and at its window), no more (~10 MB a batch of 131,072 windows).
 """
 
 from __future__ import annotations
@@ -77,24 +78,35 @@ def batch_votes(h: Any, order: Any, starts: Any, window_group: Any, ref_h: Any, 
     sequence g: its ``out_n[g]`` best (at most ``out_owner.shape[1]``) into ``out_owner[g]``,
     ``out_delta[g]``, ``out_votes[g]``, best first."""
     m = h.shape[0]
-    lo = np.empty(m, dtype=np.int64)
-    count = np.empty(m, dtype=np.int64)
-    # A window found once (nearly all): its reference n-gram's group and start, read here in table
-    # order (the table is walked forwards) and written at the window, whose arrays are the batch's
-    # size: no read of the table out of order.
-    own = np.empty(m, dtype=np.int64)
-    at = np.empty(m, dtype=np.int64)
+    # The walk reads the hashes in ascending order and writes what it finds in that order (a window
+    # found once, nearly all: its reference n-gram's group and start, read here in table order, the
+    # table walked forwards); then each find is put at its window. Gathered before and scattered
+    # after, not inside the walk: its loop waits only on the table's cache misses (-35% of its time
+    # at 8 M rows), not also on the batch's arrays read and written out of order.
+    queries = np.empty(m, dtype=h.dtype)
+    for k in range(m):
+        queries[k] = h[order[k]]
+    found = np.empty((4, m), dtype=np.int64)  # lo, count, group, start: in the queries' order
     a = 0
     for k in range(m):
-        w = order[k]
-        q = h[w]
+        q = queries[k]
         a = _bound(ref_h, q, a, False)
         c = _bound(ref_h, q, a, True) - a
-        lo[w] = a
-        count[w] = c
+        found[0, k] = a
+        found[1, k] = c
         if c == 1:
-            own[w] = ref_owner[a]
-            at[w] = ref_start[a]
+            found[2, k] = ref_owner[a]
+            found[3, k] = ref_start[a]
+    lo = np.empty(m, dtype=np.int64)
+    count = np.empty(m, dtype=np.int64)
+    own = np.empty(m, dtype=np.int64)
+    at = np.empty(m, dtype=np.int64)
+    for k in range(m):
+        w = order[k]
+        lo[w] = found[0, k]
+        count[w] = found[1, k]
+        own[w] = found[2, k]
+        at[w] = found[3, k]
     out_n[:] = 0
     top = out_owner.shape[1]
     w = 0
