@@ -365,8 +365,8 @@ def ngram_table(groups: list[SequenceRows], n: int) -> tuple[np.ndarray, ...]:
                                           _joined([rg.positions for rg in groups]), n, member)
     del member
     order, ref_h = _stable_argsort(ref_h)  # (each whole temporary let go as soon as it is used: the table's peak)
-    owners = keys[owners[order]]
-    starts = starts[order]
+    # The two gathers in table order (~0.12 s each at 8 M n-grams, cache misses) on both cores.
+    owners, starts = in_parallel(lambda: keys[owners[order]], lambda: starts[order])
     return ref_h, owners, starts
 
 
