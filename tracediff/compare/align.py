@@ -442,11 +442,12 @@ def _votes_together(
     if ref_h.size == 0:
         return {}
     # A hash's reference n-grams are lo .. hi - 1: two searches with sorted queries (each binary
-    # search starts where the previous one ended).
-    order = np.argsort(h)
+    # search starts where the previous one ended). (The packed sort: 2.4-2.9 ms a batch of 131 k
+    # hashes against argsort's 4.6-5; equal hashes find the same, in whatever order.)
+    order, queries = _stable_argsort(h)
     if kernel is not None:
+        del queries
         return _counted(kernel, groups, h, order, starts, window_group, table)
-    queries = h[order]
     lo, hi = np.empty(h.size, dtype=np.int64), np.empty(h.size, dtype=np.int64)
     lo[order] = np.searchsorted(ref_h, queries, side="left")
     hi[order] = np.searchsorted(ref_h, queries, side="right")
