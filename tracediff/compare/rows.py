@@ -6,7 +6,7 @@ arrays alone; the values are never read here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -163,6 +163,13 @@ def stream_names(streams: Sequence[TraceStream]) -> list[str]:
 #: search): not held by the index, read again from the store when asked (:meth:`RowIndex.column`).
 _ASIDE_FIELDS = ("seq", "next_token_id", "step")
 _HELD_FIELDS = tuple(k for k in _INDEX_FIELDS if k not in _ASIDE_FIELDS)
+_LOADED_FIELDS = (*_HELD_FIELDS, "seq")  # what a load reads: the sequence ids make the groups, then are let go
+
+
+def _read_label(s: TraceStream, k: str) -> np.ndarray:
+    """Label column ``k`` of stream ``s``; integer columns compact as read (TraceStream.label: chunk by
+    chunk, no int64 copy of a whole column)."""
+    return s.label(k, COMPACT_BOUND) if _INDEX_DTYPES[k] is np.int64 else s.label(k)
 
 
 @dataclass
@@ -190,19 +197,26 @@ class RowIndex:
     _aside: Any = field(default=None, repr=False)
 
     @classmethod
-    def load(cls, store: TraceStore | StoreSet, tap: str) -> RowIndex:
+    def load(cls, store: TraceStore | StoreSet, tap: str,
+             read: Mapping[tuple[int, str], np.ndarray] | None = None) -> RowIndex:
+        """The index of ``tap``'s rows. ``read``: label columns read already, by (stream, name)."""
         streams = store.tap_streams(tap)
 
-        def read(s: TraceStream, k: str) -> np.ndarray:
-            # Integer columns compact as read (TraceStream.label: chunk by chunk, no int64 copy of a
-            # whole column).
-            return s.label(k, COMPACT_BOUND) if _INDEX_DTYPES[k] is np.int64 else s.label(k)
-
         def aside(k: str) -> np.ndarray:
-            return _column([read(s, k) for s in streams], _INDEX_DTYPES[k])
+            return _column([_read_label(s, k) for s in streams], _INDEX_DTYPES[k])
 
-        fields = (*_HELD_FIELDS, "seq")  # the sequence ids make the groups, then are let go
-        return cls.from_labels(store, tap, streams, [{k: read(s, k) for k in fields} for s in streams], aside)
+        done = read or {}
+        return cls.from_labels(store, tap, streams, [{k: done[(i, k)] if (i, k) in done else _read_label(s, k)
+                                                      for k in _LOADED_FIELDS} for i, s in enumerate(streams)], aside)
+
+    @staticmethod
+    def light_labels(store: TraceStore | StoreSet, tap: str) -> dict[tuple[int, str], np.ndarray]:
+        """The label columns of ``tap`` a :meth:`load` reads that are light
+        (:attr:`TraceStream.light_labels`: read at once with others, they only hand the GIL back
+        and forth), by (stream, name): for a caller that loads two indexes at once to read first,
+        one after the other, and pass to :meth:`load`."""
+        return {(i, k): _read_label(s, k) for i, s in enumerate(store.tap_streams(tap))
+                for k in _LOADED_FIELDS if k in s.light_labels}
 
     @classmethod
     def from_labels(

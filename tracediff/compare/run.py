@@ -88,9 +88,7 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
     rtap, ctap = pick_taps(ref_store, cand_store, opts)
     _stage(opts, "reading labels")
     rl, cl = stream_layout(ref_store, rtap), stream_layout(cand_store, ctap)
-    # The two row indexes load concurrently (decoding label chunks); the reference's error first, as
-    # when loaded one by one.
-    ref_index, cand_index = in_parallel(lambda: RowIndex.load(ref_store, rtap), lambda: RowIndex.load(cand_store, ctap))
+    ref_index, cand_index = _load_indexes(ref_store, rtap, cand_store, ctap)
     notes = list(opts.extra_notes) + _store_set_notes(ref_store, "reference") + _store_set_notes(cand_store, "candidate")
 
     # -- sequences
@@ -305,6 +303,26 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
 
 
 Side_ = TraceStore | StoreSet
+
+
+def _load_indexes(ref_store: Side_, rtap: str, cand_store: Side_, ctap: str) -> tuple[RowIndex, RowIndex]:
+    """Both sides' row indexes, loaded concurrently (decoding label chunks), but their light label
+    columns first, one after the other in this thread (:meth:`RowIndex.light_labels`: at 8 M rows a
+    side, every label 1.05 s read side by side, 0.75 s this way). The reference's error first, as
+    when loaded one by one."""
+    light: list[Any] = []
+    for store, tap in ((ref_store, rtap), (cand_store, ctap)):
+        try:
+            light.append(RowIndex.light_labels(store, tap))
+        except Exception as exc:  # noqa: BLE001  (raised below, after any of the reference's own)
+            light.append(exc)
+    ref_read, cand_read = light
+    if isinstance(ref_read, BaseException):
+        raise ref_read
+    if isinstance(cand_read, BaseException):
+        RowIndex.load(ref_store, rtap, ref_read)
+        raise cand_read
+    return in_parallel(lambda: RowIndex.load(ref_store, rtap, ref_read), lambda: RowIndex.load(cand_store, ctap, cand_read))
 
 
 def _store_set_notes(store: Side_, role: str) -> list[str]:

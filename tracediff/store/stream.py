@@ -83,6 +83,9 @@ class TraceStream:
     #: label name -> (byte order, chunk rows) for label arrays read straight from their zstd chunk
     #: files (a folder store whose label codecs are exactly bytes + zstd); others go through zarr.
     _label_direct: dict[str, tuple[str, int]] = field(default_factory=dict, repr=False)
+    #: Of those, in a local store, the ones whose chunks decode in less time than the Python work around
+    #: each (see :data:`tracediff.store.reader.LIGHT_LABEL_RATIO`): read them one after the other.
+    light_labels: frozenset[str] = field(default=frozenset(), repr=False)
 
     @property
     def commit(self) -> dict[str, Any]:
