@@ -27,11 +27,12 @@ def _store(path: Path, seed: int) -> Path:
     create_store(path)
     w = TraceWriter(path, "fc_in", "rank0", width=12, dtype="float32", chunk_rows=1024)
     tokens = rng.integers(0, 150_000, ROWS, dtype=np.int64)
+    next_tokens = np.r_[tokens[1:], -1]
     for a in range(0, ROWS, 5000):
         b = min(ROWS, a + 5000)
         w.append(rng.standard_normal((b - a, 12), dtype=np.float32), {
             "seq": np.full(b - a, 0, dtype=np.int64), "position": np.arange(a, b, dtype=np.int64),
-            "token_id": tokens[a:b], "next_token_id": np.r_[tokens[a + 1 : b + 1], [-1] * (b + 1 - min(ROWS, b + 1))],
+            "token_id": tokens[a:b], "next_token_id": next_tokens[a:b],
             "step": np.full(b - a, a // 5000, dtype=np.int64), "phase": np.zeros(b - a, dtype=np.int8)})
     w.close()
     return path

@@ -78,7 +78,8 @@ class TraceStore:
         self._remote: Location | None = None  # a store at a URL
         self._prefetched: dict[str, bytes | None] = {}  # zarr.json objects fetched by a listing
         self._objects: dict[str, dict[str, int]] = {}  # array key -> its chunk objects' sizes
-        self._stored: dict[str, int] = {}  # array key -> bytes its committed chunks hold (checked at open)
+        # array key -> (bytes its committed chunks hold, as checked at open; bytes they decode to)
+        self._stored: dict[str, tuple[int, int]] = {}
         if self.location.remote:
             self.path: Any = self.location
             self._remote = self.location
@@ -411,8 +412,9 @@ class TraceStore:
                 )
             codecs = [c["name"] for c in doc["codecs"]]
             raw_size = math.prod(doc["chunk_grid"]["configuration"]["chunk_shape"]) * np.dtype(data_type).itemsize
-            self._stored[key] = sum(self._check_chunk(f"{key}/c/{c}" + "/0" * (ndim - 1),
-                                                      raw_size if codecs == ["bytes"] else None) for c in range(needed))
+            stored = sum(self._check_chunk(f"{key}/c/{c}" + "/0" * (ndim - 1), raw_size if codecs == ["bytes"] else None)
+                         for c in range(needed))
+            self._stored[key] = (stored, needed * raw_size)
         try:
             array = zarr_module().open_array(store=self._zstore, path=key, mode="r", zarr_format=3)
         except Exception as exc:  # noqa: BLE001  (zarr rejects odd metadata with several types)
@@ -527,8 +529,8 @@ class TraceStore:
                 order = (label_codecs[0].get("configuration") or {}).get("endian", "little")
                 label_chunks = label_doc["chunk_grid"]["configuration"]["chunk_shape"]
                 direct[name] = ("big" if order == "big" else "little", int(label_chunks[0]))
-                raw = -(-rows // int(label_chunks[0])) * int(label_chunks[0]) * LABEL_DTYPES[name].itemsize
-                if self._remote is None and rows and self._stored.get(f"{key}/{name}", raw) * LIGHT_LABEL_RATIO <= raw:
+                stored, decoded = self._stored.get(f"{key}/{name}", (1, 0))
+                if self._remote is None and stored * LIGHT_LABEL_RATIO <= decoded:
                     light.add(name)
         codecs = values_doc["codecs"]
         endian = (codecs[0].get("configuration") or {}).get("endian", "little")
