@@ -282,3 +282,83 @@ def test_the_pass_kernel_is_loaded_ahead_for_its_stored_dtypes_only():
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"kernel": [["array(uint16, 2d, C)", "array(float32, 2d, C)"]], "closed_forms": 1}
+
+
+_LOAD_ORDER_SCRIPT = r'''
+import json, sys, threading
+from tracediff.compare import CompareOptions, align, compare_stores, kernels, plan
+
+events = []
+real_reads = plan.plan_reads_compiled
+
+
+def reads_compiled():
+    got = real_reads()
+    events.append("compiled read" if got else "python read")
+    return got
+
+
+plan.plan_reads_compiled = reads_compiled
+real_load = kernels._load_fused
+kernels._load_fused = lambda *a: events.append(f"load on {threading.current_thread().name}") or real_load(*a)
+# (TRACEDIFF_KERNEL=fused makes the alignment count its votes by the compiled kernel too, which would
+# set numba up before the pass's kernel: small stores' alignments count them in numpy.)
+align.use_vote_kernel = lambda rows: False
+if sys.argv[1] == "votes-first":
+    kernels.vote_kernels()  # (numba set up already: the pass's kernel loads beside the plan)
+elif sys.argv[1] == "python-reads":
+    plan.plan_reads_compiled = lambda: events.append("python read") or False
+
+
+def stage(name):
+    loaded = kernels._COMPILED.get("pass") is not None
+    events.append(f"{name} ({'loaded' if loaded else 'not loaded'})")
+    if name == "planning: label offset":
+        events.append("load thread" if any(t.name == "tracediff-kernel-load" for t in threading.enumerate())
+                      else "no load thread")
+
+
+report = compare_stores("samples/train.zarr", "samples/server_broken.zarr", CompareOptions(stage=stage))
+print(json.dumps({"events": events, "report": report.to_dict()}))
+'''
+
+
+def _load_order(how: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _LOAD_ORDER_SCRIPT, how], env=dict(os.environ, TRACEDIFF_KERNEL="fused"),
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _without_times(report: dict) -> dict:
+    return {k: v for k, v in report.items() if k not in ("elapsed_seconds", "timings")}
+
+
+def test_a_first_load_of_the_kernels_comes_before_the_plan_which_then_reads_by_the_compiled_loop():
+    """In a process that has loaded none of the compiled kernels, a compare whose pass uses them loads
+    them before its plan, as a stage of its own (numba's setup beside the plan's threads cost more
+    than the two in turn), and the plan then reads its samples by the compiled loop; once numba is
+    set up (here: the alignment's kernels loaded first) the pass's kernel loads on a background
+    thread beside the plan. The report is the same either way, and with the plan reading in Python."""
+    first = _load_order("fresh")
+    events = first["events"]
+    loading = events.index("loading compiled kernels (not loaded)")
+    offset = events.index("planning: label offset (loaded)")
+    assert loading < offset and events[offset + 1] == "no load thread"
+    assert events[loading + 1] == "load on MainThread", events
+    reads = [e for e in events[offset:] if e.endswith(" read")]
+    assert reads and set(reads) == {"compiled read"}, events
+
+    beside = _load_order("votes-first")
+    assert not any(e.startswith("loading compiled kernels") for e in beside["events"]), beside["events"]
+    assert "load on tracediff-kernel-load" in beside["events"], beside["events"]
+
+    python = _load_order("python-reads")
+    assert {e for e in python["events"] if e.endswith(" read")} == {"python read"}
+    for other in (beside, python):
+        assert _without_times(other["report"]) == _without_times(first["report"])

@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -238,11 +238,34 @@ def use_vote_kernel(rows: int) -> bool:
     return forced if forced is not None else rows >= VOTE_KERNEL_MIN_ROWS and fused_available()
 
 
-def prepare_kernel(pairs: int, candidate: RowIndex, reference: RowIndex) -> None:
-    """Start loading the fused kernel in the background when a pass over ``pairs`` row pairs of these
-    sides will use it (:func:`use_fused_kernel`)."""
-    if pairs and use_fused_kernel(pairs * row_bytes(candidate, reference)):
-        preload_fused_kernel(candidate.streams[0].dtype, reference.streams[0].dtype)
+def prepare_kernel(pairs: int, candidate: RowIndex, reference: RowIndex,
+                   loading: Callable[[], None] | None = None) -> None:
+    """Load the fused kernel and the compiled reads when a pass over ``pairs`` row pairs of these
+    sides will use them (:func:`use_fused_kernel`): at once (calling ``loading`` first) where this
+    process has loaded none of tracediff's compiled kernels yet, else on a background thread while
+    the plan runs.
+
+    A first load imports numba and sets up its compiler's context: ~0.5 s of Python that holds the
+    GIL. Beside the plan's threads, whose reads give the GIL back at every row and then wait for it,
+    the two took longer than one after the other (3 GiB of 3 x 4096, fresh processes, 12 runs
+    interleaved: 2.42 s against 2.20 s a compare, the plan then reading its samples by the compiled
+    loop: :func:`plan_reads_compiled`). Once numba is set up (an alignment that counted its votes
+    by the compiled kernel), the rest of the load is short and runs beside the plan."""
+    if not pairs or not use_fused_kernel(pairs * row_bytes(candidate, reference)):
+        return
+    cdtype, rdtype = candidate.streams[0].dtype, reference.streams[0].dtype
+    if any(module is not None for module in _COMPILED.values()):
+        preload_fused_kernel(cdtype, rdtype)
+    elif "pass" not in _COMPILED and cdtype in FUSED_DTYPES and rdtype in FUSED_DTYPES:
+        if loading is not None:
+            loading()
+        _load_fused(cdtype == "bfloat16", rdtype == "bfloat16")
+
+
+def plan_reads_compiled() -> bool:
+    """Whether reads of sample rows go through the compiled reader: where this process has loaded it
+    already (never loads it: a compare whose pass runs without the compiled kernels reads in Python)."""
+    return _COMPILED.get("reads") is not None
 
 
 def row_bytes(candidate: RowIndex, reference: RowIndex) -> int:

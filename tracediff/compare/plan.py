@@ -21,6 +21,7 @@ import numpy as np
 
 from tracediff.compare.align import Alignment
 from tracediff.compare.gather import ChunkReader, in_parallel
+from tracediff.compare.kernels import plan_reads_compiled
 from tracediff.compare.metrics import ProfileRequest
 from tracediff.compare.noise import (
     ASSUMED_LIMIT_FACTOR,
@@ -194,7 +195,7 @@ def read_rows(index: RowIndex, rows: np.ndarray, into: np.ndarray | None = None)
     decoded once whatever the order of rows), then widened."""
     width = index.streams[0].width
     dtype = index.streams[0].dtype
-    reader = ChunkReader(index.streams, max_chunks=16)
+    reader = ChunkReader(index.streams, max_chunks=16, compiled=plan_reads_compiled())
     try:
         if dtype == "float32" or not all(s.reads_rows_directly for s in index.streams):
             buf = aligned_empty((rows.size, width), VALUE_DTYPES[dtype])

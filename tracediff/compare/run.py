@@ -103,7 +103,7 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
             f"inputs (see `tracediff send`)?"
         )
 
-    prepare_kernel(len(base_pairs), cand_index, ref_index)
+    prepare_kernel(len(base_pairs), cand_index, ref_index, lambda: _stage(opts, "loading compiled kernels"))
 
     # -- shapes first: each side's recorded segment size
     def size_sample() -> tuple[np.ndarray, np.ndarray]:
