@@ -204,8 +204,8 @@ TINY = 1e-30
 #: over the numpy kernels (benchmarks/bench_kernel.py; more at narrow rows). Whole compares, fresh
 #: processes, medians: below ~1 GiB the numpy kernels finish first (0.25 GiB a side of 3 x 4096:
 #: 1.35 vs 1.68 s; 0.5 M rows of 3 x 64: 1.74 vs 2.08 s), above it the fused one (2 M rows of 3 x 64:
-#: 4.39 vs 5.06 s). The load starts in the background as soon as the pass's size is known
-#: (:func:`prepare_kernel`), while the plan runs.
+#: 4.39 vs 5.06 s). The load comes as soon as the pass's size is known (:func:`prepare_kernel`):
+#: before the plan, or beside it where numba is set up already.
 FUSED_MIN_BYTES = 1 << 30
 
 
