@@ -463,11 +463,13 @@ def plan_segments(cand: np.ndarray, ref: np.ndarray, size: int, dtype_ref: str, 
     c, r = cand, ref  # non-finite segments of a row are left out pair by pair, never whole rows
     # Independent numpy work, on both cores: each answer is the same whichever thread computes it.
     cs, rs = in_parallel(lambda: segment_scales(c, size, compute.dtype), lambda: segment_scales(r, size, compute.dtype))
-    raw, std, baseline, floor = in_parallel(
-        lambda: segment_cosine_matrix(cand, ref, size),
+    # (The longest first: the noise floor draws its random numbers and takes relative errors besides
+    # its matrix; the raw cosines skip the scales. Both cores then finish together.)
+    floor, std, baseline, raw = in_parallel(
+        lambda: noise_floor(r, size, dtype_ref, dtype_cand, rs, seed=seed),
         lambda: standardised_cosine_matrix(c, r, cs, rs),
         lambda: mismatched_rows_matrix(c, r, cs, rs),
-        lambda: noise_floor(r, size, dtype_ref, dtype_cand, rs, seed=seed),
+        lambda: segment_cosine_matrix(cand, ref, size),
     )
     kr = ref.shape[1] // size
     known = list(depths or [None] * kr)
