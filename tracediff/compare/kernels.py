@@ -152,12 +152,17 @@ def fused_available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-def preload_fused_kernel(cdtype: str, rdtype: str) -> None:
-    """Import numba and load the kernel's machine code for these stored dtypes on a background thread
-    (a compare starts it once it knows its pass will use the kernel, so that the ~1 s, most of it
-    numba setting up its compiler's context and reading the cache with the GIL held, overlap the
-    plan instead of stopping the pass's first blocks)."""
-    if "pass" not in _COMPILED and cdtype in FUSED_DTYPES and rdtype in FUSED_DTYPES:
+def preload_fused_kernel(cdtype: str, rdtype: str, wait: Callable[[], None] | None = None) -> None:
+    """Import numba and load the kernel's machine code for these stored dtypes where this process has
+    not yet: on a background thread, or with ``wait`` on this one (``wait()`` called first, then
+    returning once loaded). A compare calls it once it knows its pass will use the kernel
+    (:func:`prepare_kernel` decides which of the two)."""
+    if "pass" in _COMPILED or cdtype not in FUSED_DTYPES or rdtype not in FUSED_DTYPES:
+        return
+    if wait is not None:
+        wait()
+        _load_fused(cdtype == "bfloat16", rdtype == "bfloat16")
+    else:
         threading.Thread(target=_load_fused, args=(cdtype == "bfloat16", rdtype == "bfloat16"),
                          name="tracediff-kernel-load", daemon=True).start()
 
@@ -254,12 +259,8 @@ def prepare_kernel(pairs: int, candidate: RowIndex, reference: RowIndex,
     if not pairs or not use_fused_kernel(pairs * row_bytes(candidate, reference)):
         return
     cdtype, rdtype = candidate.streams[0].dtype, reference.streams[0].dtype
-    if any(module is not None for module in _COMPILED.values()):
-        preload_fused_kernel(cdtype, rdtype)
-    elif "pass" not in _COMPILED and cdtype in FUSED_DTYPES and rdtype in FUSED_DTYPES:
-        if loading is not None:
-            loading()
-        _load_fused(cdtype == "bfloat16", rdtype == "bfloat16")
+    first = not any(module is not None for module in _COMPILED.values())
+    preload_fused_kernel(cdtype, rdtype, wait=(loading or (lambda: None)) if first else None)
 
 
 def plan_reads_compiled() -> bool:
