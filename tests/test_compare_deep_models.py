@@ -11,6 +11,7 @@ with one fault or none.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -66,18 +67,30 @@ def deep(request, tmp_path_factory: pytest.TempPathFactory) -> dict:
     ref_layers = sglang_default_layers(num_layers)
     out: dict = {"arch": arch, "L": num_layers, "layers": ref_layers, "trainer": trainer}
 
-    def engine(name: str, model, layers: list[str], dtype=torch.bfloat16, meta_dtype="bfloat16") -> None:
-        out[name] = _record(root / f"{name}.zarr", run_engine, model, layers, _server_meta(layers, num_layers, meta_dtype),
-                            seqs, dtype, max_running=3)
+    def engines(model, named: dict[str, list[str]], dtype=torch.bfloat16, meta_dtype="bfloat16") -> None:
+        """One engine run of ``model`` recording a store per entry of ``named`` (its capture layers)."""
+        recorders = []
+        with contextlib.ExitStack() as stack:
+            readers = []
+            for name, layers in named.items():
+                path = root / f"{name}.zarr"
+                rec = stack.enter_context(tracediff.record(path, role=name, meta=_server_meta(layers, num_layers, meta_dtype),
+                                                           on_full="block"))
+                draft = DraftHead(model.hidden_size, len(layers))
+                rec.tap(draft.fc, "fc_in", segment_size=model.hidden_size)
+                readers.append((draft, layers, lambda lab, rec=rec: rec.labels(**lab)))
+                recorders.append(rec)
+                out[name] = path
+            (draft, layers, on_batch), *rest = readers
+            run_engine(model, draft, seqs, layers, dtype=dtype, on_batch=on_batch, max_running=3, also=rest)
+        assert all(rec.error is None for rec in recorders)
 
     out["ref"] = _record(root / "ref.zarr", run_trainer, trainer, ref_layers, _trainer_meta(ref_layers, num_layers),
                          seqs, torch.float32)
-    engine("clean", bf16, ref_layers)
-    engine("deep_off", bf16, _shift(ref_layers, {2}))
-    engine("mid_off", bf16, _shift(ref_layers, {1}))
-    engine("all_off", bf16, _shift(ref_layers, {0, 1, 2}))
-    engine("fp8", server_model(trainer, "fp8"), ref_layers)
-    engine("bf16_as_fp32", bf16, ref_layers, dtype=torch.float32)
+    engines(bf16, {"clean": ref_layers, "deep_off": _shift(ref_layers, {2}), "mid_off": _shift(ref_layers, {1}),
+                   "all_off": _shift(ref_layers, {0, 1, 2})})
+    engines(server_model(trainer, "fp8"), {"fp8": ref_layers})
+    engines(bf16, {"bf16_as_fp32": ref_layers}, dtype=torch.float32)
     return out
 
 

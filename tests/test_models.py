@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -174,6 +175,33 @@ def test_bf16_server_runs_both_pipelines_and_casts_the_fc_input(tm: TinyModel, s
     engine = _rows(batches, ENGINE_RID_BASE)
     assert engine.keys() == trainer.keys()
     assert all(_rel_err(engine[k], trainer[k]) < 0.03 for k in trainer)
+
+
+
+def test_drafts_fed_by_the_same_engine_run_get_what_their_own_runs_give(tm: TinyModel, seqs: list[list[int]]) -> None:
+    """``also``: other drafts reading other layers of the same engine steps get, row for row and label for
+    label, what a run of their own gives (the deep fixtures record several layer choices from one run)."""
+    server = server_model(tm, "bf16")
+    first, second = ["hs2", MID, DEEP], [MID, DEEP, "hs2"]
+    got: list[dict] = []
+    seen: list[torch.Tensor] = []
+    other = DraftHead(tm.hidden_size, 3)
+    other.fc.register_forward_hook(lambda _m, args, _out: seen.append(args[0].clone()))
+    shared = run_engine(server, DraftHead(tm.hidden_size, 3), seqs[:2], first, dtype=torch.bfloat16, chunk_size=11,
+                        keep_inputs=True, also=[(other, second, got.append)])
+    alone = run_engine(server, DraftHead(tm.hidden_size, 3), seqs[:2], first, dtype=torch.bfloat16, chunk_size=11,
+                       keep_inputs=True)
+    own = run_engine(server, DraftHead(tm.hidden_size, 3), seqs[:2], second, dtype=torch.bfloat16, chunk_size=11,
+                     keep_inputs=True)
+    assert other.fc.weight.dtype == torch.bfloat16
+    assert len(shared) == len(alone) == len(own) == len(seen) == len(got)
+    for a, b in zip(shared, alone, strict=True):
+        assert torch.equal(a.fc_input, b.fc_input)
+    for mine, labels, b in zip(seen, got, own, strict=True):
+        assert torch.equal(mine, b.fc_input)
+        assert labels.keys() == b.labels.keys()
+        assert all(np.array_equal(labels[k], b.labels[k]) for k in ("seq", "position", "token_id", "next_token_id"))
+        assert (labels["phase"], labels["step"]) == (b.labels["phase"], b.labels["step"])
 
 
 # ------------------------------------------------------------------------ massive activations

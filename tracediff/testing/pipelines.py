@@ -320,6 +320,7 @@ def run_engine(
     on_batch: OnBatch | None = None,
     seed: int = 0,
     keep_inputs: bool = False,
+    also: Sequence[tuple[DraftHead, Sequence[str], OnBatch | None]] = (),
 ) -> list[Batch]:
     """The "inference server": replay ``seqs`` through an engine-like scheduler (teacher forcing).
 
@@ -346,6 +347,10 @@ def run_engine(
     segment, inject NaNs...), ``states`` being the packed ``[1, rows, H]`` states of the batch.
     ``step`` labels count engine steps from 0. Rows arrive in engine order, not sorted.
     Returns one :class:`Batch` per engine step; ``draft`` is cast to ``dtype`` in place.
+
+    ``also``: more ``(draft, layers, on_batch)`` fed by the same engine steps, each its own
+    ``layers`` of the same states, after ``draft`` (what servers configured alike but for their
+    capture layers would each record: one run of the target instead of one per layer choice).
     """
     if max_running < 1:
         raise ValueError(f"max_running must be >= 1, got {max_running}")
@@ -354,6 +359,8 @@ def run_engine(
     if any(len(seq) == 0 for seq in seqs):
         raise ValueError("run_engine needs non-empty sequences")
     draft.to(dtype)
+    for other, _layers, _on_batch in also:
+        other.to(dtype)
     prefix = list(prefix_tokens or [])
     prompt = _prompt_lengths(seqs, prefill_len, seed)
     waiting: deque[_Request] = deque(
@@ -408,6 +415,9 @@ def run_engine(
                 keep_inputs=keep_inputs,
             )
         )
+        for other, other_layers, other_on_batch in also:
+            _call_draft(other, states, other_layers, labels, dtype=dtype, transform=transform, on_batch=other_on_batch,
+                        keep_inputs=False)
         running = [r for r in running if not r.finished]
         step += 1
     return batches
