@@ -91,8 +91,12 @@ def test_cli_errors_are_one_line_naming_the_file(tiny, tmp_path):
         (["calibrate", str(bare), "--model", str(tmp_path), "--layers", "2,6,10"], "no config.json"),
         (["calibrate", str(bare), "--model", str(folder), "--dtype", "int4"], "--dtype"),
     ]
-    for args, text in cases:
-        out = _cli(*args)
+    # The five processes at once (each imports torch and transformers: most of its time).
+    procs = [subprocess.Popen([sys.executable, "-m", "tracediff", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for args, _text in cases]
+    for proc, (args, text) in zip(procs, cases, strict=True):
+        stdout, stderr = proc.communicate(timeout=300)
+        out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         lines = [line for line in out.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and text in lines[0], (args, out.stderr)
