@@ -155,16 +155,18 @@ def fused_available() -> bool:
 def preload_fused_kernel(cdtype: str, rdtype: str, wait: Callable[[], None] | None = None) -> None:
     """Import numba and load the kernel's machine code for these stored dtypes where this process has
     not yet: on a background thread, or with ``wait`` on this one (``wait()`` called first, then
-    returning once loaded). A compare calls it once it knows its pass will use the kernel
-    (:func:`prepare_kernel` decides which of the two)."""
+    returning once loaded), unless numba's cache lacks the kernels (:func:`_compiles_first`: a child
+    process compiles them for 11-15 s, which the caller need not wait for). A compare calls it once
+    it knows its pass will use the kernel (:func:`prepare_kernel` decides which of the two)."""
     if "pass" in _COMPILED or cdtype not in FUSED_DTYPES or rdtype not in FUSED_DTYPES:
         return
     if wait is not None:
         wait()
-        _load_fused(cdtype == "bfloat16", rdtype == "bfloat16")
-    else:
-        threading.Thread(target=_load_fused, args=(cdtype == "bfloat16", rdtype == "bfloat16"),
-                         name="tracediff-kernel-load", daemon=True).start()
+        if not _compiles_first():
+            _load_fused(cdtype == "bfloat16", rdtype == "bfloat16")
+            return
+    threading.Thread(target=_load_fused, args=(cdtype == "bfloat16", rdtype == "bfloat16"),
+                     name="tracediff-kernel-load", daemon=True).start()
 
 
 def _load_fused(c_bf16: bool, r_bf16: bool) -> None:
@@ -255,12 +257,26 @@ def prepare_kernel(pairs: int, candidate: RowIndex, reference: RowIndex,
     the two took longer than one after the other (3 GiB of 3 x 4096, fresh processes, 12 runs
     interleaved: 2.42 s against 2.20 s a compare, the plan then reading its samples by the compiled
     loop: :func:`plan_reads_compiled`). Once numba is set up (an alignment that counted its votes
-    by the compiled kernel), the rest of the load is short and runs beside the plan."""
+    by the compiled kernel), the rest of the load is short and runs beside the plan; so does a load
+    that waits for a child process to fill numba's empty cache first (:func:`preload_fused_kernel`)."""
     if not pairs or not use_fused_kernel(pairs * row_bytes(candidate, reference)):
         return
     cdtype, rdtype = candidate.streams[0].dtype, reference.streams[0].dtype
     first = not any(module is not None for module in _COMPILED.values())
     preload_fused_kernel(cdtype, rdtype, wait=(loading or (lambda: None)) if first else None)
+
+
+def _compiles_first() -> bool:
+    """Whether the pass's kernels are not in numba's cache yet (a first compare after an install or an
+    upgrade): a child process compiles them first (:func:`_compile_elsewhere`, 11-15 s on 2 cores),
+    which the plan need not wait for. Imports the kernels' modules (numba with them), as a load does."""
+    for name in ("pass", "reads"):
+        try:
+            if _cold(_build(name)):
+                return True
+        except Exception:  # noqa: BLE001, S112  (no numba, no compiled reads here: the load says so)
+            continue
+    return False
 
 
 def plan_reads_compiled() -> bool:
