@@ -94,9 +94,9 @@ def test_cli_errors_are_one_line_naming_the_file(tiny, tmp_path):
     # The five processes at once (each imports torch and transformers: most of its time).
     procs = [subprocess.Popen([sys.executable, "-m", "tracediff", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for args, _text in cases]
-    for proc, (args, text) in zip(procs, cases, strict=True):
-        stdout, stderr = proc.communicate(timeout=300)
-        out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    streams = [proc.communicate(timeout=300) for proc in procs]  # (each waits: its return code is known after)
+    outs = [subprocess.CompletedProcess(proc.args, proc.returncode, *got) for proc, got in zip(procs, streams, strict=True)]
+    for out, (args, text) in zip(outs, cases, strict=True):
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         lines = [line for line in out.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and text in lines[0], (args, out.stderr)

@@ -177,7 +177,6 @@ def test_bf16_server_runs_both_pipelines_and_casts_the_fc_input(tm: TinyModel, s
     assert all(_rel_err(engine[k], trainer[k]) < 0.03 for k in trainer)
 
 
-
 def test_drafts_fed_by_the_same_engine_run_get_what_their_own_runs_give(tm: TinyModel, seqs: list[list[int]]) -> None:
     """``also``: other drafts reading other layers of the same engine steps get, row for row and label for
     label, what a run of their own gives (the deep fixtures record several layer choices from one run)."""
