@@ -37,7 +37,16 @@ def tiny():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tracediff", *args], capture_output=True, text=True, timeout=300)
+    return _cli_all([list(args)])[0]
+
+
+def _cli_all(commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """Each ``tracediff`` command line in its own process, all at once (each imports torch and
+    transformers: most of its time), once all have ended."""
+    procs = [subprocess.Popen([sys.executable, "-m", "tracediff", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for args in commands]
+    streams = [proc.communicate(timeout=300) for proc in procs]  # (each waits: its return code is known after)
+    return [subprocess.CompletedProcess(proc.args, proc.returncode, *got) for proc, got in zip(procs, streams, strict=True)]
 
 
 def test_calibration_rows_are_the_target_recomputed_in_bf16(tiny, tmp_path):
@@ -91,12 +100,7 @@ def test_cli_errors_are_one_line_naming_the_file(tiny, tmp_path):
         (["calibrate", str(bare), "--model", str(tmp_path), "--layers", "2,6,10"], "no config.json"),
         (["calibrate", str(bare), "--model", str(folder), "--dtype", "int4"], "--dtype"),
     ]
-    # The five processes at once (each imports torch and transformers: most of its time).
-    procs = [subprocess.Popen([sys.executable, "-m", "tracediff", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for args, _text in cases]
-    streams = [proc.communicate(timeout=300) for proc in procs]  # (each waits: its return code is known after)
-    outs = [subprocess.CompletedProcess(proc.args, proc.returncode, *got) for proc, got in zip(procs, streams, strict=True)]
-    for out, (args, text) in zip(outs, cases, strict=True):
+    for out, (args, text) in zip(_cli_all([args for args, _text in cases]), cases, strict=True):
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         lines = [line for line in out.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and text in lines[0], (args, out.stderr)

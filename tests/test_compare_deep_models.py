@@ -47,11 +47,19 @@ def _shift(layers: list[str], slots: set[int], by: int = -1) -> list[str]:
     return [f"hs{int(n[2:]) + by}" if k in slots else n for k, n in enumerate(layers)]
 
 
-def _record(path: Path, runner, model, layers: list[str], meta: dict, seqs, dtype, **kw) -> Path:
+def _recorder(stack: contextlib.ExitStack, path: Path, model, layers: list[str], meta: dict):
+    """A recorder of ``path`` (open until ``stack`` closes) tapping a fresh draft's fc: the draft, the
+    labels callback a runner takes, the recorder."""
     draft = DraftHead(model.hidden_size, len(layers))
-    with tracediff.record(path, role=path.stem, meta=meta, on_full="block") as rec:
-        rec.tap(draft.fc, "fc_in", segment_size=model.hidden_size)
-        runner(model, draft, seqs, layers, dtype=dtype, on_batch=lambda lab: rec.labels(**lab), **kw)
+    rec = stack.enter_context(tracediff.record(path, role=path.stem, meta=meta, on_full="block"))
+    rec.tap(draft.fc, "fc_in", segment_size=model.hidden_size)
+    return draft, lambda lab: rec.labels(**lab), rec
+
+
+def _record(path: Path, runner, model, layers: list[str], meta: dict, seqs, dtype, **kw) -> Path:
+    with contextlib.ExitStack() as stack:
+        draft, on_batch, rec = _recorder(stack, path, model, layers, meta)
+        runner(model, draft, seqs, layers, dtype=dtype, on_batch=on_batch, **kw)
     assert rec.error is None
     return path
 
@@ -69,21 +77,16 @@ def deep(request, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     def engines(model, named: dict[str, list[str]], dtype=torch.bfloat16, meta_dtype="bfloat16") -> None:
         """One engine run of ``model`` recording a store per entry of ``named`` (its capture layers)."""
-        recorders = []
         with contextlib.ExitStack() as stack:
             readers = []
             for name, layers in named.items():
-                path = root / f"{name}.zarr"
-                rec = stack.enter_context(tracediff.record(path, role=name, meta=_server_meta(layers, num_layers, meta_dtype),
-                                                           on_full="block"))
-                draft = DraftHead(model.hidden_size, len(layers))
-                rec.tap(draft.fc, "fc_in", segment_size=model.hidden_size)
-                readers.append((draft, layers, lambda lab, rec=rec: rec.labels(**lab)))
-                recorders.append(rec)
-                out[name] = path
-            (draft, layers, on_batch), *rest = readers
-            run_engine(model, draft, seqs, layers, dtype=dtype, on_batch=on_batch, max_running=3, also=rest)
-        assert all(rec.error is None for rec in recorders)
+                out[name] = root / f"{name}.zarr"
+                draft, on_batch, rec = _recorder(stack, out[name], model, layers, _server_meta(layers, num_layers, meta_dtype))
+                readers.append((draft, layers, on_batch, rec))
+            (draft, layers, on_batch, _rec), *rest = readers
+            run_engine(model, draft, seqs, layers, dtype=dtype, on_batch=on_batch, max_running=3,
+                       also=[(d, lay, cb) for d, lay, cb, _rec in rest])
+        assert all(rec.error is None for *_, rec in readers)
 
     out["ref"] = _record(root / "ref.zarr", run_trainer, trainer, ref_layers, _trainer_meta(ref_layers, num_layers),
                          seqs, torch.float32)
