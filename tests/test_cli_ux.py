@@ -225,7 +225,7 @@ def test_a_terminal_gets_one_live_line_redrawn_in_place_and_cleared():
 def test_a_record_that_never_sees_its_class_leaves_nothing_in_the_way(tmp_path: Path):
     store = tmp_path / "train.zarr"
     first = invoke_tracediff("record", "--tap", "NoSuchDraft.fc", "-o", store, "--", sys.executable, "-c", "pass")
-    assert first.returncode == 0
+    assert first.returncode == 2  # no tap fired
     assert "never fired" in first.stderr and "no --overwrite needed" in first.stderr
     assert not store.exists()
     script = tmp_path / "train.py"

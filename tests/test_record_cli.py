@@ -160,9 +160,9 @@ def test_a_command_that_records_nothing_leaves_no_store_and_the_rerun_needs_no_o
     store = tmp_path / "empty.zarr"
     for _attempt in range(2):
         result = invoke_tracediff("record", "--tap", "NoSuchClass.fc", "-o", store, "--", sys.executable, "-c", "pass")
-        assert result.returncode == 0, result.stderr
+        assert result.returncode == 2, result.stderr  # the command exited 0, but no tap fired
         assert "tracediff: no rows were recorded" in result.stderr
-        assert "tap 'fc_in' never fired in any process" in result.stderr
+        assert "tap 'fc_in' (--tap NoSuchClass.fc) never fired in any process" in result.stderr
         assert f"tracediff: removed {store}: it held no rows" in result.stderr
         assert not store.exists()
 

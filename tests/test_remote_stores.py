@@ -486,7 +486,7 @@ def test_record_to_a_url_refuses_an_existing_store_and_leaves_no_empty_one(
                     "--append")  # fmt: skip
     url = f"s3://{object_store.bucket()}/empty.zarr"
     result = invoke_tracediff("record", "--tap", "NoSuchClass.fc", "-o", url, "--", sys.executable, "-c", "pass")
-    assert result.returncode == 0 and f"tracediff: removed {url}: it held no rows" in result.stderr, result.stderr
+    assert result.returncode == 2 and f"tracediff: removed {url}: it held no rows" in result.stderr, result.stderr
     assert object_store.fs.find(url.removeprefix("s3://")) == []
 
 

@@ -32,7 +32,9 @@ from tracediff.errors import TracediffError, UsageError
 @click.option("--segment-size", type=int, help="Width of one segment of the tapped rows (e.g. hidden size).")
 @click.option("--segment-labels", help="Comma-separated segment names, e.g. hs0,hs3,hs6.")
 @click.option("--role", default="", help="What this recording is (trainer, server, bank...).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing store.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing store: a local one is moved to STORE.previous, deleted once this run commits "
+                   "its first row and moved back if it commits none; at a URL it is deleted before the command starts.")
 @click.option("--append", "join", is_flag=True,
               help="Add this run's writer groups to the store if it exists already (several nodes recording into one "
                    "store, e.g. -o s3://bucket/server.zarr on each).")
@@ -100,8 +102,19 @@ def record(
     Examples: Eagle3DraftModel.fc:input, fc_in=LlamaForCausalLMEagle3.model.fc, MyDraft.layers.0.fc:output
 
     A run that records no row leaves no store behind (with --append the store stays: other nodes may
-    be recording into it). Exit code: the command's; 2 when the command exited 0 but a process lost
-    rows (a writer error, an interpreter that cannot import tracediff): never 0 having lost rows.
+    be recording into it). --overwrite never loses the old store to a run that records nothing: it
+    waits at STORE.previous (named on stderr before the command starts; after a SIGKILL of record it
+    is still there) until the new store has committed a row, and is back at STORE if none was.
+
+    \b
+    Exit codes:
+      0    the command exited 0, rows were recorded and none was lost
+      2    a bad option or -o (one error line, the command not run); or the command exited 0
+           but a process lost rows (a writer error, an interpreter that cannot import
+           tracediff) or no row was recorded (no tap fired: a mistyped class, a module
+           never reached)
+      N    any other: the command's own exit code (128+S when signal S ended it), kept
+           whether or not rows were lost
     """
     from tracediff.adapters import adapter_info, check_installed  # noqa: PLC0415
     from tracediff.record.limits import Limits  # noqa: PLC0415
@@ -165,8 +178,23 @@ def record(
     source = default_source(role)
     source["argv"] = list(command)
     source["recorded_by"] = ["tracediff", "record", *sys.argv[2:]] if len(sys.argv) > 1 else ["tracediff", "record"]
-    create_store(location if location.remote else output, role=role, source=source, overwrite=overwrite, join=join,
-                 meta={"record": {k: v for k, v in config.items() if k != "store"}})
+    from tracediff.store.previous import PreviousStore  # noqa: PLC0415
+
+    # Local --overwrite: the old store waits aside until the new one has committed a row.
+    previous = PreviousStore.set_aside(output) if overwrite and not location.remote else None
+    try:
+        create_store(location if location.remote else output, role=role, source=source, overwrite=overwrite,
+                     join=join, meta={"record": {k: v for k, v in config.items() if k != "store"}})
+    except BaseException:
+        if previous is not None:
+            previous.settle()
+        raise
+    if previous is not None:
+        click.echo(f"tracediff: moved the previous store to {previous.aside}: it is deleted once this run commits "
+                   f"its first row, and moved back to {output} if the run commits none", err=True)
+        previous.watch()
+        # However record ends (an error, an exit code): the old store is deleted or put back.
+        click.get_current_context().call_on_close(lambda: _settle_previous(previous, output))
     if location.remote and location.storage_options:
         # The children write with the same options (never stored in the store's meta: credentials).
         config["storage_options"] = location.storage_options
@@ -211,13 +239,19 @@ def record(
         sys.exit(code)
     click.echo(_record_summary(desc, returncode), err=True)
     warnings = warnings_for(desc, expected_taps=names) + _adapter_warnings(adapters, command, desc)
-    if problems:  # "never fired: check the class name" would send the user the wrong way
-        warnings = [w for w in warnings if "never fired" not in w]
+    recorded_nothing = not join and not any(info["rows"] for info in desc["taps"].values())
+    # Nothing recorded, nothing else wrong: the error line below says which taps never fired.
+    no_tap_fired = recorded_nothing and not problems and returncode == 0
+    if problems or no_tap_fired:  # (with problems, "check the class name" would send the user the wrong way)
+        warnings = [w for w in warnings if "never fired in any process" not in w]
     for warning in warnings:
         click.echo(f"tracediff: warning: {warning}", err=True)
     for problem in problems:
         click.echo(f"tracediff: error: {problem}", err=True)
-    if not join and not any(info["rows"] for info in desc["taps"].values()):
+    if recorded_nothing and previous is not None:
+        if previous.settle() == "restored":
+            click.echo(f"tracediff: kept the previous store at {output}: this run recorded no rows", err=True)
+    elif recorded_nothing:
         # A store without one row only blocks the rerun (it would need --overwrite): leave nothing.
         # Never with --append: other nodes may be recording into that store right now.
         from tracediff.store import remove_store  # noqa: PLC0415
@@ -231,7 +265,31 @@ def record(
         click.echo(f"tracediff: error: recording lost rows (above); exit code {code}, the command itself "
                    f"exited with code {returncode}", err=True)
         sys.exit(code)
+    if no_tap_fired:
+        click.echo(f"tracediff: error: {_never_fired(specs, adapters)}; exit code 2, the command itself exited with "
+                   f"code 0", err=True)
+        sys.exit(2)
     sys.exit(returncode)
+
+
+def _never_fired(specs: list[Any], adapters: tuple[str, ...]) -> str:
+    """The one line of a run that recorded no row although its command succeeded."""
+    what = [f"tap {s.name!r} (--tap {s.text})" for s in specs] + [f"the capture points of adapter {a!r}" for a in adapters]
+    return (f"no row was recorded: {', '.join(what)} never fired in any process; check the class name in each "
+            f"--tap spec, that the command reaches the module (a forward run in Python: CUDA-graph replay skips "
+            f"hooks, add --disable-cuda-graph), and the sampling limits (--phases, --first-n-steps, --max-rows)")
+
+
+def _settle_previous(previous: Any, output: Path) -> None:
+    """However record ends: the old store of an --overwrite run is deleted (the new one committed a
+    row) or put back; where neither could be done, the line says where it is."""
+    before = previous.outcome
+    after = previous.settle()
+    if after == "restored" and before != after:  # (record's own summary says it when it gets that far)
+        click.echo(f"tracediff: kept the previous store at {output}: this run recorded no rows", err=True)
+    elif after == "kept aside":
+        click.echo(f"tracediff: the previous store is still at {previous.aside}: {output} holds something else now",
+                   err=True)
 
 
 def _discard_store(location: Any) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tracediff.record.ledger import OFFERED
 from tracediff.record.parts import (
     LABEL_KEYS,
     TORCH_TO_STORE,
@@ -65,14 +66,14 @@ class CapturePath:
         rows = tensor.numel() // width
         if rows == 0:
             return  # nothing to record (an empty batch); the layout above is still learnt
+        self._account(name, OFFERED, rows)
         step = self._explicit_step if self._explicit_step is not None else state.calls - 1
         label_fields = self._resolve_labels(state, tensor, labels, rows, step)
         phase = label_fields.get("phase")
         nbytes = rows * width * tensor.element_size()
 
         if not self.limits.wants_step(step) or not self._wants_phase(phase):
-            state.skipped_rows += rows
-            state.skipped_batches += 1
+            self._add_skip(state, rows)
             return
         take = rows
         if self.limits.max_rows is not None:
@@ -80,11 +81,10 @@ class CapturePath:
         if self.limits.max_bytes is not None:
             take = min(take, (self.limits.max_bytes - state.bytes_queued) // (width * tensor.element_size()))
         if take <= 0:
-            state.skipped_rows += rows
-            state.skipped_batches += 1
+            self._add_skip(state, rows)
             return
         if take < rows:
-            state.skipped_rows += rows - take
+            self._add_skip(state, rows - take, batches=0)
             nbytes = take * width * tensor.element_size()
             # Scalar labels (0-d arrays: a step or seq given once for the batch) apply to every row.
             label_fields = {
@@ -96,7 +96,9 @@ class CapturePath:
         held = nbytes
         if not fresh and tensor.device.type in ("cpu", "cuda"):
             held = self._pool.bucket_numel(take * width) * tensor.element_size()
-        if not self._reserve(held):
+        reason = self._reserve(held)
+        if reason:
+            state.drop_reason = state.drop_reason or reason
             self._add_drop(state, take)
             return
         try:
@@ -107,6 +109,7 @@ class CapturePath:
                 self._enqueued += 1
         except queue.Full:  # another host thread filled the last slot first
             self._release(held)
+            state.drop_reason = state.drop_reason or f"the queue held its {self._queue.maxsize} batches"
             self._add_drop(state, take)
             return
         except BaseException:
@@ -124,22 +127,25 @@ class CapturePath:
             return any(PHASES[int(c)] in self.limits.phases for c in np.unique(phase))
         return PHASES[phase_code(phase)] in self.limits.phases
 
-    def _reserve(self, nbytes: int) -> bool:
-        """Account ``nbytes`` against the queue budget; drop or wait (bounded) when it is spent."""
+    def _reserve(self, nbytes: int) -> str:
+        """Account ``nbytes`` against the queue budget; drop or wait (bounded) when it is spent. Returns
+        "" when the batch may be queued, else why not (the queue full of bytes or of batches)."""
         deadline = None
         with self._cond:
             while True:
                 fits = self._queued_bytes + nbytes <= self.max_queue_bytes or self._queued_bytes == 0
                 if fits and not self._queue.full():
                     self._queued_bytes += nbytes
-                    return True
+                    return ""
+                why = (f"the queue held its {self._queue.maxsize} batches" if fits else
+                       f"the queue held {self._queued_bytes:,} of its {self.max_queue_bytes:,} bytes")
                 if self.on_full == "drop" or not self.enabled:
-                    return False
+                    return why if self.enabled else "the recorder was closing"
                 now = time.monotonic()
                 deadline = deadline or now + self.block_timeout
                 if now >= deadline:
                     self._log_once("block-timeout", "tracediff: writer behind for %.1fs; dropping a batch", self.block_timeout)
-                    return False
+                    return f"{why} for {self.block_timeout:g} s"
                 self._cond.wait(deadline - now)
 
     def _release(self, nbytes: int, done: bool = False) -> None:

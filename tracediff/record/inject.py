@@ -82,6 +82,7 @@ class _Context:
                 meta={"injected": True},
                 storage_options=cfg.get("storage_options"),  # record -o URL --storage-option ...
                 on_close=lambda rec: _note_for_record("recorder", rec.outcome()),
+                ledger=_ledger(),
                 **({"retry_seconds": float(cfg["retry_seconds"])} if cfg.get("retry_seconds") is not None else {}),
             )
             for spec in self.specs:
@@ -118,6 +119,22 @@ class _Context:
             log.error("tracediff: cannot attach taps in pid %d (recording off, the program goes on): %s: %s",
                       os.getpid(), type(exc).__name__, exc)
             _note_for_record("inject", {"error": f"cannot attach taps: {type(exc).__name__}: {exc}"})
+
+
+def _ledger() -> Any:
+    """This process's row ledger in the report folder (None outside `tracediff record`, or when the
+    folder cannot take it: then a killed process's loss is not counted, and that is said)."""
+    folder = os.environ.get(ENV_REPORT_DIR)
+    if not folder:
+        return None
+    from tracediff.record.ledger import Ledger  # noqa: PLC0415
+
+    try:
+        return Ledger(folder)
+    except (OSError, ValueError) as exc:
+        log.error("tracediff: no row accounting in pid %d (%s): rows lost if this process is killed are not "
+                  "counted", os.getpid(), exc)
+        return None
 
 
 def _segment_kw(cfg: dict[str, Any], tap: str) -> dict[str, Any]:
@@ -323,8 +340,11 @@ def _note_for_record(kind: str, note: dict[str, Any]) -> None:
 
 
 def read_notes(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every note the processes of a recorded command left in ``folder``, each with its ``kind``."""
+    """Every note the processes of a recorded command left in ``folder``, each with its ``kind``;
+    a row ledger (kind ``ledger``) with its counts read in, as ``counts``."""
     from pathlib import Path  # noqa: PLC0415
+
+    from tracediff.record.ledger import read_ledger  # noqa: PLC0415
 
     notes = []
     for path in sorted(Path(folder).glob("*-*.json")):
@@ -334,18 +354,33 @@ def read_notes(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
             continue
         if isinstance(note, dict):
             note["kind"] = path.stem.split("-", 1)[1]
+            if note["kind"].startswith("ledger"):
+                note["kind"], note["counts"] = "ledger", read_ledger(note, folder)
             notes.append(note)
     return notes
 
 
-def recording_problems(notes: list[dict[str, Any]]) -> list[str]:
+def recording_problems(notes: list[dict[str, Any]], store_rows: dict[str, int] | None = None,
+                       on_full: str = "drop") -> list[str]:
     """One line per way the recorded command lost rows: an interpreter that could not import
     tracediff (once per interpreter, only where the process imported torch or did not end normally:
-    one that never imported torch had nothing to record), recording that could not start, and every
-    writer group that stopped on an error. Rows dropped because the writer fell behind are no
-    problem here: ``--on-full drop`` chose that, and the summary says how many."""
+    one that never imported torch had nothing to record), recording that could not start, every
+    writer group that stopped on an error, every tap that dropped rows because its writer fell behind
+    (``on_full``: the run's ``--on-full``, for the advice), and every tap of a process that ended
+    before its writer had committed what it had queued (a SIGKILL: its row ledger says how many).
+    ``store_rows``: the rows each writer group (``fc_in/pid123``) committed, from the store's commit
+    records (the truth where a process died between a commit and its count); else the ledgers' own."""
     out: list[str] = []
     lacking: dict[str, list[int]] = {}
+    outcomes: dict[Any, dict[str, Any]] = {}
+    for note in notes:
+        if note.get("kind") == "recorder":
+            outcomes[note.get("pid")] = note
+    ledgers: dict[tuple[Any, str], dict[str, Any]] = {}
+    for note in notes:
+        if note.get("kind") == "ledger":
+            for tap, counts in (note.get("counts") or {}).items():
+                ledgers[(note.get("pid"), tap)] = counts
     for note in notes:
         kind, pid = note.get("kind"), note.get("pid")
         if kind == "shim":
@@ -365,6 +400,14 @@ def recording_problems(notes: list[dict[str, Any]]) -> list[str]:
                         f"{info.get('group') or tap} (pid {pid}): recording stopped after {info.get('rows', 0)} "
                         f"committed rows, {info.get('dropped_rows', 0)} rows lost: {info['error']}"
                     )
+                elif info.get("dropped_rows") and (pid, tap) not in ledgers:
+                    out.append(_drop_line(info.get("group") or tap, pid, info, None, on_full))
+        elif kind == "ledger":
+            for tap, counts in (note.get("counts") or {}).items():
+                info = ((outcomes.get(pid) or {}).get("taps") or {}).get(tap) or {}
+                if info.get("error") and (info.get("group") or info.get("dropped_rows")):
+                    continue  # said above, with the error
+                out.extend(_ledger_lines(tap, pid, counts, info, store_rows, on_full))
     for exe, pids in lacking.items():
         who = f"pid {pids[0]}" if len(pids) == 1 else f"{len(pids)} processes (pids {', '.join(map(str, pids[:5]))})"
         out.insert(
@@ -373,3 +416,39 @@ def recording_problems(notes: list[dict[str, Any]]) -> list[str]:
             f"that interpreter ({exe} -m pip install tracediff) and record with `{exe} -m tracediff record ...`",
         )
     return out
+
+
+def _drop_line(group: str, pid: Any, info: dict[str, Any], offered: int | None, on_full: str) -> str:
+    """A tap that dropped rows because its writer fell behind: how many, why, and the flag."""
+    dropped = int(info.get("dropped_rows") or 0)
+    of = f" of {offered:,}" if offered else ""
+    why = info.get("drop_reason") or "the writer queue was full"
+    fix = ("a larger --queue-bytes, or fewer rows (--every-n-steps, --phases)" if on_full == "block" else
+           "--on-full block (the host then waits for the writer, a bounded time per batch) or a larger "
+           "--queue-bytes")
+    return (f"{group} (pid {pid}): {dropped:,}{of} rows dropped, not recorded: the writer fell behind ({why}, "
+            f"--on-full {on_full}); rerun with {fix}")
+
+
+def _ledger_lines(tap: str, pid: Any, counts: dict[str, Any], info: dict[str, Any],
+                  store_rows: dict[str, int] | None, on_full: str) -> list[str]:
+    """What one tap of one process lost, from its row ledger (and its outcome, when it closed)."""
+    group = counts.get("group") or info.get("group")
+    if store_rows is not None and group in store_rows:
+        committed = int(store_rows[group])
+    else:
+        committed = int(info.get("rows", counts.get("committed", 0)) if info else counts.get("committed", 0))
+    offered, skipped = int(counts.get("offered", 0)), int(counts.get("skipped", 0))
+    dropped = max(int(counts.get("dropped", 0)), int(info.get("dropped_rows") or 0))
+    unsettled = offered - skipped - committed - dropped
+    name = group or tap
+    parts = []
+    if dropped:
+        parts.append(_drop_line(name, pid, dict(info, dropped_rows=dropped), offered, on_full))
+    if unsettled > 0:
+        parts.append(
+            f"{name} (pid {pid}): {unsettled:,} of {offered:,} rows were taken but never committed: the process "
+            f"ended before its writer had written them ({'it was killed' if not info else 'its writer was behind'}); "
+            f"let it exit normally (vLLM: --shutdown-timeout 10, or --commit step so that each step's rows are "
+            f"committed before vLLM returns them)")
+    return parts

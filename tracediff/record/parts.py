@@ -44,6 +44,7 @@ class TapState:
     skipped_rows: int = 0
     skipped_batches: int = 0
     rows_settled: int = 0  # rows of queued batches the writer has committed or counted as dropped
+    drop_reason: str = ""  # why the queue refused this tap's first dropped batch
     width: int | None = None
     dtype: str | None = None
     next_seq: int = 0

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from tracediff.errors import StoreExistsError, UsageError
+from tracediff.record.ledger import DROPPED, OFFERED, SKIPPED, Ledger
 from tracediff.record.limits import Limits
 from tracediff.store import (
     DEFAULT_CHUNK_ROWS,
@@ -123,6 +124,10 @@ class Recorder(CapturePath, WriterThread):
     from the closing thread instead, with the rows still queued counted as lost.
     ``retry_seconds`` (a store at a URL): how long a batch whose upload failed on the way (endpoint
     unreachable, connection reset, timeout) is sent again before the writer stops for good.
+    ``max_queue_batches``: the most batches queued at once (default: one per 256 KiB of
+    ``max_queue_bytes``, 64 to 4096).
+    ``ledger``: where to keep this recorder's row counts so that they outlive a SIGKILL (how
+    `tracediff record` learns what a killed process lost; :mod:`tracediff.record.ledger`).
     """
 
     def __init__(
@@ -140,7 +145,7 @@ class Recorder(CapturePath, WriterThread):
         on_full: str = "drop",
         block_timeout: float = 10.0,
         max_queue_bytes: int = 1 << 30,
-        max_queue_batches: int = 64,
+        max_queue_batches: int | None = None,
         chunk_rows: int = DEFAULT_CHUNK_ROWS,
         compressor: str = DEFAULT_COMPRESSOR,
         durable: bool = False,
@@ -151,9 +156,15 @@ class Recorder(CapturePath, WriterThread):
         storage_options: Mapping[str, Any] | None = None,
         on_close: Callable[[Recorder], None] | None = None,
         retry_seconds: float = DEFAULT_RETRY_SECONDS,
+        ledger: Ledger | None = None,
     ) -> None:
         if on_full not in ("drop", "block"):
             raise UsageError(f"on_full must be 'drop' or 'block', got {on_full!r}")
+        if max_queue_batches is None:
+            # Bytes are the budget; the batch count only bounds what the bytes do not count (a
+            # batch's labels): one batch a 256 KiB of budget, 64 to 4096. A fixed 64 was hit first
+            # by a server's many small batches (a step's draft rows), long before the bytes.
+            max_queue_batches = max(64, min(4096, int(max_queue_bytes) >> 18))
         if max_queue_bytes <= 0 or max_queue_batches <= 0:
             raise UsageError("max_queue_bytes and max_queue_batches must be positive")
         if not retry_seconds >= 0:
@@ -199,6 +210,7 @@ class Recorder(CapturePath, WriterThread):
         self._unfinished: dict[str, int] = {}  # tap -> rows still queued when close() gave up waiting
         self._close_errors: dict[str, str] = {}  # tap -> why its final commit failed
         self.retry_seconds = float(retry_seconds)
+        self._ledger = ledger
         self._give_up_at: float | None = None  # set by close(): no upload retry starts after it
 
         if self.location.remote:
@@ -375,9 +387,11 @@ class Recorder(CapturePath, WriterThread):
         """Record ``tensor`` ([..., width]) as rows of tap ``name``. Never raises into the caller.
 
         ``fresh=True`` says the tensor is a private copy nobody will modify (skips the clone)."""
-        if self.closed:
-            return
         state = self._taps.get(name)
+        if self.closed:  # a capture racing close(): the rows are lost, and counted
+            if state is not None:
+                self._count_lost(state, tensor)
+            return
         if not self.enabled or (state is not None and state.error is not None):
             if state is not None:
                 self._count_lost(state, tensor)
@@ -446,6 +460,7 @@ class Recorder(CapturePath, WriterThread):
                 "rows": writer.counts.rows if writer is not None else 0,
                 "dropped_rows": state.dropped_rows + unfinished,
                 "skipped_rows": state.skipped_rows,
+                "drop_reason": state.drop_reason,
                 "status": writer.status if writer is not None else ("failed" if error else "no rows"),
                 "error": error,
             }
@@ -512,6 +527,18 @@ class Recorder(CapturePath, WriterThread):
         with self._state_lock:
             state.dropped_rows += rows
             state.dropped_batches += batches
+        self._account(state.name, DROPPED, rows)
+
+    def _add_skip(self, state: TapState, rows: int, batches: int = 1) -> None:
+        with self._state_lock:
+            state.skipped_rows += rows
+            state.skipped_batches += batches
+        self._account(state.name, SKIPPED, rows)
+
+    def _account(self, tap: str, field: int, rows: int) -> None:
+        """Count rows in the ledger (when there is one): a memory write, never raises."""
+        if self._ledger is not None:
+            self._ledger.add(tap, field, rows)
 
     def _count_lost(self, state: TapState, tensor: Any) -> None:
         """Count the rows of a capture a stopped tap (or recorder) cannot write; never raises."""
@@ -519,6 +546,7 @@ class Recorder(CapturePath, WriterThread):
             if isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and tensor.shape[-1] > 0:
                 rows = tensor.numel() // tensor.shape[-1]
                 if rows:
+                    self._account(state.name, OFFERED, rows)
                     self._add_drop(state, rows)
         except Exception:  # noqa: BLE001, S110  (counting is best effort; the host comes first)
             pass

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tracediff.record.ledger import COMMITTED
 from tracediff.record.parts import Batch, DefaultLabels, TapState, one_line
 from tracediff.store import (
     PHASES,
@@ -95,6 +96,8 @@ class WriterThread:
         else:
             writer = TraceWriter(self.path, state.name, self.writer_name, **common)
         self._writers[state.name] = writer
+        if self._ledger is not None:
+            self._ledger.set_group(state.name, f"{state.name}/{writer.writer}")
         return writer
 
     def _segment_layout(self, state: TapState) -> tuple[int | None, list[str] | None]:
@@ -135,6 +138,7 @@ class WriterThread:
         labels = {k: (np.broadcast_to(np.asarray(v), (rows,)) if np.ndim(v) == 0 else v) for k, v in labels.items()}
         self._sync_counts(writer, item.tap)
         writer.append(array, labels)
+        self._account(item.tap, COMMITTED, rows)
 
     def _sync_counts(self, writer: TraceWriter, tap: str) -> None:
         state = self._taps[tap]

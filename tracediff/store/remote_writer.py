@@ -129,7 +129,7 @@ def create_remote_store(
         return loc
     if exists:
         if not overwrite:
-            raise StoreExistsError(f"{loc.display}: already exists; pass --overwrite (overwrite=True) to replace it")
+            raise StoreExistsError(f"{loc.display}: already exists; pass --overwrite to replace it")
         remove_remote_store(loc)
     else:
         try:

@@ -133,7 +133,7 @@ def check_replaceable(path: Path, overwrite: bool) -> None:
     """Refuse to replace an existing ``path`` unless ``overwrite`` and it is a trace store (or a
     folder holding nothing but zarr's temporary files), never an unrelated file or folder."""
     if not overwrite:
-        raise StoreExistsError(f"{path}: already exists; pass --overwrite (overwrite=True) to replace it")
+        raise StoreExistsError(f"{path}: already exists; pass --overwrite to replace it")
     # A plain file is never a store folder (packed .zip stores are refused above): keep it too.
     # A folder holding only zarr's temporary files is a store killed while its root zarr.json
     # was being written: as good as empty.
