@@ -169,7 +169,10 @@ def test_a_sigkilled_record_leaves_the_old_store_where_it_said(old_store: Path) 
         cwd=old_store.parent, env=cli_env(), stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        told = proc.stderr.readline()  # printed before the command starts
+        told = ""  # printed before the command starts
+        while not told.startswith("tracediff: moved the previous store"):
+            told = proc.stderr.readline()
+            assert told, "record ended without naming where the previous store went"
         deadline = time.monotonic() + 60
         while not started.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
