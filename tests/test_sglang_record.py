@@ -64,7 +64,8 @@ def test_an_adapter_whose_framework_is_missing_is_a_one_line_error(
 
 
 def test_all_ranks_reaches_every_recorded_process(tmp_path: Path) -> None:
-    show = "import json, os; print(json.loads(os.environ['TRACEDIFF_CONFIG'])['all_ranks'])"
+    show = ("import json, os, torch; torch.nn.Linear(2, 2)(torch.ones(1, 2)); "  # one row: a run that records
+            "print(json.loads(os.environ['TRACEDIFF_CONFIG'])['all_ranks'])")     # none exits 2
     result = run_tracediff("record", "--all-ranks", "--tap", "Linear:input", "-o", tmp_path / "s.zarr", "--",
                            sys.executable, "-c", show)
     assert result.returncode == 0, result.stderr
