@@ -5,13 +5,23 @@ message and exit code 2; a traceback from here is a bug. The commands live in
 :mod:`tracediff.commands`, one module a group (record; compare, identify, calibrate, demo; replay;
 the store commands import, send, inspect, pack, push); this module is the group that holds them and
 the program's entry point, :func:`run`.
+
+The program (:func:`run`, not ``main``: a program that calls ``main`` keeps its own signal handling)
+ends on SIGINT with one ``tracediff: interrupted`` line and exit code 130, on SIGTERM with one line
+and 143: never click's ``Aborted!`` and exit 1 (which reads as "mismatch"), never a traceback. The
+signal unwinds the command as an exception, so its ``with`` blocks run (a dask cluster it started
+is closed, a report's temporary file removed: a report is renamed into place whole or not at all);
+a second signal, or unwinding that takes longer than :data:`UNWIND_SECONDS`, ends the process at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
+from typing import Any
 
 import click
 
@@ -23,7 +33,10 @@ from tracediff.commands.replay import replay
 from tracediff.commands.stores import import_group, inspect, pack, push, send
 
 
-@click.group(cls=CommandGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=CommandGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=(
+    "\b\nExit codes: each command's own in 'tracediff COMMAND -h'; every command exits 2 on a usage or\n"
+    "input error (one 'tracediff: error:' line), 130 on Ctrl-C (SIGINT) and 143 on SIGTERM (one\n"
+    "'tracediff:' line each)."))
 @click.version_option(__version__, prog_name="tracediff")
 def main() -> None:
     """Record and compare the fc-input rows an EAGLE-3 draft sees in training and in serving."""
@@ -31,6 +44,68 @@ def main() -> None:
 
 for _command in (record, compare, replay, identify, calibrate, import_group, demo, send, inspect, pack, push):
     main.add_command(_command)
+
+
+#: Seconds a command may take to unwind after SIGINT or SIGTERM (closing a cluster, removing a
+#: report's temporary file) before the process ends without finishing that.
+UNWIND_SECONDS = 10.0
+
+_SIGNAL_ENDINGS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the program. A BaseException, and no KeyboardInterrupt: no
+    ``except Exception`` of a library swallows it, and click does not turn it into ``Aborted!``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Ending:
+    """The ending a signal gives the program, said once whoever gets there first: :func:`run` once
+    the command has unwound, the deadline, a second signal."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.signum: int | None = None
+        self.finished = False  # the command has returned: nothing left to unwind
+        self.said = False
+
+    def say(self, signum: int, *, flush: bool = True) -> int:
+        with self.lock:
+            if not self.said:
+                self.said = True
+                # Only the orderly path flushes: a forced one may run while the main thread is inside
+                # a write to stdout (its buffer's lock held, or this very thread in it).
+                for stream in (sys.stdout, sys.stderr) if flush else ():
+                    with contextlib.suppress(OSError, ValueError, RuntimeError):
+                        stream.flush()
+                with contextlib.suppress(OSError):
+                    os.write(2, f"tracediff: {_SIGNAL_ENDINGS.get(signum, 'stopped by a signal')}\n".encode())
+        return 128 + signum
+
+    def now(self, signum: int) -> None:
+        os._exit(self.say(signum, flush=False))
+
+    def on_signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002
+        if self.signum is not None or self.finished:  # a second signal while unwinding, or nothing to unwind
+            self.now(self.signum or signum)
+        self.signum = signum
+        deadline = threading.Timer(UNWIND_SECONDS, self.now, args=(signum,))
+        deadline.daemon = True
+        deadline.start()
+        raise Interrupted(signum)
+
+
+def _handle_signals() -> _Ending:
+    """SIGINT and SIGTERM raise :class:`Interrupted` in the main thread, unless the process was started
+    with them ignored (``nohup``, a background job of a script) or something else handles them."""
+    ending = _Ending()
+    for signum, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+        if signal.getsignal(signum) == default:
+            signal.signal(signum, ending.on_signal)
+    return ending
 
 
 def run() -> None:
@@ -42,8 +117,18 @@ def run() -> None:
     and the exit code is a plain number; ``main`` itself (what tests and other programs call) exits
     normally.
     """
+    ending = _handle_signals()
+    try:
+        _run(ending)
+    except Interrupted as exc:
+        code = ending.say(exc.signum)
+        if "tracediff.record.recorder" in sys.modules:
+            sys.exit(code)  # the recorder closes at exit (the deadline still holds)
+        os._exit(code)  # worker threads may be mid-block: they end with the process
+
+
+def _run(ending: _Ending) -> None:
     import logging  # noqa: PLC0415
-    import threading  # noqa: PLC0415
 
     from tracediff.runtime import return_freed_memory  # noqa: PLC0415
 
@@ -53,6 +138,7 @@ def run() -> None:
         code: object = 0
     except SystemExit as exc:
         code = exc.code
+    ending.finished = True  # a signal from here on ends the process at once: the output is complete
     if code is not None and not isinstance(code, int):
         sys.exit(code)  # a message: let the interpreter print it
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]

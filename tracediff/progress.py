@@ -74,6 +74,7 @@ class Progress:
         self._items_total: int | None = None
         self._items_done = 0
         self._printed = False
+        self._closed = False
         self._live_width = 0
 
     # -- the callbacks the library calls
@@ -104,10 +105,16 @@ class Progress:
             self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(finished=exc_type is None)
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
+        """Stop the ticker; in a log, a command that printed status lines ends them with ``done in N s``,
+        unless it did not finish (``finished=False``: an error or a signal says why, no "done" before it).
+        Only the first call counts."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
@@ -116,7 +123,7 @@ class Progress:
             if self.mode == "live" and self._live_width:
                 self._write("\r" + " " * self._live_width + "\r")
                 self._live_width = 0
-            elif self.mode == "log" and self._printed:
+            elif self.mode == "log" and self._printed and finished:
                 self._write(f"tracediff {self.command}: done in {time.monotonic() - self._start:.0f} s\n")
 
     # -- drawing

@@ -8,12 +8,26 @@ from pathlib import Path
 
 import click
 
-from tracediff.commands.options import STORE, replay_options, say_written, stage_progress, storage_options
+from tracediff.commands.options import (
+    STORE,
+    check_output_files,
+    check_output_folder,
+    exit_codes,
+    replay_options,
+    say_written,
+    stage_progress,
+    storage_options,
+    write_reports,
+)
 from tracediff.commands.replay import replay_draft
-from tracediff.errors import UsageError
+from tracediff.errors import ReportWriteError, UsageError
 
 
-@click.command()
+@click.command(epilog=exit_codes(
+    (0, "match (no finding at --fail-on's severity)"),
+    (1, "mismatch"),
+    (2, "usage or input error, or a report file that cannot be written (one 'tracediff: error:' line; when "
+        "only the write failed, after the verdict)")))
 @storage_options
 @click.argument("stores", nargs=-1, type=STORE, metavar="REFERENCE CANDIDATE [CANDIDATE...]")
 @click.option("--reference", "references", multiple=True, type=STORE, metavar="STORE",
@@ -87,15 +101,17 @@ def compare(
 
     With --draft DIR, also replay the draft on both sides' rows (see `tracediff replay`).
 
-    Exit code: 0 match, 1 mismatch, 2 usage or input error.
+    The --json, --markdown and --html paths are checked before anything is read: each file's folder
+    exists and takes a new file. Each report is written whole or not at all (a temporary file renamed).
     """
     from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
-    from tracediff.report import render_text, write_report  # noqa: PLC0415
+    from tracediff.report import render_text  # noqa: PLC0415
     from tracediff.report.text import render_verdict_line  # noqa: PLC0415
     from tracediff.store.storeset import expand_stores  # noqa: PLC0415
 
     if sample_rows <= 0:
         raise UsageError(f"--sample-rows must be positive, got {sample_rows}")
+    check_output_files(("--json", json_path), ("--markdown", markdown_path), ("--html", html_path))
     ref_given = list(references) if references else list(stores[:1])
     cand_given = (list(stores) if references else list(stores[1:])) + list(candidates)
     if not ref_given or not cand_given:  # click's own wording, usage and help pointer
@@ -112,9 +128,6 @@ def compare(
 
         # Workers have no --storage-option of their own: the command's go with every task.
         runner = DaskRunner(dask_target, storage_options=current_storage_options())
-    for out in (json_path, markdown_path, html_path):
-        if out is not None and not out.parent.resolve().is_dir():
-            raise UsageError(f"{out}: its folder does not exist")
     if draft is not None and send_report is not None:
         from tracediff.replay import read_send_report  # noqa: PLC0415
 
@@ -135,17 +148,23 @@ def compare(
             replay_draft(report, draft, target, server_draft, send_report, steps, max_sequences, score_rows,
                     multi_step_starts, replay_dtype)
         prog.stage("writing reports")
-        write_report(report, json_path=json_path, markdown_path=markdown_path, html_path=html_path)
+        unwritten = write_reports(report, json_path, markdown_path, html_path)
+        prog.close(finished=unwritten is None)  # no "done" line before the error
     if quiet:
         click.echo(render_verdict_line(report))
     else:
         click.echo(render_text(report, color=sys.stdout.isatty(), verbose=verbose))
+    if unwritten is not None:  # the verdict above, then why a report is missing: exit 2
+        raise unwritten
     say_written("compare", json_path, markdown_path, html_path)
     sys.exit(report.exit_code(fail_on))
 
 
 # ---------------------------------------------------------------------------------- identify
-@click.command()
+@click.command(epilog=exit_codes(
+    (0, "every segment identified (a layer, or a layer scaled)"),
+    (1, "a segment is not identified"),
+    (2, "usage or input error, or --json cannot be written (when only the write failed, after the result)")))
 @storage_options
 @click.argument("store", type=STORE)
 @click.option("--bank", required=True, type=STORE,
@@ -156,27 +175,31 @@ def compare(
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the result as JSON here.")
 def identify(store: Path, bank: Path, tap: str | None, bank_tap: str | None, segment_size: int | None,
              json_path: Path | None) -> None:
-    """Name the layer each segment of STORE comes from ("segment 0 is hidden_states[3]").
-
-    Exit code: 0 when every segment is identified, 1 when one is not, 2 on bad input.
-    """
+    """Name the layer each segment of STORE comes from ("segment 0 is hidden_states[3]")."""
     from tracediff.compare.identify import identify_segments, render_identification  # noqa: PLC0415
     from tracediff.report import write_json  # noqa: PLC0415
 
-    if json_path is not None and not json_path.parent.resolve().is_dir():
-        raise UsageError(f"{json_path}: its folder does not exist")
+    check_output_files(("--json", json_path))
     with stage_progress("identify", None) as prog:
         prog.stage("naming each segment's layer")
         ident = identify_segments(store, bank, tap=tap, bank_tap=bank_tap, segment_size=segment_size)
+    unwritten = None
     if json_path is not None:
-        write_json(json_path, ident.to_dict())
+        try:
+            write_json(json_path, ident.to_dict())
+        except ReportWriteError as exc:
+            unwritten = exc
     click.echo(render_identification(ident))
+    if unwritten is not None:
+        raise unwritten
     if json_path is not None:
         click.echo(f"tracediff identify: wrote the JSON result {json_path}", err=True)
     sys.exit(0 if all(s.verdict in ("match", "scaled") for s in ident.segments) else 1)
 
 
-@click.command()
+@click.command(epilog=exit_codes(
+    (0, "calibration rows appended"),
+    (2, "usage or input error (STORE, the model, the layers)")))
 @click.argument("store", type=click.Path(path_type=Path))
 @click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path),
               help="The target model's local folder (save_pretrained; safetensors weights): the trainer's weights.")
@@ -200,7 +223,10 @@ def calibrate(store: Path, model_dir: Path, dtype: str, sequences: int, tap: str
 
 
 # ---------------------------------------------------------------------------------- demo
-@click.command()
+@click.command(epilog=exit_codes(
+    (0, "the demo showed what it should (the broken pair mismatches, the fixed one matches)"),
+    (1, "a result came out otherwise"),
+    (2, "the samples are missing, or --out cannot hold the reports")))
 @click.option("--out", type=click.Path(path_type=Path), default=Path("tracediff-demo"), show_default=True,
               help="Folder for the HTML, Markdown and JSON reports (created).")
 @click.option("--samples", type=click.Path(path_type=Path),
@@ -208,10 +234,10 @@ def calibrate(store: Path, model_dir: Path, dtype: str, sequences: int, tap: str
 def demo(out: Path, samples: Path | None) -> None:
     """Compare the shipped broken and fixed trace pairs, identify the broken server's layers, write reports.
 
-    Offline, CPU only. Exit code: 0 when the demo showed what it should (the broken pair is meant to
-    mismatch), 1 when a result came out otherwise, 2 when the samples are missing.
+    Offline, CPU only.
     """
     from tracediff.demo import run_demo  # noqa: PLC0415
 
+    check_output_folder("--out", out)
     result = run_demo(out, samples, echo=click.echo, color=sys.stdout.isatty())
     sys.exit(result.exit_code)

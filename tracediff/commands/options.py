@@ -1,13 +1,17 @@
 """What the `tracediff` commands share: the store argument type, ``--storage-option``, sizes, the
-replay options of `compare --draft` and `replay`, stage progress, and the command group that maps
-every :class:`tracediff.errors.TracediffError` (and click's usage errors) to one line and exit code 2.
+replay options of `compare --draft` and `replay`, stage progress, the check of output paths before a
+command computes anything, the exit codes their help states, and the command group that maps every
+:class:`tracediff.errors.TracediffError` (and click's usage errors) to one line and exit code 2.
 
 Imports nothing heavy: `tracediff --help` loads this module.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +128,78 @@ def stage_progress(command: str, flag: bool | None, **counting: Any) -> Any:
     from tracediff.progress import Progress, progress_mode  # noqa: PLC0415
 
     return Progress(command, progress_mode(flag), **counting)
+
+
+def check_output_files(*outputs: tuple[str, Path | None]) -> None:
+    """Before a command computes anything: each output file it was given (``("--html", path)``; None:
+    not given) can be written, i.e. it is no folder, no device or other special file (the file is
+    renamed over it), its folder exists and a file can be created there (tried: permission bits say
+    nothing to root, nor on a read-only mount), and no two options name the same file. Raises
+    :class:`UsageError` naming the option and the path."""
+    seen: dict[Path, str] = {}
+    for option, path in outputs:
+        if path is None:
+            continue
+        key = Path(os.path.abspath(path))
+        if key in seen:
+            raise UsageError(f"{option} {path}: {seen[key]} names the same file; give each report its own path")
+        seen[key] = option
+        if path.is_dir():
+            raise UsageError(f"{option} {path}: is a folder; give a file name")
+        if path.exists() and not path.is_file():
+            raise UsageError(f"{option} {path}: is not a regular file (the report replaces it); give a file path")
+        _check_creatable(option, path, key.parent)
+
+
+def check_output_folder(option: str, folder: Path) -> None:
+    """Before a command computes anything: ``folder`` (created by the command where missing) is or can
+    be a folder where files can be created. Raises :class:`UsageError` naming the option and the path."""
+    existing = Path(os.path.abspath(folder))
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing == Path(os.path.abspath(folder)) and not existing.is_dir():
+        raise UsageError(f"{option} {folder}: exists and is not a folder; give a folder for the reports")
+    _check_creatable(option, folder, existing)
+
+
+def _check_creatable(option: str, path: Path, folder: Path) -> None:
+    if not folder.exists():
+        raise UsageError(f"{option} {path}: folder {folder} does not exist; create it first")
+    if not folder.is_dir():
+        raise UsageError(f"{option} {path}: {folder} is not a folder")
+    probe = folder / f".tracediff-probe.{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError as exc:
+        raise UsageError(f"{option} {path}: cannot create a file in {folder}: {exc.strerror or exc}") from exc
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+
+
+def exit_codes(*codes: tuple[int | str, str]) -> str:
+    """The ``Exit codes`` block of a command's help (its epilog): its own codes, ``(0, "match")``, ...,
+    then the two every command shares (:mod:`tracediff.cli`: one ``tracediff:`` line, then 130 or 143)."""
+    import textwrap  # noqa: PLC0415
+
+    rows = [*codes, (130, "interrupted (Ctrl-C, SIGINT)"), (143, "terminated (SIGTERM)")]
+    lines = ["\b", "Exit codes:"]
+    for code, text in rows:
+        lines += textwrap.wrap(text, width=76, initial_indent=f"  {code!s:<5}", subsequent_indent=" " * 7)
+    return "\n".join(lines)
+
+
+def write_reports(report: Any, json_path: Path | None, markdown_path: Path | None,
+                  html_path: Path | None) -> TracediffError | None:
+    """Write a compare's report files (each whole or not at all); a failure (the folder gone or full
+    since :func:`check_output_files`) is returned, for the command to raise once it has printed the
+    verdict it computed: a report that cannot be written never hides the verdict."""
+    from tracediff.report import write_report  # noqa: PLC0415
+
+    try:
+        write_report(report, json_path=json_path, markdown_path=markdown_path, html_path=html_path)
+    except TracediffError as exc:
+        return exc
+    return None
 
 
 def say_written(command: str, json_path: Path | None, markdown_path: Path | None, html_path: Path | None) -> None:

@@ -9,7 +9,16 @@ from typing import Any
 
 import click
 
-from tracediff.commands.options import STORE, replay_options, say_written, stage_progress, storage_options
+from tracediff.commands.options import (
+    STORE,
+    check_output_files,
+    exit_codes,
+    replay_options,
+    say_written,
+    stage_progress,
+    storage_options,
+    write_reports,
+)
 from tracediff.errors import UsageError
 
 
@@ -27,7 +36,11 @@ def replay_draft(report: Any, draft: Path, target: Path | None, server_draft: Pa
         score_rows=score_rows, multi_step_starts=multi_step_starts, dtype=replay_dtype))
 
 
-@click.command()
+@click.command(epilog=exit_codes(
+    (0, "nothing found"),
+    (1, "compare or replay found a problem"),
+    (2, "usage or input error, or a report file that cannot be written (when only the write failed, after "
+        "the result)")))
 @storage_options
 @click.argument("reference", type=STORE)
 @click.argument("candidate", type=STORE)
@@ -47,18 +60,13 @@ def replay(reference: Path, candidate: Path, tap: str | None, ref_tap: str | Non
     and accept length, (a) on the reference's rows, (b) on the candidate's, (c) on the candidate's with
     compare's proposed fix, next to (d) the accept length the engine reported (--send-report from
     `tracediff send --report`).
-
-    Exit code: 0 nothing found, 1 compare or replay found a problem, 2 usage or input error.
     """
     from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
-    from tracediff.report import write_report  # noqa: PLC0415
     from tracediff.report.text import render_replay  # noqa: PLC0415
 
     if draft is None:
         raise UsageError("replay needs --draft DIR (the draft checkpoint folder: config.json + *.safetensors)")
-    for out in (json_path, markdown_path, html_path):
-        if out is not None and not out.parent.resolve().is_dir():
-            raise UsageError(f"{out}: its folder does not exist")
+    check_output_files(("--json", json_path), ("--markdown", markdown_path), ("--html", html_path))
     if send_report is not None:
         from tracediff.replay import read_send_report  # noqa: PLC0415
 
@@ -70,7 +78,10 @@ def replay(reference: Path, candidate: Path, tap: str | None, ref_tap: str | Non
         replay_draft(report, draft, target, server_draft, send_report, steps, max_sequences, score_rows, multi_step_starts,
                 replay_dtype)
         prog.stage("writing reports")
-        write_report(report, json_path=json_path, markdown_path=markdown_path, html_path=html_path)
+        unwritten = write_reports(report, json_path, markdown_path, html_path)
+        prog.close(finished=unwritten is None)  # no "done" line before the error
     click.echo(render_replay(report))
+    if unwritten is not None:
+        raise unwritten
     say_written("replay", json_path, markdown_path, html_path)
     sys.exit(report.exit_code("error"))

@@ -12,12 +12,23 @@ from typing import Any
 
 import click
 
-from tracediff.commands.options import STORE, CommandGroup, stage_progress, storage_options, store_name
+from tracediff.commands.options import (
+    STORE,
+    CommandGroup,
+    check_output_files,
+    exit_codes,
+    stage_progress,
+    storage_options,
+    store_name,
+)
 from tracediff.errors import UsageError
 
-
 # ---------------------------------------------------------------------------------- import
-@click.group(name="import", cls=CommandGroup)
+_IMPORT_EXITS = exit_codes((0, "the store written"),
+                           (2, "usage or input error (SRC not in that framework's layout, -o exists...)"))
+
+
+@click.group(name="import", cls=CommandGroup, epilog=_IMPORT_EXITS)
 def import_group() -> None:
     """Turn a trainer's offline hidden-state files into a reference trace (taps fc_in and bank)."""
 
@@ -37,7 +48,7 @@ def _import_options(func: Any) -> Any:
     return func
 
 
-@import_group.command(name="speculators")
+@import_group.command(name="speculators", epilog=_IMPORT_EXITS)
 @_import_options
 def import_speculators_cmd(src: Path, output: Path, overwrite: bool, layer_ids: str | None,
                            max_files: int | None) -> None:
@@ -54,7 +65,7 @@ def import_speculators_cmd(src: Path, output: Path, overwrite: bool, layer_ids: 
     click.echo(f"tracediff: {result.summary()}", err=True)
 
 
-@import_group.command(name="specforge")
+@import_group.command(name="specforge", epilog=_IMPORT_EXITS)
 @_import_options
 def import_specforge_cmd(src: Path, output: Path, overwrite: bool, layer_ids: str | None,
                          max_files: int | None) -> None:
@@ -72,7 +83,10 @@ def import_specforge_cmd(src: Path, output: Path, overwrite: bool, layer_ids: st
 
 
 # ---------------------------------------------------------------------------------- send
-@click.command()
+@click.command(epilog=exit_codes(
+    (0, "every sequence sent"),
+    (1, "some requests failed (each named on stderr)"),
+    (2, "usage or input error, the server unreachable, or --report cannot be written")))
 @storage_options
 @click.argument("trace", type=STORE)
 @click.option("--url", required=True, help="Base URL of the running server, e.g. http://127.0.0.1:30000.")
@@ -101,8 +115,6 @@ def send(trace: Path, url: str, engine: str, model: str | None, tap: str | None,
     request id is the sequence key: SGLang (/generate with input_ids and rid) or vLLM (--engine vllm:
     /v1/completions with the token ids as prompt and request_id), so that a server recorded with
     `tracediff record --adapter sglang|vllm` sees exactly the training tokens.
-
-    Exit code: 0 all sent, 1 some requests failed, 2 bad input or the server unreachable.
     """
     from tracediff.send import SendOptions, check_server, check_vocabulary, send_sequences, sequences_from_trace  # noqa: PLC0415
 
@@ -112,6 +124,7 @@ def send(trace: Path, url: str, engine: str, model: str | None, tap: str | None,
         raise UsageError(f"--url {url!r}: give a base URL such as http://127.0.0.1:30000")
     if concurrency < 1 or max_new_tokens < 1 or retries < 0 or timeout <= 0:
         raise UsageError("--concurrency and --max-new-tokens must be >= 1, --retries >= 0, --timeout > 0")
+    check_output_files(("--report", report_path))
     sequences = sequences_from_trace(trace, tap=tap, limit=limit)
     info = check_server(url, retries=retries, engine=engine)
     check_vocabulary(sequences, info, url)
@@ -142,7 +155,8 @@ def send(trace: Path, url: str, engine: str, model: str | None, tap: str | None,
 
 
 # ---------------------------------------------------------------------------------- inspect
-@click.command()
+@click.command(epilog=exit_codes((0, "shown (a half-pushed store too: its status line says so)"),
+                                 (2, "STORE cannot be opened or read")))
 @storage_options
 @click.argument("store", type=STORE)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
@@ -160,7 +174,8 @@ def inspect(store: Path, as_json: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------- pack
-@click.command()
+@click.command(epilog=exit_codes((0, "DEST written (its path printed)"),
+                                 (2, "usage or input error, DEST exists (no --overwrite) or cannot be written")))
 @storage_options
 @click.argument("store", type=STORE)
 @click.argument("dest", type=click.Path(path_type=Path), required=False)
@@ -182,11 +197,13 @@ def pack(store: Path | str, dest: Path | None, output: Path | None, overwrite: b
     dest = output if output is not None else dest
     if dest is None:
         dest = store.with_name(store.name + ".zip") if isinstance(store, Path) else Path(store_name(store) + ".zip")
+    check_output_files(("-o" if output is not None else "DEST", dest))
     click.echo(str(pack_store(store, dest, overwrite=overwrite)))
 
 
 # ---------------------------------------------------------------------------------- push
-@click.command()
+@click.command(epilog=exit_codes((0, "every committed row at URL, checked with the strict reader"),
+                                 (2, "usage or input error, URL unreachable or refusing (rerun: it resumes)")))
 @storage_options
 @click.argument("local", type=click.Path(path_type=Path))
 @click.argument("url")

@@ -46,6 +46,9 @@ def pack_store(
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise StoreWriteError(f"{dest}: cannot write the zip: {exc.strerror or exc}") from exc
+    except BaseException:  # Ctrl-C, SIGTERM (tracediff.cli): no half zip left beside DEST either
+        tmp.unlink(missing_ok=True)
+        raise
     return dest
 
 
