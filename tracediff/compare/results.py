@@ -40,6 +40,7 @@ FINDING_KINDS: tuple[str, ...] = (
     "draft_vocabulary",
     "draft_embedding",
     "draft_path",
+    "cannot_tell",
 )
 SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
 
@@ -61,6 +62,24 @@ class Finding:
             raise ValueError(f"unknown finding kind {self.kind!r}")
         if self.severity not in SEVERITIES:
             raise ValueError(f"unknown severity {self.severity!r}")
+
+
+@dataclass
+class Precondition:
+    """What one kind of conclusion needs, and whether this compare has it
+    (:mod:`tracediff.compare.evidence`).
+
+    ``status``: ``met`` (recorded), ``supported`` (not recorded, but the data agree with what was
+    assumed: the conclusions stand, with a warning), ``unmet`` (the conclusions in ``needed_by`` are
+    withheld: one ``cannot_tell`` finding says to record ``record``)."""
+
+    name: str  # token_ids | segment_sizes
+    status: str  # met | supported | unmet
+    message: str
+    record: str  # what to record so that the next compare has it ("" when met)
+    needed_by: list[str]  # the finding kinds that depend on it
+    evidence: dict[str, Any] = field(default_factory=dict)
+    short: str = ""  # what is missing in a few words, for the verdict line
 
 
 @dataclass
@@ -259,13 +278,21 @@ class Report:
     # The "what to record next" box: why this report cannot decide, and what to record so that the
     # next one can (calibration rows, a bank, the aux-layer ids); None when nothing is missing.
     record_next: dict[str, Any] | None = None
+    # What each kind of conclusion needed and whether this compare had it (tracediff.compare.evidence);
+    # an unmet one withholds the conclusions that need it (verdict cannot_tell).
+    preconditions: list[Precondition] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
+        if any(f.kind == "cannot_tell" and f.severity == "error" for f in self.findings):
+            return "cannot_tell"
         return "mismatch" if any(f.severity == "error" for f in self.findings) else "match"
 
     def exit_code(self, fail_on: str = "error") -> int:
-        """0 match, 1 mismatch; ``fail_on='warning'`` also fails on warnings (strict CI)."""
+        """0 match, 1 mismatch, 2 cannot tell (the evidence a conclusion needs is missing: the report
+        says what to record); ``fail_on='warning'`` also fails on warnings (strict CI)."""
+        if self.verdict == "cannot_tell":
+            return 2
         levels = ("error",) if fail_on == "error" else ("error", "warning")
         return 1 if any(f.severity in levels for f in self.findings) else 0
 

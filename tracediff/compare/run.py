@@ -19,6 +19,7 @@ import numpy as np
 from tracediff import __version__
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
 from tracediff.compare.align import align_sequences
+from tracediff.compare.evidence import Evidence, apply_preconditions, pairing_evidence, preconditions
 from tracediff.compare.findings import build_findings
 from tracediff.compare.gather import in_parallel
 from tracediff.compare.kernels import prepare_kernel
@@ -112,6 +113,7 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
 
     sizes = decide_segment_sizes(rl, cl, opts, size_sample)
     notes += list(sizes.notes)
+    evidence = _evidence(ref_index, cand_index, rl, cl, sizes, size_sample)
 
     # -- metadata: config diff in one physical layer numbering
     ref_meta, cand_meta = collect_meta(ref_store, rtap), collect_meta(cand_store, ctap)
@@ -167,6 +169,8 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
         segplan = plan_segments(c_sample, r_sample, size, rl.dtype, cl.dtype, depths, seed=opts.seed, compute=compute,
                                 assumed_depth=num_layers(ref_meta) or num_layers(cand_meta), calibration=calibration)
         del c_sample, r_sample, ahead  # (up to 2 x 100 MB at 3 x 4096: not held through the pass)
+        if not (ref_index.has_tokens and cand_index.has_tokens):
+            evidence.pairing = _pairing_evidence(pairs, ref_index, cand_index, segplan, opts)
         # -- the streaming pass
         matched = [(d.candidate, d.reference) for d in segplan.decisions
                    if d.reference is not None and d.duplicate_of is None]
@@ -299,7 +303,40 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
             f"the server. Compare the trainer's store with one the server recorded.",
             {"how": same, "reference": str(ref_store.path), "candidate": str(cand_store.path)}))
     attach_next_steps(report)
+    apply_preconditions(report, preconditions(evidence, report))
     return report
+
+
+def _evidence(ref_index: RowIndex, cand_index: RowIndex, rl: Any, cl: Any, sizes: Any,
+              sample: Any) -> Evidence:
+    """What the conclusions of this compare rest on (tracediff.compare.evidence): token ids, and how
+    each side's segment size was known; for a side that took the other's size, the size its own
+    values repeat at."""
+    recorded = {"reference": rl.segment_size is not None, "candidate": cl.segment_size is not None}
+    ev = Evidence(tokens={"reference": ref_index.has_tokens, "candidate": cand_index.has_tokens},
+                  size_source=sizes.source, size_recorded=recorded,
+                  sizes={"reference": sizes.reference, "candidate": sizes.candidate},
+                  widths={"reference": rl.width, "candidate": cl.width})
+    if sizes.source == "mixed":
+        from tracediff.compare.segments import infer_segment_size  # noqa: PLC0415
+
+        r_rows, c_rows = sample()
+        for side, rows in (("reference", r_rows), ("candidate", c_rows)):
+            if not recorded[side]:
+                own, how = infer_segment_size(rows.shape[1], rows.shape[1], rows, rows)
+                if "autocorrelation" in how:  # a repeating profile, not a fallback
+                    ev.own_size[side], ev.own_size_how[side] = own, how
+    return ev
+
+
+def _pairing_evidence(pairs: RowPairs, ref_index: RowIndex, cand_index: RowIndex, segplan: SegmentPlan,
+                      opts: CompareOptions) -> Any:
+    """Rows paired without token ids: do the values say they hold the same inputs?"""
+    pick = sample_pairs(pairs, min(opts.sample_rows, 2048), opts.seed + 2)
+    c_rows, r_rows = in_parallel(lambda: read_rows(cand_index, pairs.candidate[pick]),
+                                 lambda: read_rows(ref_index, pairs.reference[pick]))
+    positions = np.asarray(cand_index.position[pairs.candidate[pick]], dtype=np.int64)
+    return pairing_evidence(c_rows, r_rows, positions, segplan.size, segplan.cand_scales, segplan.ref_scales)
 
 
 Side_ = TraceStore | StoreSet

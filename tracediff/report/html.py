@@ -37,6 +37,7 @@ from tracediff.report.wording import (
     RECORDED_CONFIG,
     SEVERITY_TITLES,
     TABLE_EVIDENCE,
+    assumed_evidence,
     box_steps,
     change_lines,
     config_diff_items,
@@ -56,6 +57,7 @@ from tracediff.report.wording import (
     segment_name,
     side_items,
     verdict_sentence,
+    verdict_title,
 )
 
 _CSS = """
@@ -67,6 +69,8 @@ main { max-width: 1160px; margin: 0 auto; padding: 16px 24px 40px; }
 header.verdict { padding: 18px 24px; color: #fff; }
 header.verdict.mismatch { background: var(--err); }
 header.verdict.match { background: var(--ok); }
+header.verdict.cannot_tell { background: #8a5a00; }
+header.verdict p.assumed { margin-top: 6px; font-weight: 600; }
 header.verdict h1 { margin: 0 0 4px; font-size: 26px; letter-spacing: .02em; }
 header.verdict p { margin: 0; opacity: .95; }
 header.verdict code { background: rgba(255,255,255,.18); color: #fff; }
@@ -178,11 +182,12 @@ def render_html(report: Report) -> str:
 def _header(report: Report) -> str:
     sentence = verdict_sentence(report)
     cause = f'<p class="cause">{esc(sentence)}</p>' if sentence else ""
+    assumed = "".join(f'<p class="assumed">{esc(a)}</p>' for a in assumed_evidence(report))
     return (
-        f'<header class="verdict {esc(report.verdict)}"><h1>tracediff compare: {esc(report.verdict.upper())}</h1>'
+        f'<header class="verdict {esc(report.verdict)}"><h1>tracediff compare: {esc(verdict_title(report))}</h1>'
         f"<p>{esc(plural_counts(report.counts()))} &middot; exit code {report.exit_code()} &middot; "
         f"reference <code>{esc(report.reference.path)}</code> vs candidate <code>{esc(report.candidate.path)}</code></p>"
-        f"{cause}</header>"
+        f"{cause}{assumed}</header>"
     )
 
 

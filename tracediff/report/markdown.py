@@ -24,6 +24,7 @@ from tracediff.report.wording import (
     SEVERITY_TITLES,
     TABLE_EVIDENCE,
     WORST_ROWS_SHOWN,
+    assumed_evidence,
     box_steps,
     candidate_labels,
     change_lines,
@@ -47,6 +48,7 @@ from tracediff.report.wording import (
     segment_map_sentences,
     side_items,
     verdict_sentence,
+    verdict_title,
 )
 
 # CommonMark lets any ASCII punctuation be backslash-escaped; these are the ones that can start
@@ -98,7 +100,7 @@ def render_markdown(report: Report) -> str:
 
 
 def _summary(report: Report) -> list[str]:
-    verdict = report.verdict.upper()
+    verdict = verdict_title(report)
     lines = [
         f"## tracediff compare: **{verdict}**",
         "",
@@ -108,6 +110,8 @@ def _summary(report: Report) -> list[str]:
     sentence = verdict_sentence(report)
     if sentence:
         lines += [_md(sentence), ""]
+    for assumed in assumed_evidence(report):
+        lines += [f"> **{_md(assumed)}**", ""]
     lines += _boxes(report)
     ref_items = dict(side_items(report.reference))
     cand_items = dict(side_items(report.candidate))

@@ -23,6 +23,7 @@ from tracediff.report.wording import (
     SEVERITY_TITLES,
     TABLE_EVIDENCE,
     WORST_ROWS_SHOWN,
+    assumed_evidence,
     aux_config_text,
     box_steps,
     candidate_labels,
@@ -50,6 +51,7 @@ from tracediff.report.wording import (
     segment_map_sentences,
     segments_text,
     verdict_sentence,
+    verdict_title,
 )
 
 WIDTH = 100
@@ -298,16 +300,18 @@ def _summary(report: Report, paint: _Painter, *, brief: bool = False) -> list[st
     """The verdict and both sides; in full (``brief`` false) with every error finding and each side's
     recorded aux-layer config, brief with the aux layers in one phrase (the findings follow)."""
     counts = report.counts()
-    verdict = report.verdict.upper()
+    verdict = verdict_title(report)
     tally = plural_counts(counts)
     head = f"tracediff compare: {verdict}"
     lines = [
-        paint(head, "bold", "green" if report.verdict == "match" else "red")
+        paint(head, "bold", "green" if report.verdict == "match" else "yellow" if report.verdict == "cannot_tell" else "red")
         + f"  ({tally}; exit code {report.exit_code()})"
     ]
     sentence = verdict_sentence(report)
     if sentence:
         lines += _wrap(clean(sentence), "  ")
+    for assumed in assumed_evidence(report):
+        lines += [paint(t, "yellow") for t in _wrap(clean(assumed), "  ", hang="      ")]
     boxes = _fixes(report, paint)
     lines += boxes
     if not brief:

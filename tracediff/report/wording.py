@@ -160,6 +160,8 @@ def segment_map_sentences(report: Report) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for m in report.segment_map:
         out.append((m.status, _match_sentence(m)))
+    if any(m.status == "undecided" for m in report.segment_map):
+        return out  # (which reference segments are carried is not known either)
     carried = {m.reference for m in report.segment_map if m.status in _PRESENT_STATUSES}
     related = {m.reference: m for m in report.segment_map if m.status == "related"}
     if report.segment_map:
@@ -184,6 +186,8 @@ def _match_sentence(m: SegmentMatch) -> str:
         which = "closest" if m.reference is None else "runner-up"
         runner = f"; {which}: reference segment {m.runner_up}, cos {fmt_cos(m.runner_up_cosine, 4)}"
     bank = f"; bank: {m.bank_layer}" if m.bank_layer else ""
+    if m.status == "undecided":
+        return f"{cand}: cannot tell which reference segment it carries (see the first lines){bank}"
     if m.status == "extra" or m.reference is None:
         return f"{cand} has no counterpart in the reference (extra{runner}{bank})"
     what = {
@@ -432,10 +436,24 @@ def _pop_first(d: dict[str, Any], keys: Sequence[str]) -> Any:
 
 
 # -------------------------------------------------------------- the verdict, causes and boxes
+def verdict_title(report: Report) -> str:
+    """``MATCH``, ``MISMATCH``, ``CANNOT TELL``."""
+    return report.verdict.upper().replace("_", " ")
+
+
+def assumed_evidence(report: Report) -> list[str]:
+    """One sentence per precondition the compare assumed rather than had (the data agreed with the
+    assumption): said in the first lines of every report, under the verdict."""
+    return [f"Assumed, not recorded: {p.message}; {p.record}." for p in report.preconditions if p.status == "supported"]
+
+
 def verdict_sentence(report: Report) -> str | None:
     """The sentence under a verdict that needs one (every renderer says it the same way)."""
     if any(f.kind == "same_recording" for f in report.findings):
         return "Both sides are one recording: the rows match because they are the same rows."
+    if report.verdict == "cannot_tell":
+        return " ".join(f"Cannot tell which layers the candidate feeds: {p.short}; {p.record}, then compare again."
+                        for p in report.preconditions if p.status == "unmet")
     if report.verdict != "match":
         return root_cause_sentence(report)
     undecided = [f for f in report.findings if f.kind == "segment_undecided"]

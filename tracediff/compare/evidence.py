@@ -1,0 +1,264 @@
+"""Evidence gates: what each kind of conclusion of a compare needs, whether this compare has it,
+and what to record when it does not.
+
+A conclusion about wiring ("segment 0 is missing", "the segments are shifted by one slot") holds
+only if the rows compared are rows of the same inputs, and only if each row was cut into the right
+segments. When the evidence for either is missing (rows without token ids, paired by sequence key
+and position; a segment size nobody recorded), compare must not name a root cause: the conclusions
+that depend on it become one "cannot tell: record X" finding, said in the first lines of every
+report (docs/report-schema.md, "What each conclusion needs").
+
+This module decides on metadata and the plan sample only; it reads no store.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from statistics import NormalDist
+from typing import Any
+
+import numpy as np
+
+from tracediff.compare.results import Finding, Precondition, Report
+
+#: Finding kinds that say what the rows *are* (which layer, which token, what numerics): they need
+#: rows of the same inputs, cut into the right segments.
+ROW_CONCLUSIONS: tuple[str, ...] = (
+    "segment_order", "segment_missing", "segment_extra", "segment_duplicate", "segment_scale", "segment_value",
+    "segment_undecided", "segment_subset", "token_offset", "precision",
+)
+#: ... and, for the segment sizes, the segment count.
+SIZE_CONCLUSIONS: tuple[str, ...] = ("shape", *ROW_CONCLUSIONS)
+
+#: The false-alarm rate of the pairing test over all segment pairs together: the threshold on the
+#: best pair's z score is this rate split over the pairs tested (a Bonferroni bound), so the test
+#: asks for more evidence the more pairs it looks at.
+PAIRING_FALSE_ALARM = 1e-3
+
+
+@dataclass
+class PairingEvidence:
+    """Whether the paired rows hold the same inputs, from the values alone: each segment pair's
+    per-row standardised cosine on the paired rows against the same rows paired with another
+    sequence's row at the same position (same depth, same position, other content)."""
+
+    rows: int
+    z: list[list[float]]  # [candidate segment][reference segment]: paired minus shuffled, in standard errors
+    paired: list[list[float]]  # mean standardised cosine on the paired rows
+    shuffled: list[list[float]]  # ... on the same rows re-paired within their position
+    threshold: float  # the z the best pair needs
+    best: tuple[int, int] | None
+
+    @property
+    def holds(self) -> bool:
+        if self.best is None:
+            return False
+        i, j = self.best
+        return self.z[i][j] >= self.threshold
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows": self.rows, "z": self.z, "paired_cosine": self.paired, "shuffled_cosine": self.shuffled,
+                "threshold": self.threshold, "best": list(self.best) if self.best else None, "holds": self.holds}
+
+
+def pairing_evidence(cand: np.ndarray, ref: np.ndarray, positions: np.ndarray, size: int,
+                     cand_scales: Any, ref_scales: Any) -> PairingEvidence:
+    """Do the paired rows ([n, Wc], [n, Wr] float32, paired row by row, at ``positions``) hold the
+    same inputs? Each row is also paired with the reference row of another pair at the same position
+    (rows at one position differ only in their content: the first position of every sequence, alike
+    across sequences in a trained model, then counts for nothing); a pairing that is right makes at
+    least one segment pair far closer on its own rows than on those."""
+    n = cand.shape[0]
+    kc, kr = cand.shape[1] // size, ref.shape[1] // size
+    shuffle = _same_position_derangement(positions)
+    keep = np.flatnonzero(shuffle >= 0)
+    if keep.size < 8:  # too few rows share a position: any other row will do
+        keep = np.arange(n)
+        shuffle = np.roll(keep, n // 2) if n > 1 else keep
+    zc = _unit_rows(cand[keep], size, cand_scales)
+    zr = _unit_rows(ref, size, ref_scales)
+    zr_own, zr_other = zr[keep], zr[shuffle[keep]]
+    z = np.full((kc, kr), np.nan)
+    paired = np.full((kc, kr), np.nan)
+    shuffled = np.full((kc, kr), np.nan)
+    for i in range(kc):
+        for j in range(kr):
+            a = np.einsum("nd,nd->n", zc[:, i], zr_own[:, j])
+            s = np.einsum("nd,nd->n", zc[:, i], zr_other[:, j])
+            ok = np.isfinite(a) & np.isfinite(s)
+            if ok.sum() < 2:
+                continue
+            diff = a[ok] - s[ok]
+            sd = float(diff.std(ddof=1))
+            paired[i, j], shuffled[i, j] = float(a[ok].mean()), float(s[ok].mean())
+            z[i, j] = float(diff.mean()) / (sd / math.sqrt(diff.size)) if sd > 0 else (
+                math.inf if diff.mean() > 0 else 0.0)
+    threshold = NormalDist().inv_cdf(1.0 - PAIRING_FALSE_ALARM / max(kc * kr, 1))
+    best = None
+    if np.isfinite(z).any() or np.isinf(z).any():
+        flat = np.where(np.isnan(z), -np.inf, z)
+        i, j = np.unravel_index(int(np.argmax(flat)), flat.shape)
+        best = (int(i), int(j))
+    as_list = lambda m: [[float(x) for x in row] for row in m]  # noqa: E731
+    return PairingEvidence(int(keep.size), as_list(z), as_list(paired), as_list(shuffled), threshold, best)
+
+
+def _same_position_derangement(positions: np.ndarray) -> np.ndarray:
+    """For each row, another row at the same position (-1 where none is): each position's rows
+    rotated by one."""
+    out = np.full(positions.size, -1, dtype=np.int64)
+    order = np.argsort(positions, kind="stable")
+    sorted_pos = positions[order]
+    starts = np.flatnonzero(np.r_[True, sorted_pos[1:] != sorted_pos[:-1]])
+    ends = np.r_[starts[1:], sorted_pos.size]
+    for s, e in zip(starts, ends, strict=True):
+        if e - s >= 2:
+            rows = order[s:e]
+            out[rows] = np.roll(rows, 1)
+    return out
+
+
+def _unit_rows(rows: np.ndarray, size: int, scales: Any) -> np.ndarray:
+    """[n, K, size]: each segment standardised by its scales, then scaled to unit length per row."""
+    x = (rows.reshape(rows.shape[0], -1, size) - scales.mean) / scales.scale
+    norm = np.linalg.norm(x, axis=2, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (x / norm).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------ preconditions
+@dataclass
+class Evidence:
+    """What run.py hands over: per side, whether its rows carry token ids and whether its segment
+    size was recorded; the pairing evidence where one was needed."""
+
+    tokens: dict[str, bool]  # side -> its rows carry token ids
+    size_source: str  # option | meta | mixed | inferred (SegmentSizes.source)
+    size_recorded: dict[str, bool]  # side -> it recorded its segment size
+    sizes: dict[str, int]
+    widths: dict[str, int]
+    own_size: dict[str, int | None] = field(default_factory=dict)  # side -> the size its own data repeat at
+    own_size_how: dict[str, str] = field(default_factory=dict)
+    pairing: PairingEvidence | None = None
+
+
+def preconditions(ev: Evidence, report: Report) -> list[Precondition]:
+    """Each precondition of this compare's conclusions, met or not, in the order they gate."""
+    out = [_token_ids(ev), _segment_sizes(ev, report)]
+    return [p for p in out if p is not None]
+
+
+def _token_ids(ev: Evidence) -> Precondition:
+    missing = [side for side in ("reference", "candidate") if not ev.tokens[side]]
+    needs = list(ROW_CONCLUSIONS)
+    if not missing:
+        return Precondition("token_ids", "met", "both sides' rows carry token ids: rows are paired by their content",
+                            "", needs)
+    who = " and ".join(missing)
+    record = _record_tokens_hint(missing)
+    p = ev.pairing
+    evidence: dict[str, Any] = {"sides_without_token_ids": missing}
+    if p is not None:
+        evidence["pairing"] = p.to_dict()
+    if p is not None and p.holds:
+        i, j = p.best  # type: ignore[misc]
+        return Precondition(
+            "token_ids", "supported",
+            f"the {who} rows carry no token ids: rows were paired by sequence key and position, and the values "
+            f"agree with that pairing (candidate segment {i} vs reference segment {j}: standardised cosine "
+            f"{p.paired[i][j]:.3f} on the paired rows, {p.shuffled[i][j]:.3f} on other sequences' rows at the same "
+            f"positions)",
+            record, needs, evidence)
+    why = ("no segment pair is closer on the paired rows than on other sequences' rows at the same positions"
+           if p is not None else "no rows could be checked")
+    return Precondition(
+        "token_ids", "unmet",
+        f"the {who} rows carry no token ids, so rows were paired by sequence key and position, and the values say "
+        f"that pairing is wrong ({why}): the two runs did not process the same sequences in the same order, and "
+        f"which layers each side feeds cannot be decided from these pairs",
+        record, needs, evidence, f"the {who} rows carry no token ids and were paired with other inputs' rows")
+
+
+def _record_tokens_hint(missing: list[str]) -> str:
+    if missing == ["candidate"]:
+        return ("record the candidate with its token ids (record --labels-from CLASS, the module whose forward gets "
+                "input_ids; or tracediff.labels(...) in the script)")
+    if missing == ["reference"]:
+        return ("record the reference with its token ids (record --labels-from CLASS, rec.labels(...) in the "
+                "training script, or the trainer's adapter)")
+    return "record both sides with their token ids (record --labels-from CLASS, or tracediff.labels(...))"
+
+
+def _segment_sizes(ev: Evidence, report: Report) -> Precondition | None:
+    if ev.size_source in ("option", "meta"):
+        how = "given with --segment-size" if ev.size_source == "option" else "recorded by both sides"
+        return Precondition("segment_sizes", "met", f"segment sizes {how}", "", list(SIZE_CONCLUSIONS))
+    missing = [side for side in ("reference", "candidate") if not ev.size_recorded[side]]
+    record = " and ".join(f"the {side}" for side in missing)
+    record = (f"record {record} with --segment-size H (the target model's hidden size), or pass --segment-size H "
+              f"to compare")
+    evidence = {"source": ev.size_source, "sizes": ev.sizes, "widths": ev.widths, "not_recorded": missing,
+                "own_size": ev.own_size}
+    said = "; ".join(f"the {side} recorded none and was cut into segments of {ev.sizes[side]}" for side in missing)
+    # A side whose own values repeat at a period that does not divide the size it was cut into.
+    own = [f"the {side}'s own values repeat every {ev.own_size[side]} channels"
+           for side in missing if ev.own_size.get(side) and ev.sizes[side] % int(ev.own_size[side] or 1)]
+    if not own and _data_agrees(report):
+        return Precondition(
+            "segment_sizes", "supported",
+            f"segment size not recorded ({said}); every segment then matches the other side's in its own slot",
+            record, list(SIZE_CONCLUSIONS), evidence)
+    disagree = f" ({'; '.join(own)})" if own else ""
+    return Precondition(
+        "segment_sizes", "unmet",
+        f"{said}{disagree}; how many hidden states each side concatenates, and which, cannot be decided from a "
+        f"guessed size",
+        record, list(SIZE_CONCLUSIONS), evidence,
+        f"the segment size of the {' and '.join(missing)} was guessed ({', '.join(str(ev.sizes[s]) for s in missing)})")
+
+
+def _data_agrees(report: Report) -> bool:
+    """Same widths, and every candidate segment the same tensor as the reference's in its slot."""
+    ref, cand = report.reference, report.candidate
+    if ref.width != cand.width or ref.segment_size != cand.segment_size or not report.segment_map:
+        return False
+    return all(m.status == "same" and m.relation in (None, "same") for m in report.segment_map)
+
+
+# -------------------------------------------------------------------------------------------- gating
+def apply_preconditions(report: Report, found: list[Precondition]) -> None:
+    """Put the preconditions on the report; where one is unmet, the conclusions that need it are
+    taken out of the findings (and their segments out of the map) and one ``cannot_tell`` finding
+    says what to record: the report never names a root cause it has no evidence for."""
+    report.preconditions = found
+    unmet = [p for p in found if p.status == "unmet"]
+    for p in (p for p in found if p.status == "supported"):
+        report.findings.insert(0, Finding("cannot_tell", "warning", _sentence(f"{p.message}; {p.record}"), {
+            "precondition": p.name, "record": p.record, **p.evidence},
+            f"{p.name.replace('_', ' ')} assumed, not recorded"))
+    if not unmet:
+        return
+    gated = {kind for p in unmet for kind in p.needed_by}
+    kept = [f for f in report.findings if f.kind not in gated]
+    taken = [f.kind for f in report.findings if f.kind in gated]
+    first = [Finding("cannot_tell", "error", _sentence(f"Cannot tell: {p.message}; {p.record}, then compare again"),
+                     {"precondition": p.name, "record": p.record, "withheld": sorted(set(taken)), **p.evidence},
+                     f"cannot tell: {p.short}") for p in unmet]
+    report.findings = first + kept
+    for m in report.segment_map:
+        m.status = "undecided"
+        m.reference, m.reference_label, m.relation, m.transform = None, None, None, None
+    report.metrics = []
+    report.position_profiles = []
+    report.fix = None
+    report.record_next = {
+        "reasons": [_sentence(p.message) for p in unmet],  # (the steps say what to record)
+        "steps": [{"text": _sentence(p.record[:1].upper() + p.record[1:] + ", then compare again"), "commands": []}
+                  for p in unmet],
+    }
+
+
+def _sentence(text: str) -> str:
+    text = text.strip()
+    return (text[:1].upper() + text[1:]).rstrip(".") + "."
