@@ -113,8 +113,8 @@ def record(
            but a process lost rows (a writer error, an interpreter that cannot import
            tracediff) or no row was recorded (no tap fired: a mistyped class, a module
            never reached)
-      N    any other: the command's own exit code (128+S when signal S ended it), kept
-           whether or not rows were lost
+      N    any other: the command's own exit code (128+S when signal S ended it: 130 after
+           Ctrl-C, 143 after SIGTERM, which record forwards), kept whether or not rows were lost
     """
     from tracediff.adapters import adapter_info, check_installed  # noqa: PLC0415
     from tracediff.record.limits import Limits  # noqa: PLC0415
