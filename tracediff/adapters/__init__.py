@@ -27,6 +27,7 @@ class AdapterInfo:
     module: str
     framework: str | None  # top-level import name of the framework, None for the generic adapter
     summary: str
+    side: str | None = None  # what a recording with it is: "trainer", "server", or None (either)
 
 
 ADAPTERS: dict[str, AdapterInfo] = {
@@ -36,14 +37,28 @@ ADAPTERS: dict[str, AdapterInfo] = {
                       "a bank of every hidden state of a transformers decoder model (embedding, each layer, "
                       "final layer before and after the norm)"),
     "sglang": AdapterInfo("sglang", "tracediff.adapters.sglang", "sglang",
-                          "SGLang server: the EAGLE-3 draft's fc input and the target's packed aux hidden states"),
+                          "SGLang server: the EAGLE-3 draft's fc input and the target's packed aux hidden states",
+                          side="server"),
     "vllm": AdapterInfo("vllm", "tracediff.adapters.vllm", "vllm",
-                        "vLLM engine (V1): the EAGLE-3 draft's fc input and the target's aux concatenation, per drafter call"),
+                        "vLLM engine (V1): the EAGLE-3 draft's fc input and the target's aux concatenation, per drafter "
+                        "call", side="server"),
     "speculators": AdapterInfo("speculators", "tracediff.adapters.speculators", "speculators",
-                               "speculators trainer: Eagle3DraftModel.fc input with labels from its forward"),
+                               "speculators trainer: Eagle3DraftModel.fc input with labels from its forward",
+                               side="trainer"),
     "specforge": AdapterInfo("specforge", "tracediff.adapters.specforge", "specforge",
-                             "SpecForge trainer: LlamaForCausalLMEagle3 / OnlineEagle3Model fc input"),
+                             "SpecForge trainer: LlamaForCausalLMEagle3 / OnlineEagle3Model fc input",
+                             side="trainer"),
 }
+
+
+def recording_side(role: str, adapters: Sequence[str]) -> str | None:
+    """"trainer" or "server": what a store is, from the role it records or the adapters that
+    recorded it; None when neither says."""
+    role = (role or "").strip().lower()
+    if role in ("trainer", "server"):
+        return role
+    sides = {ADAPTERS[a].side for a in adapters if a in ADAPTERS and ADAPTERS[a].side}
+    return sides.pop() if len(sides) == 1 else None
 
 
 def adapter_info(name: str) -> AdapterInfo:

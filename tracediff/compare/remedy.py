@@ -181,12 +181,25 @@ def _rerecord_commands(report: Any, engine: str | None) -> list[str]:
     cand = _stores(report.candidate)
     out_store = shlex.quote(cand[0])
     ref = _q(_stores(report.reference)[:1])
+    recorded = _recorded_command(report.candidate)
     if engine in _SERVER_RECORDING:
         launch, url = _SERVER_RECORDING[engine]
-        return [f"tracediff record --adapter {engine} -o {out_store} --overwrite -- {launch}",
+        return [recorded or f"tracediff record --adapter {engine} -o {out_store} --overwrite -- {launch}",
                 f"tracediff send {ref} {url}", _compare_command(report)]
     # The engine is not known: "..." is the command (and adapter) the candidate was recorded with.
-    return [f"tracediff record -o {out_store} --overwrite -- ...", _compare_command(report)]
+    return [recorded or f"tracediff record -o {out_store} --overwrite -- ...", _compare_command(report)]
+
+
+def _recorded_command(side: Any) -> str | None:
+    """The command line that recorded ``side``, with --overwrite (the store exists); None when the
+    store does not record one."""
+    argv = list(getattr(side, "recorded_by", None) or [])
+    if argv[:2] != ["tracediff", "record"]:
+        return None
+    options = argv[:argv.index("--")] if "--" in argv else argv
+    if "--overwrite" not in options and "--append" not in options:
+        argv.insert(2, "--overwrite")
+    return shlex.join(argv)
 
 
 def _root_fix(report: Any) -> tuple[Any, dict[str, Any]] | None:

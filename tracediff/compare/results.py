@@ -41,6 +41,7 @@ FINDING_KINDS: tuple[str, ...] = (
     "draft_embedding",
     "draft_path",
     "cannot_tell",
+    "swapped_roles",
 )
 SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
 
@@ -103,6 +104,9 @@ class Side:
     # The aux layers this side says it feeds, as recorded and in the physical numbering (HF
     # hidden_states index, L = last layer before the final norm, "final_norm"); None if unknown.
     aux_layers: dict[str, Any] | None = None
+    # The command line that recorded this side (`tracediff record ... -- CMD`), as the store keeps it;
+    # [] for a store written another way (in-process recorder, import).
+    recorded_by: list[str] = field(default_factory=list)
 
 
 @dataclass

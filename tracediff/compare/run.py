@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from tracediff import __version__
+from tracediff.adapters import recording_side
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
 from tracediff.compare.align import align_sequences
 from tracediff.compare.evidence import Evidence, apply_preconditions, pairing_evidence, preconditions
@@ -266,6 +267,7 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
                 meta={**meta, "stores": store.names} if isinstance(store, StoreSet) else meta,
                 aux_layer_config=aux_config(meta),
                 aux_layers=aux.to_dict() if aux is not None else None,
+                recorded_by=_recorded_by(store),
             )
         )
     segment_map = ([_segment_match(d, segplan, rlabels, clabels) for d in segplan.decisions] if segplan else [])
@@ -302,9 +304,43 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
             f"Both sides are {what}: this compare checks the store against itself and says nothing about "
             f"the server. Compare the trainer's store with one the server recorded.",
             {"how": same, "reference": str(ref_store.path), "candidate": str(cand_store.path)}))
+    swapped = _swapped_roles(ref_store, cand_store)
+    if swapped is not None:
+        report.findings.insert(0, swapped)
     attach_next_steps(report)
     apply_preconditions(report, preconditions(evidence, report))
     return report
+
+
+def _recording_side(store: Side_) -> str | None:
+    """"trainer" or "server", as the store records it (its role, or the adapters that recorded it)."""
+    first = store.stores[0] if isinstance(store, StoreSet) else store
+    record = first.meta.get("record") if isinstance(first.meta, dict) else None
+    adapters = record.get("adapters") if isinstance(record, dict) else None
+    role = first.source.get("role", "") if isinstance(first.source, dict) else ""
+    return recording_side(str(role or ""), [str(a) for a in adapters] if isinstance(adapters, list) else [])
+
+
+def _swapped_roles(ref_store: Side_, cand_store: Side_) -> Finding | None:
+    """A warning, first in the report, when the reference was recorded by a server and the candidate
+    by a trainer: every finding then reads the server as what the draft learned."""
+    ref, cand = _recording_side(ref_store), _recording_side(cand_store)
+    if (ref, cand) != ("server", "trainer"):
+        return None
+    return Finding(
+        "swapped_roles", "warning",
+        f"The reference ({Path(str(ref_store.path)).name}) was recorded by a server and the candidate "
+        f"({Path(str(cand_store.path)).name}) by a trainer: the arguments look swapped. compare reads the first store "
+        f"as what the draft learned, so 'missing' and 'extra' are inverted and the Fix names the trainer's config; "
+        f"run: tracediff compare TRAINER_STORE SERVER_STORE.",
+        {"reference": ref, "candidate": cand}, "the arguments look swapped (server as reference)")
+
+
+def _recorded_by(store: Side_) -> list[str]:
+    """The `tracediff record` command line a store records (one store of a set: the first's)."""
+    first = store.stores[0] if isinstance(store, StoreSet) else store
+    argv = first.source.get("recorded_by") if isinstance(first.source, dict) else None
+    return [str(a) for a in argv] if isinstance(argv, list) and argv[:2] == ["tracediff", "record"] else []
 
 
 def _evidence(ref_index: RowIndex, cand_index: RowIndex, rl: Any, cl: Any, sizes: Any,
