@@ -34,3 +34,56 @@ def test_a_server_given_as_reference_against_a_trainer_is_pointed_out_first(tmp_
         assert kinds[0] == "swapped_roles" and report.findings[0].severity == "warning"
         assert "tracediff compare TRAINER_STORE SERVER_STORE" in report.findings[0].message
     assert report.verdict == "match"
+
+
+def _layered_store(path, layers: list[int], states: np.ndarray, tokens: np.ndarray, meta: dict | None = None) -> None:
+    seqs, length, _, hidden = states.shape
+    with tracediff.record(path, role="", meta=meta or {}) as rec:
+        rec.declare("fc_in", segment_size=hidden)
+        for s in range(seqs):
+            rec.labels(seq=s, position=np.arange(length), token_id=tokens[s])
+            rec.capture("fc_in", torch.from_numpy(np.concatenate([states[s, :, k] for k in layers], axis=-1)))
+
+
+def _sink_states(seqs: int = 24, length: int = 40, layers: int = 6, hidden: int = 64) -> np.ndarray:
+    """Hidden states of ``layers`` layers, each a step of a random walk from the one before (so
+    neighbouring layers are alike, as in a real model), with the first position of every sequence
+    the same state in every layer (an attention sink: same token, no context)."""
+    rng = np.random.default_rng(0)
+    states = rng.standard_normal((seqs, length, layers, hidden)).astype(np.float32)
+    for k in range(1, layers):
+        states[:, :, k] = states[:, :, k - 1] + 0.8 * states[:, :, k]
+    states[:, 0] = 3 * rng.standard_normal(hidden).astype(np.float32)
+    return states
+
+
+def test_a_wrong_layer_in_every_slot_is_not_called_a_subset_because_the_sink_rows_agree(tmp_path):
+    """Every slot reads a neighbouring layer; only position 0, alike in every layer, agrees. That is
+    no evidence that the slot is right elsewhere: each whole slot is the finding (with the recorded
+    config's fix), never "other data on the rows at positions >= 1"."""
+    states = _sink_states()
+    tokens = np.random.default_rng(1).integers(0, 1000, states.shape[:2])
+    _layered_store(tmp_path / "ref.zarr", [0, 2, 4], states, tokens,
+                   {"aux_layers": {"ids": [0, 2, 4], "convention": "hf"}})
+    _layered_store(tmp_path / "cand.zarr", [1, 3, 5], states, tokens,
+                   {"aux_layers": {"ids": [0, 2, 4], "convention": "sglang"}})
+    report = compare_stores(tmp_path / "ref.zarr", tmp_path / "cand.zarr")
+    assert report.verdict == "mismatch"
+    kinds = [f.kind for f in report.findings if f.severity == "error"]
+    assert "segment_subset" not in kinds
+    assert sorted(f.evidence["candidate_segment"] for f in report.findings if f.kind == "segment_value") == [0, 1, 2]
+    assert report.fix is not None and report.fix["value"] == [-1, 1, 3]  # sglang numbering of layers 0, 2, 4
+
+
+def test_a_subset_whose_good_rows_carry_evidence_is_still_a_subset(tmp_path):
+    """The same layers everywhere except in the second half of the sequences, which read a neighbour:
+    the rows that agree differ from layer to layer, so the subset stands."""
+    states = _sink_states()
+    tokens = np.random.default_rng(1).integers(0, 1000, states.shape[:2])
+    wrong = states.copy()
+    wrong[:, 20:, 2] = states[:, 20:, 3]
+    _layered_store(tmp_path / "ref.zarr", [0, 2, 4], states, tokens)
+    _layered_store(tmp_path / "cand.zarr", [0, 2, 4], wrong, tokens)
+    report = compare_stores(tmp_path / "ref.zarr", tmp_path / "cand.zarr")
+    subsets = [f for f in report.findings if f.kind == "segment_subset"]
+    assert len(subsets) == 1 and subsets[0].evidence["subset"]["dimension"] == "position"

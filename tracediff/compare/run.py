@@ -50,7 +50,13 @@ from tracediff.compare.rowpairs import RowPairs, pair_rows
 from tracediff.compare.rows import RowIndex, stream_names
 from tracediff.compare.segments import SegmentDecision, segment_scales
 from tracediff.compare.stream import stream_metrics
-from tracediff.compare.subsets import describe_subset, find_subset, might_hold_subset, subset_labels
+from tracediff.compare.subsets import (
+    agreeing_rows_tell_nothing,
+    describe_subset,
+    find_subset,
+    might_hold_subset,
+    subset_labels,
+)
 from tracediff.drafts import recorded_d2t_problems
 from tracediff.errors import CompareError, UsageError
 from tracediff.store import TraceStore
@@ -478,6 +484,9 @@ def localise_subsets(pass_pairs: list[tuple[int, int]], pairs: Any, ref_index: R
         subset = find_subset(dims, cand_index, errors, threshold)
         if subset is None:
             continue
+        if agreeing_rows_tell_nothing(j, subset.members, pairs, ref_index, segplan.ref_scales, segplan.limits,
+                                      segplan.size) is not None:
+            continue  # the pair agrees only where every layer does: the whole slot is the finding
         content = describe_subset(i, j, subset.members, pairs, ref_index, cand_index, segplan.ref_scales,
                                   segplan.limits, segplan.size, rlabels)
         out[(i, j)] = (subset, content)

@@ -204,6 +204,37 @@ class SubsetContent:
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
+def agreeing_rows_tell_nothing(ref_seg: int, members: np.ndarray, pairs: RowPairs, reference: RowIndex,
+                               ref_scales: SegmentScales, limits: list[float], size: int) -> dict[str, Any] | None:
+    """Are the rows *outside* a subset (where the pair agrees) rows on which agreement proves
+    nothing? Rows that are alike in every layer (the first position of each sequence: the same
+    token, no context, an attention sink) agree with any layer: a candidate feeding the wrong layer
+    everywhere then looks right on them, and "wrong on the rows at positions >= 1" would be a subset
+    claim with no evidence. Such a group is degenerate when, on a sample of its rows, another
+    reference segment is within the pair's limit of this one (or, with one segment, its rows are
+    alike across sequences). Returns the evidence when degenerate, None otherwise."""
+    rest = np.setdiff1d(np.arange(pairs.candidate.size), members, assume_unique=True)
+    if rest.size == 0:
+        return None
+    pick = rest[:: max(1, rest.size // DESCRIBE_ROWS)][:DESCRIBE_ROWS]
+    r_all = split(read_rows(reference, pairs.reference[pick]), size)
+    mean, scale, limit = ref_scales.mean[ref_seg], ref_scales.scale[ref_seg], limits[ref_seg]
+    others = {k: relative_error(r_all[:, k], r_all[:, ref_seg], mean, scale)
+              for k in range(r_all.shape[1]) if k != ref_seg}
+    alike = {k: e for k, e in others.items() if np.isfinite(e) and e <= limit}
+    if alike:
+        k = min(alike, key=alike.__getitem__)
+        return {"rows": int(rest.size), "rows_read": int(pick.size), "why": "alike_in_every_layer",
+                "reference_segment": k, "std_rel_error": float(alike[k] ** 0.5)}
+    if r_all.shape[1] == 1 and pick.size > 1:
+        centre = np.mean(r_all[:, ref_seg], axis=0, dtype=np.float32)[None, :]
+        spread = relative_error(np.broadcast_to(centre, r_all[:, ref_seg].shape), r_all[:, ref_seg], mean, scale)
+        if np.isfinite(spread) and spread <= limit:
+            return {"rows": int(rest.size), "rows_read": int(pick.size), "why": "alike_in_every_sequence",
+                    "std_rel_error": float(spread ** 0.5)}
+    return None
+
+
 def describe_subset(cand_seg: int, ref_seg: int, members: np.ndarray, pairs: RowPairs, reference: RowIndex,
                     candidate: RowIndex, ref_scales: SegmentScales, limits: list[float], size: int,
                     ref_labels: list[str]) -> SubsetContent:
