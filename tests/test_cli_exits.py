@@ -98,6 +98,49 @@ def test_a_signal_in_the_streaming_pass_ends_compare_with_one_line_and_128_plus_
     assert sorted(os.listdir(reports)) == []  # no report, no temporary file
 
 
+def _processes_in_group(pgid: int) -> dict[int, str]:
+    """The live (not zombie) processes of process group ``pgid``: pid -> command line."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found[int(entry)] = cmdline
+    return found
+
+
+@pytest.mark.slow  # worker processes that import torch: ~10 s here
+def test_a_signal_while_dask_workers_run_ends_compare_and_its_workers(long_pass: tuple[Path, Path]) -> None:
+    pytest.importorskip("distributed")
+    proc = subprocess.Popen([sys.executable, "-m", "tracediff", "compare", *map(str, long_pass), "--dask", "local:2",
+                             "--progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=cli_env(TRACEDIFF_PROGRESS_SECONDS="0.05"), start_new_session=True)
+    try:
+        _wait_for_streaming_pass(proc)
+        deadline = time.monotonic() + 120
+        while not any("dask worker" in c for c in _processes_in_group(proc.pid).values()):
+            assert proc.poll() is None and time.monotonic() < deadline, "no dask worker started"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    assert [x for x in err.splitlines() if not x.startswith(STATUS)] == ["tracediff: terminated (SIGTERM)"], err
+    assert out == ""
+    deadline = time.monotonic() + 10
+    while (left := _processes_in_group(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"left running: {left}"
+
+
 # ------------------------------------------------------------------------------ report output paths
 def _under_a_file(tmp: Path) -> Path:
     (tmp / "a-file").write_text("not a folder\n")

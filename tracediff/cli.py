@@ -67,7 +67,7 @@ class _Ending:
     the command has unwound, the deadline, a second signal."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # a second signal may come while the main thread says the first
         self.signum: int | None = None
         self.finished = False  # the command has returned: nothing left to unwind
         self.said = False
@@ -75,7 +75,6 @@ class _Ending:
     def say(self, signum: int, *, flush: bool = True) -> int:
         with self.lock:
             if not self.said:
-                self.said = True
                 # Only the orderly path flushes: a forced one may run while the main thread is inside
                 # a write to stdout (its buffer's lock held, or this very thread in it).
                 for stream in (sys.stdout, sys.stderr) if flush else ():
@@ -83,6 +82,7 @@ class _Ending:
                         stream.flush()
                 with contextlib.suppress(OSError):
                     os.write(2, f"tracediff: {_SIGNAL_ENDINGS.get(signum, 'stopped by a signal')}\n".encode())
+                self.said = True
         return 128 + signum
 
     def now(self, signum: int) -> None:
@@ -122,8 +122,11 @@ def run() -> None:
         _run(ending)
     except Interrupted as exc:
         code = ending.say(exc.signum)
-        if "tracediff.record.recorder" in sys.modules:
-            sys.exit(code)  # the recorder closes at exit (the deadline still holds)
+        if "tracediff.record.recorder" in sys.modules or "multiprocessing.resource_tracker" in sys.modules:
+            # The recorder closes at exit; multiprocessing's finalizers release what a cluster that
+            # was starting created (else its resource tracker warns of leaked semaphores). The
+            # deadline still holds.
+            sys.exit(code)
         os._exit(code)  # worker threads may be mid-block: they end with the process
 
 
