@@ -35,6 +35,7 @@ def describe_stream(stream: TraceStream) -> dict[str, Any]:
         "sequences": int(np.unique(labels["seq"]).size),
         "invalid_rows": int((~labels["valid"]).sum()),
         "rows_without_token": int((labels["token_id"] < 0).sum()),
+        "labelled_by": stream.attrs.get("labelled_by") if isinstance(stream.attrs.get("labelled_by"), dict) else None,
         "max_position": int(labels["position"].max()) if stream.rows else None,
         "status": commit.get("status"),
         "error": commit.get("error") or None,
@@ -94,6 +95,45 @@ def warnings_for(desc: dict[str, Any], expected_taps: list[str] | None = None) -
     return out
 
 
+def labelling_lines(desc: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """What labelled each tap's rows: ``(notes, warnings)``. A note names the class whose forward's
+    ``input_ids`` labelled them (and how it was chosen); a warning says loudly that rows carry no
+    token ids (compare can then align them only by sequence index and position) and what to pass."""
+    notes: list[str] = []
+    warnings: list[str] = []
+    adapters = set(((desc.get("meta") or {}).get("record") or {}).get("adapters") or []) - {"generic"}
+    for tap, info in desc["taps"].items():
+        writers = [w for w in info["writers"] if w["rows"]]
+        rows = sum(w["rows"] for w in writers)
+        missing = sum(w["rows_without_token"] for w in writers)
+        by = {_source_text(w["labelled_by"]) for w in writers if w.get("labelled_by")}
+        if by:
+            notes.append(f"{tap}: rows labelled by {'; '.join(sorted(by))}")
+        script = any((w.get("labelled_by") or {}).get("how") == "tracediff.labels" for w in writers)
+        if rows and missing and not script and not adapters:
+            # (Rows the script labels itself without token ids are aligned by its own sequence keys;
+            # a framework adapter labels its own rows and says itself what a run lacks.)
+            what = "the rows carry" if missing == rows else f"{missing} of {rows} rows carry"
+            warnings.append(
+                f"{tap}: {what} no token ids (no module whose forward gets input_ids labelled them): compare "
+                f"cannot align them by content, only by sequence index and position; record again with "
+                f"--labels-from CLASS (the model whose forward gets the token ids) or call "
+                f"tracediff.labels(token_id=..., position=...) in the script before the tapped forward")
+    return notes, warnings
+
+
+def _source_text(by: dict[str, Any]) -> str:
+    if by.get("how") == "tracediff.labels":
+        return "the script (tracediff.labels)"
+    how = {"automatic": "found automatically: the outermost forward that gets input_ids",
+           "--labels-from": "--labels-from"}.get(str(by.get("how")), str(by.get("how") or "label source"))
+    text = f"{by.get('class')} (its forward's input_ids; {how})"
+    if by.get("holds_tap"):
+        text += (" - it holds the tapped module: if its input_ids are the draft's own input tokens, the rows' "
+                 "tokens are one position ahead; pass --labels-from with the target model's class")
+    return text
+
+
 def render_text(desc: dict[str, Any]) -> str:
     lines = [f"store   {desc['path']}  (format {desc['format']}, written by tracediff {desc['written_by']})"]
     if desc.get("incomplete"):
@@ -129,6 +169,8 @@ def render_text(desc: dict[str, Any]) -> str:
             )
             if w["module"]:
                 lines.append(f"  {'':<22} module {w['module']} ({w['capture']})")
+            if w.get("labelled_by"):
+                lines.append(f"  {'':<22} labelled by {_source_text(w['labelled_by'])}")
     for warning in warnings_for(desc):
         lines.append(f"warning: {warning}")
     return "\n".join(lines)

@@ -65,12 +65,14 @@ def labels_from_forward(args: tuple, kwargs: dict) -> dict[str, Any] | None:
     return {"token_id": ids2.detach(), "position": positions.detach(), "next_token_id": next_ids}
 
 
-def attach_label_source(recorder: Recorder, module: torch.nn.Module) -> bool:
-    """Make ``module``'s forward arguments label the rows captured after it in this thread."""
+def attach_label_source(recorder: Recorder, module: torch.nn.Module, *, how: str = "label source") -> bool:
+    """Make ``module``'s forward arguments label the rows captured after it in this thread. Each
+    tap that uses them records ``labelled_by = {"class": ..., "how": how}``."""
     sources = module.__dict__.setdefault("_tracediff_label_sources", weakref.WeakSet())
     if recorder in sources:
         return True
     sources.add(recorder)
+    labelled_by = {"class": f"{type(module).__module__}.{type(module).__qualname__}", "how": how}
 
     def pre_hook(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not recorder.enabled:
@@ -78,7 +80,7 @@ def attach_label_source(recorder: Recorder, module: torch.nn.Module) -> bool:
         try:
             fields = labels_from_forward(args, kwargs)
             if fields is not None:
-                recorder.labels(**fields)
+                recorder.labels(labelled_by=labelled_by, **fields)
         except Exception as exc:  # noqa: BLE001  (never raise into the host)
             recorder.fail(f"label source {type(mod).__name__}", exc)
 

@@ -84,7 +84,7 @@ def attach(recorder: Recorder, module: torch.nn.Module, *, name: str | None = No
         capture="hidden_states_bank",
         model=_model_summary(module, config),
     )
-    attach_label_source(recorder, base)
+    attach_label_source(recorder, base, how="adapter hf")
     slots = num_layers + 2
     state: dict[str, Any] = {"buf": None, "filled": None}
 

@@ -151,7 +151,8 @@ def _label_hook(recorder: Recorder, state: dict[str, int], build: Any, where: st
             labels = build(args, kwargs, state["seq"])
             if labels is not None:
                 state["seq"] += int(labels["seq"].shape[0])
-                recorder.labels(phase="train", **labels)
+                by = {"class": f"{type(mod).__module__}.{type(mod).__qualname__}", "how": "adapter specforge"}
+                recorder.labels(phase="train", labelled_by=by, **labels)
         except Exception as exc:  # noqa: BLE001  (never raise into the trainer)
             recorder.fail(f"specforge labels ({where})", exc)
 

@@ -187,7 +187,8 @@ def attach(recorder: Recorder, module: torch.nn.Module) -> bool:
             if state["seq"] is None:
                 state["seq"] = torch.zeros((), dtype=torch.long, device=ids.device)
             labels, state["seq"] = row_labels(args, kwargs, state["seq"])
-            recorder.labels(phase="train", **labels)
+            by = {"class": f"{type(mod).__module__}.{type(mod).__qualname__}", "how": "adapter speculators"}
+            recorder.labels(phase="train", labelled_by=by, **labels)
         except Exception as exc:  # noqa: BLE001  (never raise into the trainer)
             recorder.fail(f"speculators labels ({type(mod).__qualname__}.forward)", exc)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,9 +29,16 @@ from tracediff.errors import TracediffError, UsageError
 @click.option("--tap", "taps", multiple=True,
               help="Tap spec [NAME=]CLASS[.ATTR.PATH][:input|:output][@ARG] (grammar below); repeatable.")
 @click.option("--labels-from", "labels_from", multiple=True,
-              help="Class whose forward's input_ids/position_ids label the rows captured after it.")
+              help="Class whose forward's input_ids/position_ids label the rows captured after it. Without it (and "
+                   "without --adapter) the outermost module whose forward gets input_ids labels them.")
 @click.option("--segment-size", type=int, help="Width of one segment of the tapped rows (e.g. hidden size).")
-@click.option("--segment-labels", help="Comma-separated segment names, e.g. hs0,hs3,hs6.")
+@click.option("--segment-labels", help="Comma-separated segment names, e.g. hs0,hs3,hs6 (hsN: HF hidden_states[N]; "
+                                       "without --aux-layers they are the recorded aux layers).")
+@click.option("--aux-layers", "aux_layers",
+              help="The target layers the tapped rows concatenate, comma-separated ids (e.g. 0,3,6), numbered as "
+                   "--convention says; stored as meta aux_layers so compare knows them.")
+@click.option("--convention", type=click.Choice(["hf", "capture", "vllm", "sglang", "sglang_deepseek"]),
+              help="Numbering of the --aux-layers ids (default hf: HF hidden_states indices; docs/format.md).")
 @click.option("--role", default="", help="What this recording is (trainer, server, bank...).")
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing store: a local one is moved to STORE.previous, deleted once this run commits "
@@ -67,6 +75,8 @@ def record(
     labels_from: tuple[str, ...],
     segment_size: int | None,
     segment_labels: str | None,
+    aux_layers: str | None,
+    convention: str | None,
     role: str,
     overwrite: bool,
     join: bool,
@@ -132,6 +142,8 @@ def record(
         raise UsageError("nothing to record: give --tap SPEC and/or --adapter NAME")
     if segment_size is not None and segment_size <= 0:
         raise UsageError(f"--segment-size must be positive, got {segment_size}")
+    labels_list = [x.strip() for x in segment_labels.split(",")] if segment_labels else None
+    aux_meta, labels_list = _aux_layers_meta(aux_layers, convention, labels_list)
     if chunk_rows <= 0:
         raise UsageError(f"--chunk-rows must be positive, got {chunk_rows}")
     if not 0 <= retry_seconds < float("inf"):
@@ -164,7 +176,7 @@ def record(
         "adapters": list(adapters),
         "labels_from": list(labels_from),
         "segment_size": segment_size,
-        "segment_labels": [x.strip() for x in segment_labels.split(",")] if segment_labels else None,
+        "segment_labels": labels_list,
         "limits": limits.as_dict(),
         "on_full": on_full,
         "max_queue_bytes": queue_limit,
@@ -184,7 +196,7 @@ def record(
     previous = PreviousStore.set_aside(output) if overwrite and not location.remote else None
     try:
         create_store(location if location.remote else output, role=role, source=source, overwrite=overwrite,
-                     join=join, meta={"record": {k: v for k, v in config.items() if k != "store"}})
+                     join=join, meta={**aux_meta, "record": {k: v for k, v in config.items() if k != "store"}})
     except BaseException:
         if previous is not None:
             previous.settle()
@@ -292,6 +304,48 @@ def _settle_previous(previous: Any, output: Path) -> None:
                    err=True)
 
 
+_HS_LABEL = re.compile(r"^hs(\d+)$")
+
+
+def _aux_layers_meta(ids_text: str | None, convention_name: str | None, labels: list[str] | None
+                     ) -> tuple[dict[str, Any], list[str] | None]:
+    """The store meta that says which target layers a generic tap's rows concatenate
+    (``{"aux_layers": {"ids", "convention"}}``, as a trainer writes it), from --aux-layers and
+    --convention, else from --segment-labels that are all ``hsN`` (HF ``hidden_states[N]``); and
+    the segment labels to record (``hsN`` of each layer when none were given). Checked before
+    anything is created: a bad combination is one usage error."""
+    from tracediff.adapters.conventions import FINAL_NORM, convention, to_physical  # noqa: PLC0415
+
+    matches = [_HS_LABEL.match(x) for x in labels or []]
+    hs = [int(m.group(1)) for m in matches if m] if labels and all(matches) else None
+    if ids_text is None:
+        if convention_name is not None:
+            raise UsageError(f"--convention {convention_name} says how --aux-layers ids are numbered: give "
+                             f"--aux-layers too (e.g. --aux-layers 0,3,6 --convention {convention_name})")
+        return ({"aux_layers": {"ids": hs, "convention": "hf"}} if hs else {}), labels
+    try:
+        ids = [int(x) for x in ids_text.split(",")]
+    except ValueError:
+        raise UsageError(f"--aux-layers takes comma-separated integer layer ids (e.g. 0,3,6), got {ids_text!r}") from None
+    conv = convention(convention_name or "hf")
+    assert conv is not None
+    bad = [i for i in ids if i < 0 and i not in (conv.embedding_id, conv.final_norm_id)]
+    if bad:
+        raise UsageError(f"--aux-layers {ids_text}: {bad[0]} is no layer id in the {conv.name} numbering "
+                         f"({conv.meaning})")
+    physical = to_physical(ids, conv)
+    if labels is not None and len(labels) != len(physical):
+        raise UsageError(f"--segment-labels names {len(labels)} segments but --aux-layers {ids_text} "
+                         f"({conv.name} numbering) concatenates {len(physical)} layers: give one label per layer")
+    if hs is not None and any(p != FINAL_NORM and p != h for p, h in zip(physical, hs, strict=True)):
+        raise UsageError(f"--segment-labels {','.join(labels or [])} are HF hidden_states {hs} but --aux-layers "
+                         f"{ids_text} ({conv.name} numbering) are hidden_states "
+                         f"{['final norm' if p == FINAL_NORM else p for p in physical]}: make them agree")
+    if labels is None and FINAL_NORM not in physical:
+        labels = [f"hs{p}" for p in physical]
+    return {"aux_layers": {"ids": ids, "convention": conv.name}}, labels
+
+
 def _discard_store(location: Any) -> None:
     if location.remote:
         from tracediff.store import remove_store  # noqa: PLC0415
@@ -368,4 +422,9 @@ def _record_summary(desc: dict[str, Any], returncode: int) -> str:
                 f"tracediff:   {tap}/{w['writer']}: {w['rows']} rows, width {w['width']} {w['dtype']}, "
                 f"{w['batches']} batches, dropped {w['dropped_rows']}, skipped {w['skipped_rows']}, {w['status']}"
             )
+    from tracediff.describe import labelling_lines  # noqa: PLC0415
+
+    notes, no_tokens = labelling_lines(desc)
+    lines += [f"tracediff:   {note}" for note in notes]
+    lines += [f"tracediff: warning: {line}" for line in no_tokens]
     return "\n".join(lines)

@@ -16,7 +16,7 @@ from typing import Any
 from tracediff.adapters.conventions import AuxLayers, aux_layers_from_meta
 
 VOLATILE_KEYS = re.compile(
-    r"(^|_)(pid|host|hostname|started|updated|time|timestamp|argv|python|recorded_by|record|limits|injected)$"
+    r"(^|_)(pid|host|hostname|started|updated|time|timestamp|argv|python|recorded_by|record|limits|injected|labelled_by)$"
 )
 AUX_KEYS = re.compile(
     r"layer_ids|layers_to_capture|aux_hidden_state|eagle_aux|aux_layer|aux_layers|segment_labels|hf_hidden_states",
@@ -34,6 +34,8 @@ def aux_config(meta: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(meta, dict):
         for k, v in meta.items():
             path = f"{prefix}.{k}" if prefix else str(k)
+            if VOLATILE_KEYS.search(str(k)):
+                continue  # e.g. `record`'s own options: its --segment-labels are the tap's, said there
             if AUX_KEYS.search(str(k)):
                 out[path] = v
             elif isinstance(v, dict):

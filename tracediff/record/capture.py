@@ -187,10 +187,14 @@ class CapturePath:
         fields: dict[str, Any] = {}
         pending = getattr(self._tls, "labels", None)
         if pending is not None and pending[0] != state.label_generation:
-            generation, values = pending
+            generation, values, labelled_by = pending
             if labels_fit(values, rows):
                 state.label_generation = generation
                 fields.update(values)
+                if "labelled_by" not in state.attrs:
+                    # Before the batch is queued: the writer group's attributes are taken from
+                    # state.attrs when its first batch is written.
+                    state.attrs["labelled_by"] = labelled_by or {"how": "tracediff.labels"}
             else:
                 self._warn_tap(
                     state,

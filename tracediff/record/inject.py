@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from typing import Any
 
 log = logging.getLogger("tracediff")
@@ -46,6 +47,11 @@ class _Context:
         self.specs = [TapSpec.parse(s) for s in config.get("taps", [])]
         self.adapters = list(config.get("adapters", []))
         self.labels_from = list(config.get("labels_from", []))
+        # Without --labels-from or a framework adapter (each labels its own rows), the outermost
+        # module whose forward gets input_ids labels the rows (tracediff.adapters.label_sources).
+        self.auto_labels = bool(self.specs) and not self.labels_from and not (set(self.adapters) - {"generic"})
+        self.candidates: weakref.WeakSet[Any] = weakref.WeakSet()  # label sources built before the recorder
+        self.tapped: weakref.WeakSet[Any] = weakref.WeakSet()  # modules a tap spec attached to
         self.recorder_obj: Any = None
         self.failed = False
         self.attached: list[str] = []
@@ -87,7 +93,25 @@ class _Context:
             )
             for spec in self.specs:
                 self.recorder_obj.declare(spec.name, **_segment_kw(cfg, spec.name))
+            for module in list(self.candidates):
+                self.attach_automatic(module)
         return self.recorder_obj
+
+    def attach_automatic(self, module: Any) -> None:
+        """Make ``module`` an automatic label source once this process records (before that, only
+        remember it: a process that records nothing gets no hook)."""
+        if self.recorder_obj is None:
+            self.candidates.add(module)
+            return
+        from tracediff.adapters.label_sources import attach_automatic_source  # noqa: PLC0415
+
+        attach_automatic_source(self.recorder_obj, module, self.tapped, lambda: len(self.attached))
+
+    def tap_attached(self, spec: Any, module: Any) -> None:
+        self.attached.append(f"{spec.name} <- {type(module).__qualname__}")
+        target = spec.resolve(module)
+        if target is not None:
+            self.tapped.add(target)
 
     def on_constructed(self, module: Any) -> None:
         """Called after the ``__init__`` of an instance of a watched class has finished."""
@@ -102,13 +126,18 @@ class _Context:
                 if spec.class_matches(klass):
                     rec = self.recorder()
                     if attach_spec(rec, spec, module):
-                        self.attached.append(f"{spec.name} <- {klass.__qualname__}")
+                        self.tap_attached(spec, module)
                         log.info("tracediff: tap %s attached to %s (pid %d)", spec.name, spec.module_path, os.getpid())
                     else:
                         _attach_on_first_forward(self, spec, module)
             for name in self.labels_from:
                 if any(_class_named(base, name) for base in klass.__mro__):
-                    attach_label_source(self.recorder(), module)
+                    attach_label_source(self.recorder(), module, how="--labels-from")
+            if self.auto_labels:
+                from tracediff.adapters.label_sources import input_ids_slot  # noqa: PLC0415
+
+                if input_ids_slot(klass) is not None:
+                    self.attach_automatic(module)
             for name in self.adapters:
                 adapter = load_adapter(name)
                 watched = any(_class_named(base, w) for w in adapter.WATCH for base in klass.__mro__)
@@ -156,7 +185,7 @@ def _attach_on_first_forward(ctx: _Context, spec: Any, module: Any) -> None:
         handle.remove()
         try:
             if attach_spec(ctx.recorder(), spec, mod):
-                ctx.attached.append(f"{spec.name} <- {type(mod).__qualname__}")
+                ctx.tap_attached(spec, mod)
             else:
                 log.warning("tracediff: %s has no attribute path %s; tap %s not attached",
                             type(mod).__qualname__, ".".join(spec.path), spec.name)
@@ -180,10 +209,13 @@ def _env_int(name: str) -> int | None:
 
 
 # ---------------------------------------------------------------------- class watching
-def _wrap_class(klass: type, names: set[str]) -> None:
+def _wrap_class(klass: type, names: set[str], label_sources: bool = False) -> None:
+    """Wrap ``klass.__init__`` when an instance may need taps: its MRO names a watched class or,
+    with ``label_sources``, its forward takes ``input_ids`` (an automatic label source)."""
     if "_tracediff_wrapped" in klass.__dict__:
         return
-    if not any(_class_named(base, n) for n in names for base in klass.__mro__):
+    if not any(_class_named(base, n) for n in names for base in klass.__mro__) and not (
+            label_sources and _label_source_class(klass)):
         return
     original = klass.__init__
 
@@ -198,6 +230,12 @@ def _wrap_class(klass: type, names: set[str]) -> None:
     klass._tracediff_wrapped = True  # type: ignore[attr-defined]
 
 
+def _label_source_class(klass: type) -> bool:
+    from tracediff.adapters.label_sources import input_ids_slot  # noqa: PLC0415  (stdlib imports only)
+
+    return input_ids_slot(klass) is not None
+
+
 def _on_torch_imported() -> None:
     ctx = _context
     if ctx is None:
@@ -206,6 +244,7 @@ def _on_torch_imported() -> None:
         import torch  # noqa: PLC0415
 
         names = ctx.watched_names()
+        auto = ctx.auto_labels
         module_cls = torch.nn.Module
         previous = module_cls.__dict__.get("__init_subclass__")
 
@@ -215,7 +254,7 @@ def _on_torch_imported() -> None:
             else:
                 super(module_cls, cls).__init_subclass__(**kwargs)
             try:
-                _wrap_class(cls, names)
+                _wrap_class(cls, names, auto)
             except Exception as exc:  # noqa: BLE001
                 log.error("tracediff: cannot watch class %s: %s", cls.__qualname__, exc)
 
@@ -223,7 +262,7 @@ def _on_torch_imported() -> None:
         stack = [module_cls]
         while stack:
             klass = stack.pop()
-            _wrap_class(klass, names)
+            _wrap_class(klass, names, auto)
             stack.extend(klass.__subclasses__())
     except Exception as exc:  # noqa: BLE001
         ctx.failed = True

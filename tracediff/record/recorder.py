@@ -188,6 +188,7 @@ class Recorder(CapturePath, WriterThread):
             self.source["adapter"] = adapter
         self.enabled = True
         self.closed = False
+        self.explicit_labels = False  # labels() called without labelled_by (see labels())
         self.error: str | None = None
         self._taps: dict[str, TapState] = {}
         self._handles: list[Any] = []
@@ -356,17 +357,30 @@ class Recorder(CapturePath, WriterThread):
         """Keep a hook handle an adapter registered, so that :meth:`close` removes it."""
         self._handles.append(handle)
 
-    def labels(self, **fields: Any) -> None:
+    def labels(self, *, labelled_by: Mapping[str, Any] | None = None, **fields: Any) -> None:
         """Labels for the next capture of each tap in this thread (sequence keys, positions, token
         ids, next token ids, phase, step, valid). Arrays must have one entry per row (any shape,
-        flattened) or be scalars, broadcast to every row. Each tap uses them at most once."""
+        flattened) or be scalars, broadcast to every row. Each tap uses them at most once.
+
+        ``labelled_by`` is given by a label source (a module whose forward's ``input_ids`` label the
+        rows): ``{"class": ..., "how": ...}``, kept as the ``labelled_by`` attribute of each tap
+        that uses them. Labels given without it (the script's own ``tracediff.labels``) make
+        :attr:`explicit_labels` true: automatic label sources then stand aside."""
         unknown = set(fields) - set(LABEL_KEYS)
         if unknown:
             raise UsageError(f"unknown label field(s) {sorted(unknown)}; fields: {', '.join(LABEL_KEYS)}")
         if "phase" in fields and isinstance(fields["phase"], str):
             phase_code(fields["phase"])  # validate now, where the caller can see the error
+        if labelled_by is None:
+            self.explicit_labels = True
         self._label_generation += 1
-        self._tls.labels = (self._label_generation, dict(fields))
+        self._tls.labels = (self._label_generation, dict(fields), dict(labelled_by) if labelled_by else None)
+
+    def pending_labelled_by(self) -> dict[str, Any] | None:
+        """Who gave this thread's latest labels (``labelled_by`` of :meth:`labels`), None if nobody
+        or the script itself."""
+        pending = getattr(self._tls, "labels", None)
+        return pending[2] if pending is not None else None
 
     def step(self, step: int | None = None) -> int:
         """Set (or advance by one) the step number that sampling limits and the ``step`` label use."""

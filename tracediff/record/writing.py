@@ -106,6 +106,8 @@ class WriterThread:
         rows are worth more than the layout, which compare can infer."""
         width = int(state.width or 0)
         size, labels = state.segment_size, state.segment_labels
+        if size is None and labels and width % len(labels) == 0:
+            size = width // len(labels)  # one label a segment: the labels say the segment size
         if size is not None and width % size:
             self._warn_tap(state, "segment_size", f"tap {state.name!r}: field segment_size {size} does not divide "
                            f"the width {width} it records; the rows are stored without a segment layout")
