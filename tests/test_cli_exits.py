@@ -98,6 +98,26 @@ def test_a_signal_in_the_streaming_pass_ends_compare_with_one_line_and_128_plus_
     assert sorted(os.listdir(reports)) == []  # no report, no temporary file
 
 
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_while_send_waits_for_a_silent_server_ends_with_one_line(signum: int, code: int) -> None:
+    """Another command, blocked elsewhere: `send` waiting on a server that took the connection and
+    never answers."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        server.settimeout(60)
+        proc = subprocess.Popen([sys.executable, "-m", "tracediff", "send", str(TRAIN), "--url",
+                                 f"http://127.0.0.1:{server.getsockname()[1]}"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=cli_env())
+        connection, _ = server.accept()  # send is waiting for the answer now
+        with connection:
+            time.sleep(0.3)
+            os.kill(proc.pid, signum)
+            out, err = proc.communicate(timeout=30)
+    assert (proc.returncode, out) == (code, ""), err
+    assert err.splitlines() == [{130: "tracediff: interrupted", 143: "tracediff: terminated (SIGTERM)"}[code]], err
+
+
 def _processes_in_group(pgid: int) -> dict[int, str]:
     """The live (not zombie) processes of process group ``pgid``: pid -> command line."""
     found = {}
