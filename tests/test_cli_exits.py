@@ -244,6 +244,30 @@ def test_a_report_that_fails_to_write_at_the_end_leaves_the_verdict_then_the_err
     assert "done in" not in err
 
 
+def test_a_send_report_that_fails_to_write_at_the_end_leaves_the_summary_then_the_error(tmp_path: Path) -> None:
+    from test_send import FakeServer  # noqa: PLC0415
+
+    server = FakeServer()
+    server.vocab_size, server.delay = None, 0.5
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "tracediff", "send", str(TRAIN), "--url", server.url,
+                                 "--no-progress", "--report", str(reports / "sent.json")], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=cli_env())
+        deadline = time.monotonic() + 60
+        while not server.max_in_flight:  # the folder was there when send started; now it goes
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()  # type: ignore[union-attr]
+            time.sleep(0.01)
+        shutil.rmtree(reports)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        server.stop()
+    assert proc.returncode == 2, err
+    assert out.startswith("sent 6 of 6 sequences"), out
+    assert err.splitlines() == [err.strip()] and err.startswith(f"tracediff: error: cannot write {reports / 'sent.json'}"), err
+
+
 # ------------------------------------------------------------------------------------------ help
 COMMANDS = ["compare", "identify", "calibrate", "demo", "send", "push", "inspect", "pack", "replay", "import",
             "import speculators", "import specforge"]  # record's help is record's own (tests/test_record_*)

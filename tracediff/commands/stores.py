@@ -21,7 +21,7 @@ from tracediff.commands.options import (
     storage_options,
     store_name,
 )
-from tracediff.errors import UsageError
+from tracediff.errors import ReportWriteError, UsageError
 
 # ---------------------------------------------------------------------------------- import
 _IMPORT_EXITS = exit_codes((0, "the store written"),
@@ -140,17 +140,22 @@ def send(trace: Path, url: str, engine: str, model: str | None, tap: str | None,
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
-    if report_path is not None:
+    unwritten = None
+    if report_path is not None:  # whole or not at all (a temporary file renamed), as compare's reports
+        from tracediff.report import write_json  # noqa: PLC0415
+
         try:
-            report_path.write_text(json.dumps({"trace": str(trace), **result.to_dict()}, indent=1) + "\n")
-        except OSError as exc:
-            raise UsageError(f"cannot write --report {report_path}: {exc.strerror or exc}") from exc
+            write_json(report_path, {"trace": str(trace), **result.to_dict()})
+        except ReportWriteError as exc:
+            unwritten = exc
     click.echo(f"sent {result.succeeded} of {result.sequences} sequences ({result.tokens} tokens) to {result.url} "
                f"in {result.seconds:.1f}s" + (f", {result.retried} retries" if result.retried else ""))
     for key, error in list(result.failures.items())[:10]:
         click.echo(f"tracediff: failed: sequence {key}: {error}", err=True)
     if len(result.failures) > 10:
         click.echo(f"tracediff: ... and {len(result.failures) - 10} more failed sequences", err=True)
+    if unwritten is not None:  # what was sent, then why the report is missing: exit 2
+        raise unwritten
     sys.exit(1 if result.failures else 0)
 
 
