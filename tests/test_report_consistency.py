@@ -87,3 +87,37 @@ def test_a_subset_whose_good_rows_carry_evidence_is_still_a_subset(tmp_path):
     report = compare_stores(tmp_path / "ref.zarr", tmp_path / "cand.zarr")
     subsets = [f for f in report.findings if f.kind == "segment_subset"]
     assert len(subsets) == 1 and subsets[0].evidence["subset"]["dimension"] == "position"
+
+
+def test_a_banks_names_are_the_root_cause_and_the_fix_says_what_the_candidate_feeds_now(tmp_path):
+    """The shipped samples' model and token ids, a server feeding hs7 where the trainer fed hs6 and
+    recording no aux layers: with the shipped bank, the root cause is "hs7 where the draft was
+    trained on hs6", not "probably a neighbouring layer"."""
+    import sys
+    from pathlib import Path
+
+    from tracediff.compare.plan import CompareOptions
+    from tracediff.report.text import render_text
+    from tracediff.testing.pipelines import run_engine
+    from tracediff.testing.tiny_llama import build_tiny_llama, make_sequences
+
+    samples = Path(__file__).resolve().parents[1] / "samples"
+    sys.path.insert(0, str(samples))
+    try:
+        import make_samples as ms
+    finally:
+        sys.path.remove(str(samples))
+    torch.set_num_threads(1)
+    tl = build_tiny_llama(hidden_size=ms.HIDDEN, num_layers=ms.LAYERS, vocab_size=ms.VOCAB, seed=ms.SEED)
+    seqs = make_sequences(n_seqs=ms.N_SEQS, min_len=ms.MIN_LEN, max_len=ms.MAX_LEN, vocab_size=ms.VOCAB,
+                          seed=ms.DATA_SEED)
+    meta = {k: v for k, v in ms.server_meta([-1, 2, 6]).items() if k != "aux_layers"}
+    ms.record_fc(tmp_path / "hs7.zarr", "server", meta, run_engine, ["hs0", "hs3", "hs7"], tl, seqs, max_running=3,
+                 seed=ms.SEED)
+    report = compare_stores(samples / "train.zarr", tmp_path / "hs7.zarr", CompareOptions(bank=samples / "bank.zarr"))
+    (cause,) = report.causes()
+    assert "hidden_states[7]" in cause.summary and "where the draft was trained on hidden_states[6]" in cause.summary
+    text = render_text(report)
+    assert "probably a neighbouring layer" not in text.split("Segment map")[0]
+    assert report.fix is not None and report.fix["target_layers"] == [0, 3, 6]
+    assert any("the candidate feeds [0, 3, 7] now" in step["text"] for step in report.fix["steps"])

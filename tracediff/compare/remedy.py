@@ -59,7 +59,7 @@ class Fix:
         return " ".join(self.reasons)
 
 
-def _bank_physical(ident: Any, j: int) -> PhysicalLayer | None:
+def bank_physical(ident: Any, j: int) -> PhysicalLayer | None:
     seg = ident.segments[j] if j < len(ident.segments) else None
     if seg is None or seg.best is None or seg.verdict not in ("match", "scaled"):
         return None
@@ -77,7 +77,7 @@ def propose_fix(decisions: list[SegmentDecision], ref_segments: int, ref_aux: Au
     if ref_aux is not None and ref_aux.physical is not None and len(ref_aux.physical) == ref_segments:
         target, source = list(ref_aux.physical), "reference's recorded aux layers"
     elif bank is not None:
-        target = [_bank_physical(bank[0], j) for j in range(ref_segments)]
+        target = [bank_physical(bank[0], j) for j in range(ref_segments)]
         source = "bank"
     if any(t is None for t in target) and cand_aux is not None and cand_aux.physical is not None:
         # A reference slot that a candidate segment carries unchanged holds that segment's layer.
@@ -87,6 +87,9 @@ def propose_fix(decisions: list[SegmentDecision], ref_segments: int, ref_aux: Au
                 target[d.reference] = cand_aux.physical[d.candidate]
                 source = source or "candidate's recorded aux layers, where its segments match"
     cand_layers = cand_aux.physical if cand_aux is not None else None
+    if cand_layers is None and bank is not None:
+        named = [bank_physical(bank[1], i) for i in range(len(bank[1].segments))]
+        cand_layers = named if all(n is not None for n in named) else None  # type: ignore[assignment]
     engine = candidate_engine or (cand_aux.framework if cand_aux is not None else None)
     conv = convention(engine) or (convention(cand_aux.convention) if cand_aux is not None else None)
     fix = Fix(target, cand_layers, engine, conv.name if conv else None, conv.field if conv else None, None, False,
@@ -247,7 +250,10 @@ def fix_box(report: Any) -> dict[str, Any] | None:
         steps.append({"text": f"{fix.get('convention')} numbering"
                               + (f" ({conv.meaning})" if conv else "")
                               + f": physical layers {format_layers(fix.get('target_layers'))}, what the reference "
-                                f"fed (from the {fix.get('target_from')}).",
+                                f"fed (from the {fix.get('target_from')})"
+                              + (f"; the candidate feeds {format_layers(fix.get('candidate_layers'))} now."
+                                 if fix.get("candidate_layers") and fix.get("candidate_layers") != fix.get("target_layers")
+                                 else "."),
                       "commands": []})
         mix = fix.get("numbering_mixup")
         if isinstance(mix, dict):

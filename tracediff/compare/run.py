@@ -601,12 +601,27 @@ def _name_layers(report: Report, bank: Any, opts: CompareOptions) -> None:
             j = f.evidence["reference_segment"]
             f.message += f" Reference segment {j} is {name(ref_id, j)}."
             f.evidence["bank_layer"] = name(ref_id, j)
+        elif f.kind == "segment_value" and f.evidence.get("relation") == "other" and not f.evidence.get("explained_by"):
+            _name_wrong_layer(f, name(cand_id, f.evidence["candidate_segment"]), name(ref_id, f.evidence["reference_segment"]))
     for side, ident in (("reference", ref_id), ("candidate", cand_id)):
         layers = ", ".join(name(ident, i) for i in range(len(ident.segments)))
         report.plan.notes.append(f"bank {opts.bank}: {side} segments are {layers}")
         if ident.suggestions:
             shown = "; ".join(f"{k} = {v}" for k, v in ident.suggestions.items())
             report.plan.notes.append(f"{side} in config terms: {shown}")
+
+
+def _name_wrong_layer(f: Finding, fed: str, trained: str) -> None:
+    """A slot the bank names on both sides, differently: that is the root cause, in its words."""
+    f.evidence["bank_layer"], f.evidence["reference_bank_layer"] = fed, trained
+    unnamed = "no layer of the bank"
+    if fed == trained or unnamed in (fed, trained):
+        return
+    who = f.summary.split(" holds other data")[0] if " holds other data" in f.summary else "the candidate"
+    f.summary = f"{who} is {fed}, where the draft was trained on {trained}"
+    f.message = f.message.replace(
+        "probably a neighbouring layer, or another context.",
+        f"the bank names both: the server feeds {fed} where the draft was trained on {trained}.")
 
 
 def _segment_match(d: SegmentDecision, segplan: SegmentPlan, rlabels: list[str], clabels: list[str]) -> SegmentMatch:
