@@ -78,10 +78,13 @@ SERVER = textwrap.dedent(
             ids = ids.unsqueeze(0)
             if sys.argv[2] == "input_ids":
                 out = target(input_ids=ids, output_hidden_states=True)
-            else:  # no forward of this process gets token ids
+            else:  # the target's forward gets no token ids
                 out = target(inputs_embeds=target.model.embed_tokens(ids), output_hidden_states=True)
             aux = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
-            draft(aux, torch.roll(ids, -1, dims=1)) if sys.argv[2] == "input_ids" else draft(aux)
+            if sys.argv[2] == "inputs_embeds":  # no forward of this process gets token ids
+                draft(aux)
+            else:
+                draft(aux, torch.roll(ids, -1, dims=1))
     with open("served.json", "w") as fh:
         json.dump([s.tolist() for s in seqs], fh)
     """
@@ -204,6 +207,18 @@ def test_record_says_loudly_when_no_forward_gave_token_ids(workdir: Path) -> Non
     for part in ("compare cannot align them by content", "--labels-from CLASS", "tracediff.labels("):
         assert part in line, line
     assert "rows labelled by" not in result.stderr
+
+
+def test_the_draft_labels_only_when_no_other_forward_gets_token_ids_and_the_summary_says_so(workdir: Path) -> None:
+    # Its input_ids are its own input tokens (x_{p+1}): the rows are labelled, one position ahead,
+    # and the summary says what to pass instead.
+    store, result = _record_server(workdir, "draft_only", forward="draft_only")
+    served = json.loads((workdir / "served.json").read_text())
+    assert tracediff.open_labels(store, "fc_in")["token_id"].tolist() == [t for s in served for t in [*s[1:], s[0]]]
+    (line,) = [line for line in result.stderr.splitlines() if "rows labelled by" in line]
+    assert line.startswith("tracediff:   fc_in: rows labelled by model.Eagle3Draft (its forward's input_ids; found "
+                           "automatically")
+    assert "it holds the tapped module" in line and "--labels-from with the target model's class" in line
 
 
 def test_labels_from_names_the_class_that_labels(workdir: Path) -> None:
