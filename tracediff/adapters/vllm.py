@@ -243,10 +243,14 @@ def _wrap_propose(original: Any) -> Any:
         finally:
             _state.local.fc = None
             _state.local.draft = None
-            if binding is not None and binding.commit == "step":
-                # Before vLLM returns this step's tokens: a client that has its response has its rows
-                # committed, even if vLLM SIGKILLs this worker right after (default --shutdown-timeout 0).
-                binding.recorder.flush(timeout=COMMIT_TIMEOUT)
+            # Before vLLM returns this step's tokens: a client that has its response has its rows
+            # committed, even if vLLM SIGKILLs this worker right after (default --shutdown-timeout 0).
+            # Bounded: a writer further behind than that is said once; a kill then loses rows, which
+            # `tracediff record` counts from the recorder's ledger.
+            if binding is not None and binding.commit == "step" and not binding.recorder.flush(
+                    timeout=COMMIT_TIMEOUT) and not binding.recorder.closed:
+                _log_once("commit-timeout", logging.WARNING, "tracediff: vllm adapter: a drafter call's rows were not "
+                          "committed within %.0f s (the writer is behind); serving goes on", COMMIT_TIMEOUT)
 
     return propose
 
@@ -467,6 +471,13 @@ def commit_mode() -> str:
     return "background" if mode.strip().lower() == "background" else "step"
 
 
+def _recorded_commit(config: Any) -> str:
+    """The commit mode of a recording, from its config (`tracediff record` stores it in the store's
+    ``meta.record``; in the recorded processes :func:`commit_mode` reads it)."""
+    mode = config.get("commit") if isinstance(config, dict) else None
+    return "background" if str(mode or "").strip().lower() == "background" else commit_mode()
+
+
 def _describe_process(recorder: Recorder) -> None:
     recorder.source["framework"] = "vllm"
     recorder.source["framework_version"] = vllm_version()
@@ -504,10 +515,24 @@ def record_warnings(command: Sequence[str], desc: dict[str, Any]) -> list[str]:
     if serving and "--no-enable-prefix-caching" not in flag and (rows.get(FC_TAP) or rows.get(AUX_TAP)):
         out.append("vllm: prefix caching was on: prefixes already cached (shared prompts, re-sent sequences) are not "
                    "forwarded again and have no rows; add --no-enable-prefix-caching for full coverage")
-    if serving and "--shutdown-timeout" not in flag and commit_mode() == "background":
+    if serving and "--shutdown-timeout" not in flag and _recorded_commit((desc.get("meta") or {}).get("record")) == \
+            "background":
         out.append("vllm: without --shutdown-timeout, vLLM kills its worker at once on SIGTERM, and with --commit "
                    "background the rows still in the writer queue then are lost: pass --shutdown-timeout 10")
     return out
+
+
+def loss_advice(command: Sequence[str], config: dict[str, Any] | None = None) -> str:
+    """What avoids losing the rows a worker had queued when vLLM killed it (for `tracediff record`'s
+    error line, ``config`` its recording config): a graceful shutdown, or committing every step
+    before vLLM returns its tokens."""
+    argv = list(command)
+    steps = ("record with --commit step (each drafter call's rows are committed before vLLM returns its tokens)"
+             if _recorded_commit(config) == "background" else "")
+    if "--shutdown-timeout" not in command_flags(argv):
+        shutdown = "give the server --shutdown-timeout 10 (vLLM kills its worker at once on SIGTERM without it)"
+        return f"{shutdown}, or {steps}" if steps else shutdown
+    return steps or "stop the server with SIGTERM and let it end (a SIGKILL loses what the writer holds)"
 
 
 def vllm_plugin() -> None:

@@ -120,8 +120,10 @@ def record(
     Exit codes:
       0    the command exited 0, rows were recorded and none was lost
       2    a bad option or -o (one error line, the command not run); or the command exited 0
-           but a process lost rows (a writer error, an interpreter that cannot import
-           tracediff) or no row was recorded (no tap fired: a mistyped class, a module
+           but a process lost rows (dropped when its writer fell behind, still queued when
+           the process was killed, a writer error, an interpreter that cannot import
+           tracediff: each said on stderr, with the tap, the rows and the flag that avoids
+           it) or no row was recorded (no tap fired: a mistyped class, a module
            never reached)
       N    any other: the command's own exit code (128+S when signal S ended it: 130 after
            Ctrl-C, 143 after SIGTERM, which record forwards), kept whether or not rows were lost
@@ -229,7 +231,9 @@ def record(
             if not join:  # the command never started: leave no empty store (with --append: others' store)
                 _discard_store(location)
             raise
-        problems = recording_problems(read_notes(notes_dir))
+        notes = read_notes(notes_dir)
+        advice = _adapter_loss_advice(adapters, command, config)
+        problems = recording_problems(notes, on_full=on_full, **advice)
     finally:
         shutil.rmtree(notes_dir, ignore_errors=True)
 
@@ -249,6 +253,10 @@ def record(
         click.echo(f"tracediff: error: {'recording lost rows (above)' if problems else 'the store cannot be read'}; "
                    f"exit code {code}, the command itself exited with code {returncode}", err=True)
         sys.exit(code)
+    # Again with the rows each group committed, as its commit record says: a killed process's own
+    # count may miss its last commit.
+    problems = recording_problems(notes, {f"{tap}/{w['writer']}": w["rows"] for tap, info in desc["taps"].items()
+                                          for w in info["writers"]}, on_full=on_full, **advice)
     click.echo(_record_summary(desc, returncode), err=True)
     warnings = warnings_for(desc, expected_taps=names) + _adapter_warnings(adapters, command, desc)
     recorded_nothing = not join and not any(info["rows"] for info in desc["taps"].values())
@@ -354,6 +362,22 @@ def _discard_store(location: Any) -> None:
             remove_store(location)
     else:
         shutil.rmtree(location.local, ignore_errors=True)
+
+
+def _adapter_loss_advice(adapters: tuple[str, ...], command: tuple[str, ...], config: dict[str, Any]) -> dict[str, str]:
+    """``killed_advice`` for recording_problems from the first adapter that knows how its engine's
+    processes end without being killed (``loss_advice(command, config)``); empty: the generic advice."""
+    from tracediff.adapters import load_adapter  # noqa: PLC0415
+
+    for name in adapters:
+        try:
+            fn = getattr(load_adapter(name), "loss_advice", None)
+            advice = fn(list(command), config) if fn is not None else ""
+        except Exception:  # noqa: BLE001, S112  (advice only)
+            continue
+        if advice:
+            return {"killed_advice": advice}
+    return {}
 
 
 def _adapter_warnings(adapters: tuple[str, ...], command: tuple[str, ...], desc: dict[str, Any]) -> list[str]:

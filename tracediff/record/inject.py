@@ -399,8 +399,11 @@ def read_notes(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return notes
 
 
+KILLED_ADVICE = "let the command's processes exit normally, so that each recorder closes and writes what it holds"
+
+
 def recording_problems(notes: list[dict[str, Any]], store_rows: dict[str, int] | None = None,
-                       on_full: str = "drop") -> list[str]:
+                       on_full: str = "drop", killed_advice: str = KILLED_ADVICE) -> list[str]:
     """One line per way the recorded command lost rows: an interpreter that could not import
     tracediff (once per interpreter, only where the process imported torch or did not end normally:
     one that never imported torch had nothing to record), recording that could not start, every
@@ -408,7 +411,8 @@ def recording_problems(notes: list[dict[str, Any]], store_rows: dict[str, int] |
     (``on_full``: the run's ``--on-full``, for the advice), and every tap of a process that ended
     before its writer had committed what it had queued (a SIGKILL: its row ledger says how many).
     ``store_rows``: the rows each writer group (``fc_in/pid123``) committed, from the store's commit
-    records (the truth where a process died between a commit and its count); else the ledgers' own."""
+    records (the truth where a process died between a commit and its count); else the ledgers' own.
+    ``killed_advice``: what avoids the last kind (an adapter knows its engine's flag)."""
     out: list[str] = []
     lacking: dict[str, list[int]] = {}
     outcomes: dict[Any, dict[str, Any]] = {}
@@ -446,7 +450,7 @@ def recording_problems(notes: list[dict[str, Any]], store_rows: dict[str, int] |
                 info = ((outcomes.get(pid) or {}).get("taps") or {}).get(tap) or {}
                 if info.get("error") and (info.get("group") or info.get("dropped_rows")):
                     continue  # said above, with the error
-                out.extend(_ledger_lines(tap, pid, counts, info, store_rows, on_full))
+                out.extend(_ledger_lines(tap, pid, counts, info, store_rows, on_full, killed_advice))
     for exe, pids in lacking.items():
         who = f"pid {pids[0]}" if len(pids) == 1 else f"{len(pids)} processes (pids {', '.join(map(str, pids[:5]))})"
         out.insert(
@@ -470,7 +474,7 @@ def _drop_line(group: str, pid: Any, info: dict[str, Any], offered: int | None, 
 
 
 def _ledger_lines(tap: str, pid: Any, counts: dict[str, Any], info: dict[str, Any],
-                  store_rows: dict[str, int] | None, on_full: str) -> list[str]:
+                  store_rows: dict[str, int] | None, on_full: str, killed_advice: str) -> list[str]:
     """What one tap of one process lost, from its row ledger (and its outcome, when it closed)."""
     group = counts.get("group") or info.get("group")
     if store_rows is not None and group in store_rows:
@@ -487,7 +491,6 @@ def _ledger_lines(tap: str, pid: Any, counts: dict[str, Any], info: dict[str, An
     if unsettled > 0:
         parts.append(
             f"{name} (pid {pid}): {unsettled:,} of {offered:,} rows were taken but never committed: the process "
-            f"ended before its writer had written them ({'it was killed' if not info else 'its writer was behind'}); "
-            f"let it exit normally (vLLM: --shutdown-timeout 10, or --commit step so that each step's rows are "
-            f"committed before vLLM returns them)")
+            f"ended before its writer had written them "
+            f"({'killed before it closed its recorder' if not info else 'its writer was behind'}); {killed_advice}")
     return parts
