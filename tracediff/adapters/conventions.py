@@ -299,7 +299,11 @@ def engine_of(meta: dict[str, Any], source: dict[str, Any] | None = None) -> str
     aux = meta.get("aux_layers")
     if isinstance(aux, dict) and aux.get("framework"):
         return str(aux["framework"]).lower()
-    return None
+    # `tracediff record --adapter NAME`: the adapters the recording ran with.
+    record = meta.get("record")
+    adapters = record.get("adapters") if isinstance(record, dict) else None
+    engines = {str(a).lower() for a in adapters or [] if str(a).lower() in ("sglang", "vllm", "speculators", "specforge")}
+    return engines.pop() if len(engines) == 1 else None
 
 
 __all__ = ["ALIASES", "CONVENTIONS", "FINAL_NORM", "AuxLayers", "Convention", "PhysicalLayer",
