@@ -93,3 +93,16 @@ def test_the_same_layers_in_two_numberings_are_an_equivalent_config_difference()
     assert side_aux_layers(ref).physical == side_aux_layers(cand).physical == [0, 3, 6]
     diff = config_diff(ref, cand, same_physical_layers=True)
     assert [d["path"] for d in diff] == ["store.aux_layers"] and diff[0]["equivalent"] is True
+
+
+@pytest.mark.parametrize("meta, engine", [
+    ({"record": {"adapters": ["vllm"]}}, "vllm"),
+    ({"record": {"adapters": ["sglang", "generic"]}}, "sglang"),
+    ({"record": {"adapters": ["generic"]}}, None),
+    ({"record": {"adapters": ["sglang", "vllm"]}}, None),  # two engines: neither is named
+    ({"framework": "SGLang 0.5", "record": {"adapters": ["vllm"]}}, "sglang"),  # provenance first
+])
+def test_the_engine_of_a_store_recorded_with_one_engines_adapter(meta, engine):
+    from tracediff.adapters.conventions import engine_of
+
+    assert engine_of(meta) == engine
