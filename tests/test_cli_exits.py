@@ -98,6 +98,19 @@ def test_a_signal_in_the_streaming_pass_ends_compare_with_one_line_and_128_plus_
     assert sorted(os.listdir(reports)) == []  # no report, no temporary file
 
 
+def test_ctrl_c_in_a_program_that_calls_main_is_130_and_one_line_too(long_pass: tuple[Path, Path]) -> None:
+    """``tracediff.cli.main`` in another Python program, whose SIGINT is Python's KeyboardInterrupt."""
+    code = "import sys\nfrom tracediff.cli import main\nmain(sys.argv[1:], prog_name='tracediff')\n"
+    proc = subprocess.Popen([sys.executable, "-c", code, "compare", *map(str, long_pass), "--progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=cli_env(TRACEDIFF_PROGRESS_SECONDS="0.05"))
+    _wait_for_streaming_pass(proc)
+    os.kill(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, out) == (130, ""), err
+    assert [x for x in err.splitlines() if not x.startswith(STATUS)] == ["tracediff: interrupted"], err
+
+
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_while_send_waits_for_a_silent_server_ends_with_one_line(signum: int, code: int) -> None:
     """Another command, blocked elsewhere: `send` waiting on a server that took the connection and

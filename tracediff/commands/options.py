@@ -75,7 +75,7 @@ def store_name(store: Path | str) -> str:
 
 class CommandGroup(click.Group):
     """A click group whose every error, click's usage errors included, is one ``tracediff: error:`` line
-    and exit code 2."""
+    and exit code 2; a KeyboardInterrupt is one ``tracediff: interrupted`` line and 130."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -95,6 +95,11 @@ class CommandGroup(click.Group):
             text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
             click.echo(f"tracediff: error: {text}", err=True)
             ctx.exit(2)
+        except KeyboardInterrupt:
+            # Ctrl-C where the program's own handler is not installed (``main`` called by another
+            # program): as tracediff.cli.run says it, not click's "Aborted!" and exit 1 ("mismatch").
+            click.echo("tracediff: interrupted", err=True)
+            ctx.exit(130)
 
 
 def replay_options(func: Any) -> Any:
@@ -147,7 +152,7 @@ def check_output_files(*outputs: tuple[str, Path | None]) -> None:
         if path.is_dir():
             raise UsageError(f"{option} {path}: is a folder; give a file name")
         if path.exists() and not path.is_file():
-            raise UsageError(f"{option} {path}: is not a regular file (the report replaces it); give a file path")
+            raise UsageError(f"{option} {path}: is not a regular file (a device, a pipe: the file written would replace it); give a file path")
         _check_creatable(option, path, key.parent)
 
 
