@@ -223,7 +223,9 @@ def test_two_reports_to_one_file_are_refused_before_the_compare_starts(long_pass
     (["replay", TRAIN, BROKEN, "--draft", "no-such-draft", "--markdown", "/proc/r.md"], "--markdown /proc/r.md"),
     (["send", TRAIN, "--url", "http://127.0.0.1:9", "--report", "/proc/sent.json"], "--report /proc/sent.json"),
     (["pack", TRAIN, "-o", "/proc/train.zarr.zip"], "-o /proc/train.zarr.zip"),
-], ids=["identify", "replay", "send", "pack"])
+    (["import", "speculators", "no-such-folder", "-o", "/proc/train.zarr"], "-o /proc/train.zarr"),
+    (["import", "specforge", "no-such-folder", "-o", "/proc/train.zarr"], "-o /proc/train.zarr"),
+], ids=["identify", "replay", "send", "pack", "import speculators", "import specforge"])
 def test_every_command_writing_a_file_refuses_an_unwritable_path_first(args: list, option: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "tracediff", *map(str, args)], capture_output=True, text=True,
                           env=cli_env(), timeout=120)

@@ -167,6 +167,12 @@ def check_output_folder(option: str, folder: Path) -> None:
     _check_creatable(option, folder, existing)
 
 
+def check_output_store(option: str, store: Path) -> None:
+    """Before a command reads anything: the folder of the local store it creates at ``store`` (built
+    beside it under a hidden name, then renamed) takes new files. Raises :class:`UsageError`."""
+    _check_creatable(option, store, Path(os.path.abspath(store)).parent)
+
+
 def _check_creatable(option: str, path: Path, folder: Path) -> None:
     if not folder.exists():
         raise UsageError(f"{option} {path}: folder {folder} does not exist; create it first")

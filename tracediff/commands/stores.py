@@ -16,6 +16,7 @@ from tracediff.commands.options import (
     STORE,
     CommandGroup,
     check_output_files,
+    check_output_store,
     exit_codes,
     stage_progress,
     storage_options,
@@ -60,6 +61,7 @@ def import_speculators_cmd(src: Path, output: Path, overwrite: bool, layer_ids: 
 
     if max_files is not None and max_files <= 0:
         raise UsageError(f"--max-files must be positive, got {max_files}")
+    check_output_store("-o", output)
     result = import_speculators(src, output, layer_ids=parse_layer_ids(layer_ids), overwrite=overwrite,
                                 max_files=max_files)
     click.echo(f"tracediff: {result.summary()}", err=True)
@@ -77,6 +79,7 @@ def import_specforge_cmd(src: Path, output: Path, overwrite: bool, layer_ids: st
 
     if max_files is not None and max_files <= 0:
         raise UsageError(f"--max-files must be positive, got {max_files}")
+    check_output_store("-o", output)
     result = import_specforge(src, output, layer_ids=parse_layer_ids(layer_ids), overwrite=overwrite,
                               max_files=max_files)
     click.echo(f"tracediff: {result.summary()}", err=True)
