@@ -76,17 +76,21 @@ def _wait_for_streaming_pass(proc: subprocess.Popen) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ signals
-@pytest.mark.parametrize(("signum", "code", "line"), [(signal.SIGINT, 130, "tracediff: interrupted"),
-                                                      (signal.SIGTERM, 143, "tracediff: terminated (SIGTERM)")])
+@pytest.mark.parametrize(("signum", "times", "code", "line"), [
+    (signal.SIGINT, 1, 130, "tracediff: interrupted"),
+    (signal.SIGTERM, 1, 143, "tracediff: terminated (SIGTERM)"),
+    (signal.SIGINT, 2, 130, "tracediff: interrupted"),  # Ctrl-C pressed twice: still one line
+], ids=["SIGINT", "SIGTERM", "SIGINT twice"])
 def test_a_signal_in_the_streaming_pass_ends_compare_with_one_line_and_128_plus_the_signal(
-    long_pass: tuple[Path, Path], tmp_path: Path, signum: int, code: int, line: str
+    long_pass: tuple[Path, Path], tmp_path: Path, signum: int, times: int, code: int, line: str
 ) -> None:
     reports = tmp_path / "reports"
     reports.mkdir()
     proc = _start_compare(*long_pass, "--html", reports / "r.html", "--json", reports / "r.json")
     before = _wait_for_streaming_pass(proc)
     sent = time.monotonic()
-    os.kill(proc.pid, signum)
+    for _ in range(times):
+        os.kill(proc.pid, signum)
     out, err = proc.communicate(timeout=60)
     took = time.monotonic() - sent
     assert proc.returncode == code, (proc.returncode, err)

@@ -6,9 +6,10 @@ message and exit code 2; a traceback from here is a bug. The commands live in
 the store commands import, send, inspect, pack, push); this module is the group that holds them and
 the program's entry point, :func:`run`.
 
-The program (:func:`run`, not ``main``: a program that calls ``main`` keeps its own signal handling)
-ends on SIGINT with one ``tracediff: interrupted`` line and exit code 130, on SIGTERM with one line
-and 143: never click's ``Aborted!`` and exit 1 (which reads as "mismatch"), never a traceback. The
+The program (:func:`run`; a program that calls ``main`` keeps its own signal handlers, and gets the
+same line and 130 for a KeyboardInterrupt) ends on SIGINT with one ``tracediff: interrupted`` line
+and exit code 130, on SIGTERM with one line and 143: never click's ``Aborted!`` and exit 1 (which
+reads as "mismatch"), never a traceback. The
 signal unwinds the command as an exception, so its ``with`` blocks run (a dask cluster it started
 is closed, a report's temporary file removed: a report is renamed into place whole or not at all);
 a second signal, or unwinding that takes longer than :data:`UNWIND_SECONDS`, ends the process at once.
@@ -80,8 +81,10 @@ class _Ending:
                 for stream in (sys.stdout, sys.stderr) if flush else ():
                     with contextlib.suppress(OSError, ValueError, RuntimeError):
                         stream.flush()
+                # A forced ending leaves a live progress line drawn on a terminal: clear it first.
+                clear = "\r\x1b[K" if not flush and os.isatty(2) else ""
                 with contextlib.suppress(OSError):
-                    os.write(2, f"tracediff: {_SIGNAL_ENDINGS.get(signum, 'stopped by a signal')}\n".encode())
+                    os.write(2, f"{clear}tracediff: {_SIGNAL_ENDINGS.get(signum, 'stopped by a signal')}\n".encode())
                 self.said = True
         return 128 + signum
 
