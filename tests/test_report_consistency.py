@@ -121,3 +121,36 @@ def test_a_banks_names_are_the_root_cause_and_the_fix_says_what_the_candidate_fe
     assert "probably a neighbouring layer" not in text.split("Segment map")[0]
     assert report.fix is not None and report.fix["target_layers"] == [0, 3, 6]
     assert any("the candidate feeds [0, 3, 7] now" in step["text"] for step in report.fix["steps"])
+
+
+def test_a_side_split_across_stores_gives_the_plan_of_one_store(tmp_path):
+    """The same candidate rows in one store, and in two stores of half each (written in another
+    order): the plan samples the same rows in the same order, so every number it decides on is
+    identical; the streaming pass's float32 means agree to their precision."""
+    from tracediff.compare.plan import CompareOptions
+
+    states = _sink_states(seqs=16, length=30)
+    tokens = np.random.default_rng(1).integers(0, 1000, states.shape[:2])
+    _layered_store(tmp_path / "ref.zarr", [0, 2, 4], states, tokens)
+    noisy = states + np.random.default_rng(2).normal(0, 1e-3, states.shape).astype(np.float32)
+
+    def write(path, seqs):
+        with tracediff.record(path, role="server") as rec:
+            rec.declare("fc_in", segment_size=states.shape[-1])
+            for s in seqs:
+                rec.labels(seq=100 + s, position=np.arange(states.shape[1]), token_id=tokens[s])
+                rec.capture("fc_in", torch.from_numpy(np.concatenate([noisy[s, :, k] for k in (0, 2, 5)], axis=-1)))
+
+    write(tmp_path / "one.zarr", range(16))
+    write(tmp_path / "a.zarr", range(15, 7, -1))
+    write(tmp_path / "b.zarr", range(8))
+    opts = CompareOptions(sample_rows=300)  # fewer than the 480 pairs: which rows are drawn matters
+    one = compare_stores(tmp_path / "ref.zarr", tmp_path / "one.zarr", opts).to_dict()
+    two = compare_stores(tmp_path / "ref.zarr", [tmp_path / "a.zarr", tmp_path / "b.zarr"], opts).to_dict()
+    for key in ("sample_rows", "noise_floor", "noise_floor_error", "numerics_budgets", "drift_limits", "noise",
+                "label_offset", "offset_scores"):
+        assert one["plan"][key] == two["plan"][key], key
+    assert one["matrix_standardised"] == two["matrix_standardised"] and one["segment_map"] == two["segment_map"]
+    for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
+        assert m1["std_rel_error"] == pytest.approx(m2["std_rel_error"], rel=1e-5)
+    assert [f["kind"] for f in one["findings"]] == [f["kind"] for f in two["findings"]]

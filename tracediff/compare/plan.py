@@ -38,7 +38,7 @@ from tracediff.compare.noise import (
     segment_noise,
     with_limits,
 )
-from tracediff.compare.rowpairs import RowPairs, pair_rows
+from tracediff.compare.rowpairs import RowPairs, mix64, pair_rows
 from tracediff.compare.rows import RowIndex
 from tracediff.compare.segments import (
     NoiseFloor,
@@ -172,7 +172,25 @@ def collect_meta(store: TraceStore, tap: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------- rows, samples
 def sample_pairs(pairs: RowPairs, k: int, seed: int) -> np.ndarray:
+    """``k`` pairs (indices into ``pairs``), all of them when there are no more. Pairs that carry
+    content keys are drawn by them, the k smallest of the keys mixed with ``seed``, in that order:
+    the same rows in the same order whichever stores hold them and however the row indexes number
+    them (so is every number measured on the sample). Others: drawn at random, ascending."""
     n = len(pairs)
+    keys = getattr(pairs, "content_keys", None)
+    if keys is not None and keys.size == n and n > 0:
+        salt = mix64(np.full(1, seed, dtype=np.uint64))[0]
+        if n <= k:
+            pick = np.arange(n)
+        else:
+            # The k smallest of keys ^ salt (uniform 64-bit numbers): first those under a bound that
+            # holds about 1.5 k of them (one pass), then the k smallest of those.
+            bound = np.uint64(min(int(1.5 * k / n * 2.0**64) + (1 << 40), 2**64 - 1))
+            pick = np.flatnonzero((keys ^ salt) < bound)
+            if pick.size < k:
+                pick = np.arange(n)
+            pick = pick[np.argpartition(keys[pick] ^ salt, k - 1)[:k]]
+        return pick[np.argsort(keys[pick] ^ salt, kind="stable")]
     if n <= k:
         return np.arange(n)
     rng = np.random.default_rng(seed)

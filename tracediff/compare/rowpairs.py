@@ -37,6 +37,10 @@ class RowPairs:
     insertions: list[dict] = field(default_factory=list)
     distinct_reference: int = -1  # distinct reference rows paired, when pair_rows counted them
     trailing: int = 0  # unaligned candidate rows past the end of the reference sequence they align with
+    # Per pair, a key from the content of its reference row (its sequence's tokens, its position),
+    # whatever store or writer group holds it: samples drawn by it are the same rows however a side's
+    # rows are split across stores (:func:`content_keys`); None where the reference has no token ids.
+    content_keys: np.ndarray | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return int(self.candidate.size)
@@ -384,3 +388,33 @@ def _insertions(group: int, g: SequenceRows, taken: np.ndarray, row_delta: np.nd
             out.append({"group": group, "kind": "deletion", "position": int(g.positions[b]), "length": -step,
                         "tokens": []})
     return out
+
+
+def content_keys(pairs: RowPairs, alignment: Any) -> np.ndarray | None:
+    """Per pair of ``pairs``, a 64-bit key of what its reference row is: a hash of its sequence's
+    token ids and first position, mixed with its own position. The same rows get the same keys
+    however the stores, writer groups and row indexes number them. None without reference tokens."""
+    import hashlib  # noqa: PLC0415
+
+    reference = alignment.reference
+    if not reference.has_tokens or len(pairs) == 0:
+        return None
+    table = np.zeros(len(reference.group_keys), dtype=np.uint64)
+    for key, g in alignment.ref_groups.items():
+        digest = hashlib.blake2b(np.asarray(g.tokens, dtype=np.int64).tobytes()
+                                 + np.asarray(g.positions[:1], dtype=np.int64).tobytes(), digest_size=8).digest()
+        table[key] = np.frombuffer(digest, dtype=np.uint64)[0]
+    position = reference.position[pairs.reference].astype(np.uint64)
+    with np.errstate(over="ignore"):  # (the sequence hashes are uniform already: one xor keeps them so)
+        position *= np.uint64(0x9E3779B97F4A7C15)
+    position ^= table[reference.group[pairs.reference]]
+    return position
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: every input bit moves every output bit (uint64, wrapping)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+

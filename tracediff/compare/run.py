@@ -46,7 +46,7 @@ from tracediff.compare.plan import (
 )
 from tracediff.compare.remedy import attach_next_steps
 from tracediff.compare.results import Finding, Plan, Report, SegmentMatch, Side
-from tracediff.compare.rowpairs import RowPairs, pair_rows
+from tracediff.compare.rowpairs import RowPairs, content_keys, pair_rows
 from tracediff.compare.rows import RowIndex, stream_names
 from tracediff.compare.segments import SegmentDecision, segment_scales
 from tracediff.compare.stream import stream_metrics
@@ -104,6 +104,7 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
     alignment = align_sequences(ref_index, cand_index)
     notes += alignment.notes
     base_pairs = pair_rows(alignment, 0)
+    base_pairs.content_keys = content_keys(base_pairs, alignment)
     if len(base_pairs) == 0:
         raise CompareError(
             f"zero aligned rows between {ref_store.path} ({rtap}) and {cand_store.path} ({ctap}): "
@@ -159,6 +160,8 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
         with ThreadPoolExecutor(1, thread_name_prefix="tracediff-plan") as ex:
             ahead = ex.submit(ahead_of_time)
             offset, offset_scores, pairs = offset_search(alignment, size, opts, base_pairs, compute.dtype)
+            if pairs is not base_pairs:
+                pairs.content_keys = content_keys(pairs, alignment)
             # -- segment decisions on a sample
             _stage(opts, "planning: segment map")
             if pairs is base_pairs:
