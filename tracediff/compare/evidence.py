@@ -182,12 +182,13 @@ def _token_ids(ev: Evidence) -> Precondition:
 
 def _record_tokens_hint(missing: list[str]) -> str:
     if missing == ["candidate"]:
-        return ("record the candidate with its token ids (record --labels-from CLASS, the module whose forward gets "
-                "input_ids; or tracediff.labels(...) in the script)")
+        return ("record the candidate with its token ids (tracediff record labels rows from the module whose forward "
+                "gets input_ids; where none does, pass --labels-from CLASS or call tracediff.labels(...) in the script)")
     if missing == ["reference"]:
-        return ("record the reference with its token ids (record --labels-from CLASS, rec.labels(...) in the "
-                "training script, or the trainer's adapter)")
-    return "record both sides with their token ids (record --labels-from CLASS, or tracediff.labels(...))"
+        return ("record the reference with its token ids (tracediff record --labels-from CLASS, rec.labels(...) in "
+                "the training script, or the trainer's adapter)")
+    return ("record both sides with their token ids (tracediff record --labels-from CLASS, or "
+            "tracediff.labels(...))")
 
 
 def _segment_sizes(ev: Evidence, report: Report) -> Precondition | None:

@@ -315,9 +315,10 @@ def record_next_box(report: Any) -> dict[str, Any] | None:
     if found is not None and _target_unknown(found[1]):
         finding, fix = found
         reasons.append(f"{finding.kind} has no fix value: " + " ".join(str(r) for r in fix.get("reasons") or []))
-        steps.append({"text": "Record the reference's aux-layer ids with their numbering (e.g. tracediff.record(..., "
-                              "meta={\"aux_layers\": {\"ids\": [...], \"convention\": \"hf\"}}), or record with the "
-                              "trainer's adapter: --adapter speculators / specforge), and compare again.",
+        steps.append({"text": "Record the reference's aux-layer ids with their numbering (tracediff record --aux-layers "
+                              "0,3,6 --convention hf ..., tracediff.record(..., meta={\"aux_layers\": {\"ids\": [...], "
+                              "\"convention\": \"hf\"}}), or the trainer's adapter: --adapter speculators / "
+                              "specforge), and compare again.",
                       "commands": []})
         if not _bank_used(report):
             steps.append(_bank_step(report))
