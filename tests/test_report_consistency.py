@@ -154,3 +154,50 @@ def test_a_side_split_across_stores_gives_the_plan_of_one_store(tmp_path):
     for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
         assert m1["std_rel_error"] == pytest.approx(m2["std_rel_error"], rel=1e-5)
     assert [f["kind"] for f in one["findings"]] == [f["kind"] for f in two["findings"]]
+
+
+def one_answer_per_segment(report) -> list[str]:
+    """Where the findings and the segment map disagree about a segment: [] when they agree.
+
+    A candidate segment a finding calls extra is extra in the map; a reference segment a finding
+    calls missing is carried by no map entry; a pair a finding calls other data or wrongly scaled is
+    not "same" in the map; the verdict CANNOT TELL leaves every segment undecided."""
+    problems = []
+    by_cand = {m.candidate: m for m in report.segment_map}
+    carried = {m.reference for m in report.segment_map if m.status in ("same", "moved", "duplicate")}
+    for f in report.findings:
+        if f.severity != "error":
+            continue
+        ev = f.evidence
+        if f.kind == "segment_extra" and by_cand[ev["candidate_segment"]].status not in ("extra", "related"):
+            problems.append(f"{f.kind} {ev['candidate_segment']} but the map says {by_cand[ev['candidate_segment']]}")
+        if f.kind == "segment_missing" and ev["reference_segment"] in carried:
+            problems.append(f"{f.kind} {ev['reference_segment']} but the map carries it")
+        if f.kind in ("segment_value", "segment_scale") and by_cand[ev["candidate_segment"]].relation == "same":
+            problems.append(f"{f.kind} {ev['candidate_segment']} but the map says same")
+    if report.verdict == "cannot_tell":
+        problems += [f"segment {m.candidate} decided ({m.status})" for m in report.segment_map if m.status != "undecided"]
+    return problems
+
+
+def test_the_shipped_pairs_and_the_synthetic_cases_give_one_answer_per_segment(tmp_path):
+    from pathlib import Path
+
+    samples = Path(__file__).resolve().parents[1] / "samples"
+    reports = [compare_stores(samples / "train.zarr", samples / name) for name in ("server_broken.zarr", "server_fixed.zarr")]
+    states = _sink_states()
+    tokens = np.random.default_rng(1).integers(0, 1000, states.shape[:2])
+    _layered_store(tmp_path / "ref.zarr", [0, 2, 4], states, tokens)
+    for name, layers, toks in (("shift", [2, 4, 5], tokens), ("wrong", [1, 3, 5], tokens), ("swap", [2, 0, 4], tokens),
+                               ("unlabelled", [0, 2, 4], None)):
+        seqs, length = states.shape[:2]
+        with tracediff.record(tmp_path / f"{name}.zarr", role="") as rec:
+            rec.declare("fc_in", segment_size=states.shape[-1])
+            for s in range(seqs)[::-1]:
+                if toks is not None:
+                    rec.labels(seq=s, position=np.arange(length), token_id=toks[s])
+                rec.capture("fc_in", torch.from_numpy(np.concatenate([states[s, :, k] for k in layers], axis=-1)))
+        reports.append(compare_stores(tmp_path / "ref.zarr", tmp_path / f"{name}.zarr"))
+    assert [r.verdict for r in reports] == ["mismatch", "match", "mismatch", "mismatch", "mismatch", "cannot_tell"]
+    for r in reports:
+        assert one_answer_per_segment(r) == [], r.candidate.path
