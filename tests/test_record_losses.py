@@ -17,6 +17,7 @@ In each, what the script captured (it prints it) = rows in the store + rows the 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -150,8 +151,9 @@ def test_the_ledger_keeps_its_counts_after_the_process_that_wrote_them_is_killed
     assert proc.returncode == -9, proc.stderr
     (header,) = [json.loads(p.read_text()) for p in tmp_path.glob("*-ledger*.json")]
     counts = read_ledger(header, tmp_path)
-    assert counts == {"fc_in": {"offered": 640, "committed": 64, "dropped": 0, "skipped": 0, "group": "fc_in/pid1"},
-                      "draft_steps": {"offered": 3, "committed": 0, "dropped": 0, "skipped": 0, "group": None}}
+    assert counts == {
+        "fc_in": {"offered": 640, "committed": 64, "dropped": 0, "skipped": 0, "group": "fc_in/pid1", "reason": ""},
+        "draft_steps": {"offered": 3, "committed": 0, "dropped": 0, "skipped": 0, "group": None, "reason": ""}}
 
 
 @pytest.mark.parametrize("bad", ["missing", "short"])
@@ -162,3 +164,31 @@ def test_a_ledger_whose_counts_cannot_be_read_gives_no_counts(tmp_path: Path, ba
     if bad == "missing":
         header = {"bin": "nowhere.bin", "taps": {"fc_in": 0}}
     assert read_ledger(header, tmp_path) == {}
+
+
+def test_rows_an_adapter_could_not_capture_are_counted_lost_with_its_reason(tmp_path: Path) -> None:
+    """An adapter that sees rows it cannot label (``Recorder.count_lost``): counted in the store, the
+    outcome and the ledger, and `record` says how many and why (not the writer's pace: no flag)."""
+    import torch
+
+    import tracediff
+    from tracediff.record.inject import read_notes, recording_problems
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    with tracediff.record(tmp_path / "s.zarr", ledger=Ledger(notes)) as rec:
+        rec.capture("fc_in", torch.ones(5, 8))
+        rec.count_lost("fc_in", 7, "a drafter batch whose rows do not match its query_start_loc")
+        rec.count_lost("draft_steps", 3, "a draft step's logits had (2, 100) rows for 3 requests")
+    outcome = rec.outcome()["taps"]
+    assert outcome["fc_in"]["rows"] == 5 and outcome["fc_in"]["dropped_rows"] == 7
+    assert outcome["draft_steps"]["dropped_rows"] == 3
+    with open_store(tmp_path / "s.zarr") as s:
+        (stream,) = s.tap_streams("fc_in")
+        assert stream.commit["dropped_rows"] == 7
+    problems = recording_problems(read_notes(notes), {outcome["fc_in"]["group"]: 5})
+    assert problems == [
+        f"{outcome['fc_in']['group']} (pid {os.getpid()}): 7 of 12 rows lost, not recorded: a drafter batch whose rows "
+        f"do not match its query_start_loc",
+        f"draft_steps (pid {os.getpid()}): 3 of 3 rows lost, not recorded: a draft step's logits had (2, 100) rows for "
+        f"3 requests"], problems

@@ -38,7 +38,7 @@ K = 3
 REQUESTS = 16
 NEW_TOKENS = 24
 HIDDEN, LAYERS = 512, 8
-LOST = re.compile(r"tracediff: error: (\w+)/[\w-]+ \(pid \d+\): ([\d,]+)(?: of [\d,]+)? rows (?:dropped|were taken)")
+LOST = re.compile(r"tracediff: error: (\w+)(?:/[\w-]+)? \(pid \d+\): ([\d,]+)(?: of [\d,]+)? rows (?:dropped|lost|were taken)")
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +83,14 @@ def _stream(url: str, model: str, rid: str, prompt: list[int]) -> dict[str, Any]
     return out
 
 
-def _run_server(models: dict[str, Any], commit: str, run: int) -> dict[str, Any]:
+def _run_server(models: dict[str, Any], commit: str, shutdown: int | None, run: int) -> dict[str, Any]:
     root, python = models["root"], models["python"]
-    store, port = root / f"{commit}{run}.zarr", h.free_port()
+    name = f"{commit}-{shutdown}-{run}"
+    store, port = root / f"{name}.zarr", h.free_port()
     url = f"http://127.0.0.1:{port}"
-    log_path = root / f"{commit}{run}.log"
+    log_path = root / f"{name}.log"
     cmd = [str(Path(python).parent / "tracediff"), "record", "--adapter", "vllm", "--commit", commit, "-o", str(store),
-           "--", *h.serve_command(python, models["target"], models["draft"], port, k=K, shutdown_timeout=None)]
+           "--", *h.serve_command(python, models["target"], models["draft"], port, k=K, shutdown_timeout=shutdown)]
     prompts = [[(7 * i + 3 * j) % (h.VOCAB - 1) + 1 for j in range(8 + 3 * i)] for i in range(REQUESTS)]
     results: dict[str, Any] = {}
     errors: list[str] = []
@@ -116,7 +117,7 @@ def _run_server(models: dict[str, Any], commit: str, run: int) -> dict[str, Any]
             if burner is not None:
                 burner.kill()
                 burner.wait(timeout=30)
-            servers.stop(proc)  # SIGTERM at once: no --shutdown-timeout, vLLM SIGKILLs its worker
+            servers.stop(proc)  # SIGTERM at once (without --shutdown-timeout, vLLM SIGKILLs its worker)
     return {"store": store, "returncode": proc.returncode, "log": log_path.read_text(), "results": results,
             "errors": errors}
 
@@ -143,11 +144,12 @@ def _reported_lost(log: str) -> dict[str, int]:
     return lost
 
 
-@pytest.mark.parametrize("commit", ["step", "background"])
-def test_every_row_a_loaded_server_produced_is_stored_or_reported_lost_with_a_failing_exit(models, commit) -> None:
+@pytest.mark.parametrize(("commit", "shutdown"), [("step", None), ("background", None), ("background", 10)])
+def test_every_row_a_loaded_server_produced_is_stored_or_reported_lost_with_a_failing_exit(models, commit,
+                                                                                           shutdown) -> None:
     outcomes = []
     for run in range(2):
-        r = _run_server(models, commit, run)
+        r = _run_server(models, commit, shutdown, run)
         assert not r["errors"], r["errors"]
         assert len(r["results"]) == REQUESTS and all(x["spec"] for x in r["results"].values()), r["log"][-3000:]
         assert all(x["usage"]["completion_tokens"] == NEW_TOKENS for x in r["results"].values())
@@ -157,9 +159,12 @@ def test_every_row_a_loaded_server_produced_is_stored_or_reported_lost_with_a_fa
             assert stored.get(tap, 0) + lost.get(tap, 0) == produced[tap], (tap, outcomes, r["log"][-4000:])
         if lost:
             assert r["returncode"] != 0, (outcomes, r["log"][-4000:])
-            assert "--on-full block" in r["log"] or "--shutdown-timeout 10" in r["log"], r["log"][-4000:]
+            # ... and names what avoids it (a full queue: --on-full block; a killed worker: the server's
+            # --shutdown-timeout or --commit step)
+            assert any(flag in r["log"] for flag in ("--on-full block", "--shutdown-timeout 10", "--commit step")), \
+                r["log"][-4000:]
         else:
             assert r["returncode"] == 0, (outcomes, r["log"][-4000:])
-        print(f"commit={commit} run {run}: exit {r['returncode']}, produced {produced}, stored {stored}, reported "
+        print(f"commit={commit} shutdown-timeout={shutdown} run {run}: exit {r['returncode']}, produced {produced}, stored {stored}, reported "
               f"lost {lost}")
         print("\n".join(line for line in r["log"].splitlines() if line.startswith("tracediff:")))

@@ -329,8 +329,7 @@ class _Binding:
     # -- the proposer's call (host thread, inside vLLM's step)
     def before_propose(self, proposer: Any, signature: inspect.Signature, args: tuple, kwargs: dict) -> None:
         _state.local.fc = None
-        if not self.recorder.enabled or _state.point(AUX_TAP)["skipped"] is not None:
-            return
+        hidden: Any = None
         try:
             bound = signature.bind_partial(proposer, *args, **kwargs).arguments
             hidden = bound.get("target_hidden_states")
@@ -338,12 +337,19 @@ class _Binding:
                 return
             if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
                 return  # a copy made now would be baked into a graph
+            skipped = _state.point(AUX_TAP)["skipped"]
+            if not self.recorder.enabled or skipped is not None:
+                # Rows the drafter reads that are not recorded are counted lost: the run then says so.
+                self._lose(int(hidden.shape[0]), f"not recorded after an error: {skipped or self.recorder.error}")
+                return
             with _state.lock:
                 _state.step += 1
                 step = _state.step
             runner = getattr(_state.local, "runner", None)
             labels = batch_labels(_state, bound, runner, step)
             if labels is None:
+                self._lose(int(hidden.shape[0]), "a drafter batch whose rows do not match its query_start_loc "
+                           "(parallel drafting / extra slots?) cannot be labelled")
                 return
             if not self.published:
                 self.published = True
@@ -365,6 +371,15 @@ class _Binding:
         except Exception as exc:  # noqa: BLE001
             _skip_point(AUX_TAP, f"{type(exc).__name__}: {exc}")
             _skip_point(FC_TAP, f"{type(exc).__name__}: {exc}")
+            if isinstance(hidden, torch.Tensor) and hidden.dim() == 2:
+                self._lose(int(hidden.shape[0]), f"not recorded after an error: {type(exc).__name__}: {exc}")
+
+    def _lose(self, rows: int, why: str) -> None:
+        """A drafter call whose rows cannot be recorded: its aux / fc rows counted lost now, its draft
+        steps as the draft computes them."""
+        for tap in (AUX_TAP, FC_TAP) + ((FC_RAW_TAP,) if self.raw_differs else ()):
+            self.recorder.count_lost(tap, rows, why)
+        _state.local.draft = {"lost": why}
 
     def _wrap_logits(self, method: Any, top1_only: bool) -> Any:
         """The draft's ``compute_logits`` / ``get_top_tokens``: record each draft step's top ids."""
@@ -374,11 +389,19 @@ class _Binding:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             out = method(*args, **kwargs)
             ctx = getattr(_state.local, "draft", None)
-            if ctx is not None and binding.active() and _state.point(DRAFT_TAP)["skipped"] is None:
-                try:
-                    binding._draft_step(ctx, out, top1_only)
-                except Exception as exc:  # noqa: BLE001
-                    _skip_point(DRAFT_TAP, f"{type(exc).__name__}: {exc}")
+            if ctx is None or not binding.active():
+                return out
+            skipped = _state.point(DRAFT_TAP)["skipped"]
+            if "lost" in ctx or skipped is not None:
+                rows = int(out.shape[0]) if isinstance(out, torch.Tensor) and out.dim() > 0 else 0
+                binding.recorder.count_lost(DRAFT_TAP, rows, ctx.get("lost") or f"not recorded after an error: {skipped}")
+                return out
+            try:
+                binding._draft_step(ctx, out, top1_only)
+            except Exception as exc:  # noqa: BLE001
+                _skip_point(DRAFT_TAP, f"{type(exc).__name__}: {exc}")
+                binding.recorder.count_lost(DRAFT_TAP, int(ctx.get("n") or 0),
+                                            f"not recorded after an error: {type(exc).__name__}: {exc}")
             return out
 
         return wrapper
@@ -386,6 +409,8 @@ class _Binding:
     def _draft_step(self, ctx: dict[str, Any], out: torch.Tensor, top1_only: bool) -> None:
         n = ctx["n"]
         if not isinstance(out, torch.Tensor) or out.shape[0] < n or ctx["k"] >= 64:
+            self.recorder.count_lost(DRAFT_TAP, n, f"a draft step's logits had {tuple(getattr(out, 'shape', ()))} rows "
+                                     f"for {n} requests")
             return
         out = out[:n]
         if top1_only or out.dim() == 1:
@@ -413,6 +438,8 @@ class _Binding:
         tensor = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
         rows, labels = pending
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or int(tensor.shape[0]) != rows:
+            self.recorder.count_lost(FC_TAP, rows, f"the fc input was {tuple(getattr(tensor, 'shape', ()))} where the "
+                                     f"drafter call had {rows} rows")
             return
         self._count(FC_TAP, rows)
         self.recorder.capture(FC_TAP, tensor, labels=labels)

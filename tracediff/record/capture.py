@@ -98,7 +98,7 @@ class CapturePath:
             held = self._pool.bucket_numel(take * width) * tensor.element_size()
         reason = self._reserve(held)
         if reason:
-            state.drop_reason = state.drop_reason or reason
+            self._note_drop_reason(state, reason)
             self._add_drop(state, take)
             return
         try:
@@ -109,7 +109,7 @@ class CapturePath:
                 self._enqueued += 1
         except queue.Full:  # another host thread filled the last slot first
             self._release(held)
-            state.drop_reason = state.drop_reason or f"the queue held its {self._queue.maxsize} batches"
+            self._note_drop_reason(state, f"the queue held its {self._queue.maxsize} batches")
             self._add_drop(state, take)
             return
         except BaseException:
@@ -117,6 +117,13 @@ class CapturePath:
             raise
         state.rows_queued += take
         state.bytes_queued += nbytes
+
+    def _note_drop_reason(self, state: TapState, why: str) -> None:
+        """The first reason a tap dropped rows (in its outcome and its ledger: once, a file write)."""
+        if not state.drop_reason:
+            state.drop_reason = why
+            if self._ledger is not None:
+                self._ledger.set_reason(state.name, why)
 
     def _wants_phase(self, phase: Any) -> bool:
         if self.limits.phases is None:

@@ -462,10 +462,13 @@ def recording_problems(notes: list[dict[str, Any]], store_rows: dict[str, int] |
 
 
 def _drop_line(group: str, pid: Any, info: dict[str, Any], offered: int | None, on_full: str) -> str:
-    """A tap that dropped rows because its writer fell behind: how many, why, and the flag."""
+    """A tap that dropped rows: how many and why; when its writer fell behind, the flag."""
     dropped = int(info.get("dropped_rows") or 0)
     of = f" of {offered:,}" if offered else ""
-    why = info.get("drop_reason") or "the writer queue was full"
+    why = info.get("drop_reason") or ""
+    if why and not why.startswith("the queue"):  # not the writer's pace: an adapter that could not take them
+        return f"{group} (pid {pid}): {dropped:,}{of} rows lost, not recorded: {why}"
+    why = why or "the writer queue was full"
     fix = ("a larger --queue-bytes, or fewer rows (--every-n-steps, --phases)" if on_full == "block" else
            "--on-full block (the host then waits for the writer, a bounded time per batch) or a larger "
            "--queue-bytes")
@@ -487,7 +490,8 @@ def _ledger_lines(tap: str, pid: Any, counts: dict[str, Any], info: dict[str, An
     name = group or tap
     parts = []
     if dropped:
-        parts.append(_drop_line(name, pid, dict(info, dropped_rows=dropped), offered, on_full))
+        reason = info.get("drop_reason") or counts.get("reason") or ""
+        parts.append(_drop_line(name, pid, dict(info, dropped_rows=dropped, drop_reason=reason), offered, on_full))
     if unsettled > 0:
         parts.append(
             f"{name} (pid {pid}): {unsettled:,} of {offered:,} rows were taken but never committed: the process "

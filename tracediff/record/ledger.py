@@ -19,8 +19,8 @@ what the process wrote to it stays in the file whatever ends the process):
 After the command, ``tracediff record`` reads them back (:func:`read_ledger`) with the store's own
 commit records: ``offered - skipped - committed - dropped`` rows were still queued when the process
 ended (lost, uncounted by the process itself). Each ledger is two files in the report folder,
-``<pid>-ledger<n>.json`` (which tap is which slot, and its writer group: written when a tap or a group
-is new) and ``<pid>-ledger<n>.bin`` (the counts, int64 in the machine's byte order).
+``<pid>-ledger<n>.json`` (which tap is which slot, its writer group and why it first dropped rows:
+written when one of those is new) and ``<pid>-ledger<n>.bin`` (the counts, int64 in the machine's byte order).
 
 What this module must never do: raise into the recorder's host (a failure turns the ledger off,
 logged once), or do I/O on a capture beyond the first of a new tap (a count is a memory write).
@@ -55,6 +55,7 @@ class Ledger:
         self.header_path, self.bin_path = stem.with_suffix(".json"), stem.with_suffix(".bin")
         self.taps: dict[str, int] = {}
         self.groups: dict[str, str] = {}
+        self.reasons: dict[str, str] = {}
         self.failed = False
         self._lock = threading.Lock()
         size = SLOTS * len(FIELDS) * 8
@@ -86,6 +87,16 @@ class Ledger:
             self.groups[tap] = group
             self._write_header()
 
+    def set_reason(self, tap: str, why: str) -> None:
+        """Why ``tap`` first dropped rows (the queue was full, an adapter could not label them)."""
+        if self.failed or tap in self.reasons:
+            return
+        if tap not in self.taps and self._new_tap(tap) is None:
+            return
+        with self._lock:
+            self.reasons[tap] = why
+            self._write_header()
+
     def _new_tap(self, tap: str) -> int | None:
         with self._lock:
             if tap in self.taps:
@@ -99,7 +110,7 @@ class Ledger:
 
     def _write_header(self) -> None:
         note = {"pid": self.pid, "executable": sys.executable, "bin": self.bin_path.name, "fields": list(FIELDS),
-                "taps": dict(self.taps), "groups": dict(self.groups)}
+                "taps": dict(self.taps), "groups": dict(self.groups), "reasons": dict(self.reasons)}
         tmp = self.header_path.with_name(self.header_path.name + ".tmp")
         try:
             tmp.write_text(json.dumps(note))
@@ -125,6 +136,7 @@ def read_ledger(header: dict[str, Any], folder: str | os.PathLike[str]) -> dict[
             base = int(slot) * len(fields)
             row: dict[str, Any] = {name: int(counts[base + i]) for i, name in enumerate(fields)}
             row["group"] = (header.get("groups") or {}).get(tap)
+            row["reason"] = (header.get("reasons") or {}).get(tap, "")
             out[str(tap)] = row
         return out
     except (OSError, KeyError, TypeError, ValueError, IndexError):

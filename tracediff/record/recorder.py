@@ -353,6 +353,20 @@ class Recorder(CapturePath, WriterThread):
                 return
         self.capture(state.name, tensor, labels=extra)
 
+    def count_lost(self, name: str, rows: int, why: str) -> None:
+        """Rows of tap ``name`` the host produced that cannot be captured (an adapter that cannot
+        label or pick them): counted as dropped, with ``why`` (the first reason a tap gives is kept),
+        so that a run that lost them says so. Never raises."""
+        try:
+            if rows <= 0:
+                return
+            state = self._taps.get(name) or self.declare(name)
+            self._note_drop_reason(state, why)
+            self._account(name, OFFERED, rows)
+            self._add_drop(state, rows)
+        except Exception:  # noqa: BLE001, S110  (counting is best effort; the host comes first)
+            pass
+
     def keep_handle(self, handle: Any) -> None:
         """Keep a hook handle an adapter registered, so that :meth:`close` removes it."""
         self._handles.append(handle)
