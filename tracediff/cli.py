@@ -29,6 +29,7 @@ import click
 from tracediff import __version__
 from tracediff.commands.compare import calibrate, compare, demo, identify
 from tracediff.commands.options import CommandGroup
+from tracediff.commands.preflight import preflight
 from tracediff.commands.record import record
 from tracediff.commands.replay import replay
 from tracediff.commands.stores import import_group, inspect, pack, push, send
@@ -43,7 +44,7 @@ def main() -> None:
     """Record and compare the fc-input rows an EAGLE-3 draft sees in training and in serving."""
 
 
-for _command in (record, compare, replay, identify, calibrate, import_group, demo, send, inspect, pack, push):
+for _command in (preflight, record, compare, replay, identify, calibrate, import_group, demo, send, inspect, pack, push):
     main.add_command(_command)
 
 

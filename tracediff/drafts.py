@@ -37,31 +37,39 @@ def tensor_sha256(t: torch.Tensor, limit: int = 1 << 26) -> str:
 
 
 def d2t_kind(d2t: torch.Tensor, vocab: int | None, t2d: torch.Tensor | None = None) -> str:
-    """``offsets``, ``absolute ids``, :data:`AMBIGUOUS` or ``neither (not a strictly increasing map)``.
+    """``offsets``, ``absolute ids``, :data:`AMBIGUOUS` or ``neither (not a strictly increasing map)``
+    (:func:`d2t_kind_of_array` on the tensors' values)."""
+    values = d2t.detach().to("cpu").long().reshape(-1).numpy()
+    kept = None if t2d is None else t2d.detach().to("cpu").reshape(-1).bool().numpy()
+    return d2t_kind_of_array(values, vocab, kept)
+
+
+def d2t_kind_of_array(values: Any, vocab: int | None, t2d: Any = None) -> str:
+    """:func:`d2t_kind` on numpy arrays (``tracediff preflight`` reads d2t without torch).
 
     As offsets, ``i + d2t[i]`` must be strictly increasing target ids inside the vocabulary; as
     absolute ids, ``d2t[i]`` itself must be. A map can be both only when every kept target id is at
     least 2 from the next (``d2t`` then strictly increases either way): ``t2d`` (the kept target ids'
     mask, which engines ignore) decides then, else the answer is :data:`AMBIGUOUS`."""
-    import torch  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
 
-    values = d2t.detach().to("cpu").long().reshape(-1)
-    if values.numel() == 0:
+    values = np.asarray(values).astype(np.int64).reshape(-1)
+    if values.size == 0:
         return "neither (not a strictly increasing map)"
-    idx = torch.arange(values.numel())
+    idx = np.arange(values.size, dtype=np.int64)
 
-    def valid(ids: torch.Tensor) -> bool:
+    def valid(ids: Any) -> bool:
         inside = vocab is None or (int(ids.max()) < vocab and int(ids.min()) >= 0)
-        return inside and (ids.numel() == 1 or bool((ids[1:] > ids[:-1]).all()))
+        return inside and (ids.size == 1 or bool((ids[1:] > ids[:-1]).all()))
 
-    as_offsets, as_absolute = valid(idx + values), valid(values) and values.numel() > 1
+    as_offsets, as_absolute = valid(idx + values), valid(values) and values.size > 1
     if as_offsets and as_absolute:
         if t2d is not None:
-            kept = torch.nonzero(t2d.detach().to("cpu").reshape(-1).bool()).reshape(-1)
-            if kept.numel() == values.numel():
-                if torch.equal(kept, idx + values):
+            kept = np.nonzero(np.asarray(t2d).reshape(-1).astype(bool))[0]
+            if kept.size == values.size:
+                if np.array_equal(kept, idx + values):
                     return "offsets"
-                if torch.equal(kept, values):
+                if np.array_equal(kept, values):
                     return "absolute ids"
         # An offsets map increases strictly only if no two kept ids are adjacent, which a draft
         # vocabulary of the most frequent tokens never is.
