@@ -387,3 +387,78 @@ def test_a_trainer_that_is_no_store_is_bad_input(tmp_path: Path) -> None:
     target, draft = _pair(tmp_path, "llama", [1, 3, 5], "eagle_config")
     r = invoke_tracediff("preflight", str(draft), "--target", str(target), "--trainer", str(tmp_path / "nope"))
     assert r.returncode == 2 and "--trainer" in r.stderr
+
+
+# ------------------------------------------------------------------------------------------ trainers' own drafts
+@pytest.fixture(scope="module")
+def trainer_drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """A draft saved by speculators' own Eagle3DraftModel and one by SpecForge's LlamaForCausalLMEagle3
+    (tests/trainer_runs.py builds them as the trainer tests do), with a 6-layer Llama target."""
+    missing = [m for m in ("speculators", "specforge") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed: cannot build the trainers' own drafts")
+    sys.path.insert(0, str(TESTS))
+    from trainer_runs import HIDDEN, VOCAB, build_specforge, build_speculators_draft  # noqa: PLC0415
+
+    root = tmp_path_factory.mktemp("trainer_drafts")
+    target = LlamaConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, vocab_size=VOCAB)
+    target.architectures = ["LlamaForCausalLM"]
+    target.save_pretrained(root / "target")
+    build_speculators_draft().save_pretrained(root / "speculators")
+    _, _, draft = build_specforge(root)
+    draft.save_pretrained(root / "specforge")
+    return {name: (root / "target", root / name) for name in ("speculators", "specforge")}
+
+
+def test_a_speculators_draft_is_read_as_vllm_reads_it_and_sglang_cannot_load_it(trainer_drafts: dict) -> None:
+    target, draft = trainer_drafts["speculators"]
+    pf = run_preflight(draft, target, versions={"sglang": "0.5.23", "vllm": "0.32.0", "speculators": "0.9.0"})
+    assert pf.trainer.source == "speculators"  # detected from the config's format
+    assert pf.trainer.physical == [1, 2, 3]
+    sg, vl = pf.engines
+    assert vl.resolution.ids == [1, 2, 3] and vl.verdict == "same"
+    assert sg.resolution.error and "model_type" in sg.resolution.error
+    assert pf.draft.hidden_size == 32 and pf.draft.fc_shape == [32, 96]
+    if importlib.util.find_spec("sglang") is not None:
+        from preflight_sglang import sglang_resolution  # noqa: PLC0415
+
+        with pytest.raises(ValueError, match="model_type"):
+            sglang_resolution(target, draft)
+
+
+def test_a_specforge_draft_is_what_sglang_feeds_and_vllm_reads_otherwise(trainer_drafts: dict) -> None:
+    target, draft = trainer_drafts["specforge"]
+    pf = run_preflight(draft, target, trainer="specforge",
+                       versions={"sglang": "0.5.23", "vllm": "0.32.0", "specforge": "0.2.0"})
+    assert pf.trainer.physical == [1, 2, 3]  # SpecForge [0, 1, 2] through SGLang's +1
+    sg, vl = pf.engines
+    assert sg.verdict == "same"
+    assert vl.resolution.physical == [0, 1, 2] and vl.verdict == "different"
+    assert vl.fix is not None and vl.fix["ids"] == [1, 2, 3]
+    assert pf.draft.d2t["kind"] == "offsets"
+
+
+@pytest.mark.slow  # vLLM's and SGLang's imports: ~25 s
+def test_the_trainers_drafts_resolve_in_the_engines_as_predicted(trainer_drafts: dict) -> None:
+    python = ROOT / ".venv-vllm" / "bin" / "python"
+    if not python.is_file():
+        pytest.skip(f"vLLM is not installed ({python} missing)")
+    names = list(trainer_drafts)
+    pairs = [[str(trainer_drafts[n][0]), str(trainer_drafts[n][1])] for n in names]
+    proc = subprocess.run([str(python), str(TESTS / "preflight_vllm_child.py"), json.dumps(pairs)],
+                          capture_output=True, text=True, timeout=600, cwd=str(TESTS),
+                          env={"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+                               "OMP_NUM_THREADS": "1"})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    for name, engine in zip(names, json.loads(lines[-1][len("RESULT "):]), strict=True):
+        target, draft = trainer_drafts[name]
+        res = _engine(run_preflight(draft, target, ("vllm",), versions={"vllm": "0.32.0"}), "vllm")
+        assert res.capture == engine["ids"] and res.physical == engine["aux_hidden_state_layers"], name
+    if importlib.util.find_spec("sglang") is not None:
+        from preflight_sglang import sglang_resolution  # noqa: PLC0415
+
+        target, draft = trainer_drafts["specforge"]
+        res = _engine(run_preflight(draft, target, ("sglang",), versions={"sglang": "0.5.23"}), "sglang")
+        assert res.capture == sglang_resolution(target, draft)["layers_to_capture"]

@@ -170,9 +170,11 @@ def read_draft(folder: Path) -> tuple[DraftFacts, dict[str, Any]]:
     fc = _find(tensors, "fc.weight")
     lm = _find(tensors, "lm_head.weight")
     d2t, t2d = _find(tensors, "d2t"), _find(tensors, "t2d")
-    vocab = _int(cfg.get("vocab_size"))
+    layer_cfg = cfg.get("transformer_layer_config") if isinstance(cfg.get("transformer_layer_config"), dict) else {}
+    vocab = _int(cfg.get("vocab_size")) or _int(layer_cfg.get("vocab_size"))  # speculators: nested
     facts = DraftFacts(
-        str(folder), list(cfg.get("architectures") or []), ids, _int(cfg.get("hidden_size")),
+        str(folder), list(cfg.get("architectures") or []), ids,
+        _int(cfg.get("hidden_size")) or _int(layer_cfg.get("hidden_size")),
         _int(cfg.get("target_hidden_size")), vocab, _int(cfg.get("draft_vocab_size")),
         cfg.get("norm_before_fc") if isinstance(cfg.get("norm_before_fc"), bool) else None,
         fc.shape if fc else None, _find(tensors, "embed_tokens.weight") is not None, lm is not None,

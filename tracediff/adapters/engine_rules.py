@@ -259,6 +259,9 @@ def resolve(choice: RuleChoice, draft: dict[str, Any], num_layers: int | None) -
         capture = _capture_ids(rule, [1, depth // 2 - 1, depth - 4])
     else:
         capture = [2, depth // 2, depth - 3]
+    problem = load_problem(rule.framework, draft)
+    if problem:
+        res.error = problem
     if rule.framework == "specforge" and ids is not None and (len(ids) != 3 or any(i < 0 for i in ids)):
         res.error = f"SpecForge rejects {ids}: it needs exactly three non-negative ids (resolve_eagle_capture_layers)"
     if capture is None:
@@ -316,6 +319,22 @@ def fix_ids(rule: Rule, wanted: list[PhysicalLayer], num_layers: int) -> tuple[l
     return ids, problems
 
 
+def load_problem(framework: str, draft: dict[str, Any]) -> str | None:
+    """Why ``framework`` cannot load the draft config at all, or None.
+
+    SGLang 0.5.23 has no reader for speculators' format (its ``ModelConfig`` goes through transformers'
+    ``AutoConfig``, which needs a top-level ``model_type``: run here, "Unrecognized model ... Should
+    have a `model_type` key"); vLLM converts that format (vllm/transformers_utils/configs/speculators/
+    algos.py), SpecForge writes ordinary configs."""
+    if framework == "sglang" and not draft.get("model_type"):
+        kind = "speculators' format" if ("speculators_model_type" in draft or "speculators_config" in draft) else \
+            "a config"
+        return (f"SGLang cannot load {kind} without a top-level model_type (sglang/srt/configs/model_config.py "
+                f"ModelConfig -> transformers AutoConfig: 'Unrecognized model'); convert the draft to a "
+                f"LlamaForCausalLMEagle3 config with eagle_config.eagle_aux_hidden_state_layer_ids first")
+    return None
+
+
 def config_field(rule: Rule) -> str:
     """Where a user writes the ids for this framework, in its own words."""
     if rule.reads[0] == "top":
@@ -324,5 +343,5 @@ def config_field(rule: Rule) -> str:
 
 
 __all__ = ["DEEPSEEK_ARCHITECTURES", "ENGINES", "RULES", "TRAINERS", "Resolution", "Rule", "RuleChoice",
-           "choose_rule", "config_field", "draft_ids", "fix_ids", "installed_version", "parse_version", "resolve",
+           "choose_rule", "config_field", "draft_ids", "fix_ids", "installed_version", "load_problem", "parse_version", "resolve",
            "target_family"]
