@@ -192,3 +192,22 @@ def test_rows_an_adapter_could_not_capture_are_counted_lost_with_its_reason(tmp_
         f"do not match its query_start_loc",
         f"draft_steps (pid {os.getpid()}): 3 of 3 rows lost, not recorded: a draft step's logits had (2, 100) rows for "
         f"3 requests"], problems
+
+
+def test_waiting_for_the_writer_bounds_the_backlog_a_kill_can_take(tmp_path: Path) -> None:
+    """``wait_for_writer(N)`` (what the vLLM adapter calls after each drafter call with --commit
+    background): returns once at most N batches are queued and unwritten; at its timeout, False."""
+    import torch
+
+    import tracediff
+
+    with tracediff.record(tmp_path / "s.zarr", compressor="zstd", durable=True, on_full="block") as rec:
+        x = torch.randn(ROWS, WIDTH)
+        for _ in range(40):
+            rec.capture("fc_in", x)
+        behind = rec._enqueued - rec._done
+        assert behind > 4  # the writer really is behind (an fsync a 1 MiB batch)
+        assert rec.wait_for_writer(4, timeout=0.0) is False
+        assert rec.wait_for_writer(4, timeout=120.0) is True
+        assert rec._enqueued - rec._done <= 4
+    assert rec.wait_for_writer(0) is True  # closed: nothing left to wait for

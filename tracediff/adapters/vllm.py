@@ -98,8 +98,12 @@ TOPK = 4  # draft_steps values: the draft's top-k target ids per step (float32 h
 ENV_STORE = "TRACEDIFF_VLLM_STORE"
 ENV_ALL_RANKS = "TRACEDIFF_VLLM_ALL_RANKS"
 ENV_COMMIT = "TRACEDIFF_VLLM_COMMIT"
-#: Seconds a drafter call waits at most for its rows to be committed (``commit = "step"``).
+#: Seconds a drafter call waits at most for its rows to be committed (``commit = "step"``), or for
+#: the writer to come within BACKGROUND_BEHIND batches of the captures (``commit = "background"``).
 COMMIT_TIMEOUT = 10.0
+#: Batches the writer may be behind in background mode (a drafter call queues 2 + K or 3 + K): what a
+#: SIGKILL of the worker can take is bounded by it.
+BACKGROUND_BEHIND = 64
 
 
 # ------------------------------------------------------------------------------------ process state
@@ -243,14 +247,18 @@ def _wrap_propose(original: Any) -> Any:
         finally:
             _state.local.fc = None
             _state.local.draft = None
-            # Before vLLM returns this step's tokens: a client that has its response has its rows
+            # step: before vLLM returns this step's tokens, a client that has its response has its rows
             # committed, even if vLLM SIGKILLs this worker right after (default --shutdown-timeout 0).
-            # Bounded: a writer further behind than that is said once; a kill then loses rows, which
-            # `tracediff record` counts from the recorder's ledger.
-            if binding is not None and binding.commit == "step" and not binding.recorder.flush(
-                    timeout=COMMIT_TIMEOUT) and not binding.recorder.closed:
-                _log_once("commit-timeout", logging.WARNING, "tracediff: vllm adapter: a drafter call's rows were not "
-                          "committed within %.0f s (the writer is behind); serving goes on", COMMIT_TIMEOUT)
+            # background: the writer overlaps serving, at most BACKGROUND_BEHIND batches behind.
+            # Both bounded in time: a writer further behind is said once; a kill then loses rows,
+            # which `tracediff record` counts from the recorder's ledger.
+            if binding is not None:
+                rec = binding.recorder
+                caught_up = rec.flush(timeout=COMMIT_TIMEOUT) if binding.commit == "step" else \
+                    rec.wait_for_writer(BACKGROUND_BEHIND, timeout=COMMIT_TIMEOUT)
+                if not caught_up and not rec.closed:
+                    _log_once("commit-timeout", logging.WARNING, "tracediff: vllm adapter: the writer stayed behind "
+                              "the drafter for %.0f s (--commit %s); serving goes on", COMMIT_TIMEOUT, binding.commit)
 
     return propose
 
@@ -487,8 +495,10 @@ def _tp_rank() -> tuple[int | None, int | None]:
 def commit_mode() -> str:
     """``"step"`` (default): each drafter call waits until its rows are committed, so the rows of every
     response a client received survive a SIGKILL of the worker; costs the write time of those rows per
-    step. ``"background"``: the writer overlaps serving; what it had not written when vLLM killed the
-    worker is lost. From ``tracediff record --commit`` or ``TRACEDIFF_VLLM_COMMIT``."""
+    step. ``"background"``: the writer overlaps serving, at most BACKGROUND_BEHIND batches behind (a
+    drafter call waits, at most COMMIT_TIMEOUT, when it is further behind); what it had not written
+    when vLLM killed the worker is lost, and counted. From ``tracediff record --commit`` or
+    ``TRACEDIFF_VLLM_COMMIT``."""
     mode = ""
     with contextlib.suppress(Exception):
         from tracediff.record.inject import current_config  # noqa: PLC0415

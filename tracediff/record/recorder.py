@@ -451,6 +451,22 @@ class Recorder(CapturePath, WriterThread):
                 self._cond.wait(left)
         return True
 
+    def wait_for_writer(self, behind: int, timeout: float = 10.0) -> bool:
+        """Wait until the writer is at most ``behind`` batches behind the captures (queued and not yet
+        written), at most ``timeout`` seconds; True when it is. A host that calls this after each step
+        bounds what a kill can take (``behind`` batches) without waiting for every write. Never
+        raises; a closed or failed recorder returns at once."""
+        if self.closed or not self._thread.is_alive() or self._thread is threading.current_thread():
+            return self.closed
+        deadline = time.monotonic() + max(float(timeout), 0.0)
+        with self._cond:
+            while self._enqueued - self._done > behind:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(left)
+        return True
+
     def stats(self) -> dict[str, Any]:
         """Counts per tap as seen from the host thread (rows queued, dropped, skipped)."""
         return {
