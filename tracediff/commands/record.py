@@ -66,7 +66,8 @@ from tracediff.errors import TracediffError, UsageError
               help="Record every tensor-parallel rank (sglang: default is attention-TP rank 0 only).")
 @click.option("--commit", "commit", type=click.Choice(["step", "background"]), default="step", show_default=True,
               help="vllm: step = each drafter call's rows are committed before vLLM returns its tokens (survives a "
-                   "SIGKILL of the worker); background = writes overlap serving (faster, the last rows may be lost).")
+                   "SIGKILL of the worker); background = writes overlap serving, at most 64 batches behind (faster; a "
+                   "kill loses that backlog: counted, and record exits 2).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def record(
     output: Path,
