@@ -462,3 +462,52 @@ def test_the_trainers_drafts_resolve_in_the_engines_as_predicted(trainer_drafts:
         target, draft = trainer_drafts["specforge"]
         res = _engine(run_preflight(draft, target, ("sglang",), versions={"sglang": "0.5.23"}), "sglang")
         assert res.capture == sglang_resolution(target, draft)["layers_to_capture"]
+
+
+# ------------------------------------------------------------------------------------------ record
+def test_a_recording_stores_the_prediction_and_whether_the_engine_agreed(case_dirs: dict, sglang_resolved: dict,
+                                                                          vllm_resolved: dict) -> None:
+    """What the serving adapters store as ``meta.<engine>.preflight``: the same resolution, and
+    ``agrees`` against the capture indices the engine resolved (here: the engines' own code)."""
+    from tracediff.preflight import resolution_for_record  # noqa: PLC0415
+
+    target, draft = case_dirs["deepseek_nested"]
+    sg = resolution_for_record("sglang", draft, target, "0.5.23", sglang_resolved["deepseek_nested"]["layers_to_capture"])
+    assert sg is not None and sg["agrees"] and sg["physical"] == [2, 30, 58] and sg["rule"] == "sglang.deepseek_first_id_one"
+    vl = resolution_for_record("vllm", draft, target, "0.32.0", vllm_resolved["deepseek_nested"]["aux_hidden_state_layers"])
+    assert vl is not None and vl["agrees"] and vl["ids_from"] == "eagle_config.eagle_aux_hidden_state_layer_ids"
+    old = resolution_for_record("sglang", draft, target, "0.5.23", [3, 31, 59])  # an engine that added 1
+    assert old is not None and old["agrees"] is False
+    assert any("engine_rules.py" in e for e in old["errors"])
+
+
+def test_a_recording_from_hub_ids_stores_no_prediction(case_dirs: dict) -> None:
+    from tracediff.preflight import resolution_for_record  # noqa: PLC0415
+
+    target, _ = case_dirs["nested_ids"]
+    assert resolution_for_record("vllm", "org/some-draft", target, "0.32.0", [1, 3, 5]) is None
+    assert resolution_for_record("vllm", None, None, "unknown") is None
+
+
+@pytest.mark.slow  # a real vLLM engine in process: ~30 s
+def test_a_real_vllm_recording_stores_the_prediction_and_it_agrees(tmp_path: Path) -> None:
+    """tests/vllm_children.py's in-process recording (a tiny Llama target, a draft with top-level ids
+    [2, 4, 5]): the store's ``meta.vllm.preflight`` is preflight's prediction, and it agrees with the
+    layers vLLM resolved."""
+    sys.path.insert(0, str(TESTS))
+    import vllm_harness as h  # noqa: PLC0415
+
+    python = h.vllm_python()
+    tl = h.build_target(tmp_path)
+    draft = h.build_draft(tmp_path, "draft", tl, [2, 4, 5], "top")
+    store = tmp_path / "server.zarr"
+    run = subprocess.run([str(python), str(TESTS / "vllm_children.py"), "inprocess", str(store),
+                          str(tmp_path / "target"), str(draft), "none"],
+                         capture_output=True, text=True, timeout=600, env=h.vllm_env())
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    metas = [json.loads(p.read_text())["attributes"]["meta"] for p in (store / "fc_in").glob("*/zarr.json")]
+    assert metas
+    for meta in metas:
+        predicted = meta["vllm"]["preflight"]
+        assert predicted["agrees"] is True and predicted["errors"] == []
+        assert predicted["physical"] == meta["vllm"]["aux_hidden_state_layers"] == [2, 4, 5]

@@ -455,6 +455,41 @@ def _check_weights(draft: DraftFacts, target: TargetFacts, views: list[EngineVie
                                                  f" an embedding slot must be taken after that scale on both sides"))
 
 
+# ------------------------------------------------------------------------------------------ record
+def resolution_for_record(engine: str, draft_dir: Any, target_dir: Any, version: str | None,
+                          captured: list[int] | None = None) -> dict[str, Any] | None:
+    """Preflight's prediction for the engine a recording runs in, stored by the serving adapters next
+    to the ids the engine really used (``meta.<engine>.preflight``): ``rule``, ``ids``, ``ids_from``,
+    ``capture``, ``physical``, the errors preflight found, and, given ``captured`` (the capture indices
+    the engine resolved), ``agrees``: False means a rule in :mod:`tracediff.adapters.engine_rules` does
+    not hold for this engine version. None when either path is not a local folder (a hub id); never
+    raises (it runs inside the engine's process)."""
+    try:
+        draft, target = Path(str(draft_dir)), Path(str(target_dir))
+        if not draft_dir or not target_dir or not draft.is_dir() or not target.is_dir():
+            return None
+        from tracediff.adapters.engine_rules import parse_version  # noqa: PLC0415
+
+        pf = run_preflight(draft, target, (engine,), versions={engine: version} if parse_version(version) else None)
+        res = pf.engines[0].resolution
+        out: dict[str, Any] = {
+            "rule": res.rule, "rule_read_from": res.rule_read_from, "source": res.source, "version": res.version,
+            "ids": res.ids, "ids_from": res.ids_from, "capture": res.capture, "physical": res.physical,
+            "missing": res.missing, "errors": [c.message for c in pf.checks if c.severity == "error"]}
+        if captured is not None:
+            out["agrees"] = sorted(set(res.capture)) == sorted(set(int(c) for c in captured))
+            if not out["agrees"]:
+                out["errors"].append(
+                    f"preflight predicted capture indices {res.capture} ({res.rule}, read from {engine} "
+                    f"{res.rule_read_from}); {engine} {version} captured {list(captured)}: the rule does not hold "
+                    f"for this version (tracediff/adapters/engine_rules.py)")
+        return out
+    except Exception as exc:  # noqa: BLE001  (never into the engine)
+        from tracediff.errors import first_line  # noqa: PLC0415
+
+        return {"error": first_line(exc)}
+
+
 # ------------------------------------------------------------------------------------------ text
 def render_text(pf: Preflight) -> str:
     """The report a person reads; computes nothing."""
@@ -488,4 +523,4 @@ def render_text(pf: Preflight) -> str:
 
 
 __all__ = ["Check", "DraftFacts", "EngineView", "Preflight", "TargetFacts", "TrainerView", "read_draft",
-           "read_target", "render_text", "run_preflight", "safetensors_header"]
+           "read_target", "render_text", "resolution_for_record", "run_preflight", "safetensors_header"]

@@ -177,6 +177,14 @@ def publish_meta(state: Any, recorder: Recorder) -> None:
         meta["aux_layer_ids_source"] = state.draft.get("aux_layer_ids_source")
     if isinstance(state.target.get("layers_to_capture"), list):
         meta["layers_to_capture"] = state.target["layers_to_capture"]
+    from tracediff.preflight import resolution_for_record  # noqa: PLC0415  (light: configs and headers only)
+
+    # What `tracediff preflight` predicts for this draft and target, next to what SGLang captured: the
+    # same rules, checked against the engine on every recording.
+    predicted = resolution_for_record("sglang", args.get("speculative_draft_model_path"), args.get("model_path"),
+                                      meta["sglang_version"], meta.get("layers_to_capture"))
+    if predicted is not None:
+        meta["preflight"] = predicted
     recorder.meta["sglang"] = meta
     if args.get("cuda_graphs"):
         state.log_once("cuda-graphs", logging.WARNING,

@@ -73,6 +73,13 @@ def provenance(proposer: Any, runner: Any, draft: Any, info: dict[str, Any]) -> 
                 f"duplicates): the concatenation follows {resolved}")
     config = getattr(proposer, "vllm_config", None)
     meta.update(_engine_config(config))
+    from tracediff.preflight import resolution_for_record  # noqa: PLC0415  (light: configs and headers only)
+
+    # What `tracediff preflight` predicts for this draft and target, next to what vLLM resolved.
+    predicted = resolution_for_record("vllm", meta.get("draft_model"), meta.get("target_model"), meta["vllm_version"],
+                                      resolved)
+    if predicted is not None:
+        meta["preflight"] = predicted
     groups = getattr(proposer, "draft_attn_groups", None) or []
     backends = sorted({getattr(getattr(g, "backend", None), "__name__", str(getattr(g, "backend", "")))
                        for g in groups if getattr(g, "backend", None) is not None})
