@@ -511,3 +511,44 @@ def test_a_real_vllm_recording_stores_the_prediction_and_it_agrees(tmp_path: Pat
         predicted = meta["vllm"]["preflight"]
         assert predicted["agrees"] is True and predicted["errors"] == []
         assert predicted["physical"] == meta["vllm"]["aux_hidden_state_layers"] == [2, 4, 5]
+
+
+# ------------------------------------------------------------------------------------------ compare's Fix box
+def _aux(physical: list[int], ids: list[int], convention: str, framework: str) -> Any:
+    from tracediff.adapters.conventions import AuxLayers  # noqa: PLC0415
+
+    return AuxLayers(ids, "aux_layers", convention, physical, framework=framework)
+
+
+def test_compares_fix_uses_the_rule_the_recording_stored_for_a_deepseek_target() -> None:
+    """Issue #49's case in compare: the reference fed [0, 3, 31]; an SGLang candidate on a DeepSeek
+    target recorded rule sglang.deepseek_first_id_one: the Fix box says [0, 3, 31] (0.5.23 reads ids
+    raw), as preflight does, not the Llama numbering's [-1, 2, 30]."""
+    from tracediff.adapters.engine_rules import recorded_rule  # noqa: PLC0415
+    from tracediff.compare.remedy import propose_fix  # noqa: PLC0415
+
+    ref = _aux([0, 3, 31], [0, 3, 31], "hf", "speculators")
+    cand = _aux([2, 30, 58], [2, 30, 58], "sglang_deepseek", "sglang")
+    meta = {"store": {}, "writer": {"sglang": {"preflight": {"rule": "sglang.deepseek_first_id_one"}}}, "tap": {}}
+    rule = recorded_rule(meta, "sglang")
+    assert rule is not None and rule.name == "sglang.deepseek_first_id_one"
+    fix = propose_fix([], 3, ref, cand, "sglang", num_layers=61, engine_rule=rule)
+    assert fix.value == [0, 3, 31] and fix.config_can_fix and fix.convention == "sglang_deepseek"
+    older = recorded_rule({"writer": {"sglang": {"preflight": {"rule": "sglang.deepseek_plus_one"}}}}, "sglang")
+    assert propose_fix([], 3, ref, cand, "sglang", num_layers=61, engine_rule=older).value == [-1, 2, 30]
+    # A recording without the block: the engine's generic numbering, as before.
+    assert recorded_rule({"writer": {"sglang": {}}}, "sglang") is None
+    assert propose_fix([], 3, ref, cand, "sglang", num_layers=61).value == [-1, 2, 30]
+
+
+def test_compares_fix_says_when_sglangs_deepseek_path_cannot_take_the_layers() -> None:
+    """Layers starting at layer 1's input: raw ids would start with 1, which SGLang's DeepSeek path
+    reads +1: no config value; the Fix box says so instead of proposing [1, ...]."""
+    from tracediff.adapters.engine_rules import rule_named  # noqa: PLC0415
+    from tracediff.compare.remedy import propose_fix  # noqa: PLC0415
+
+    ref = _aux([1, 30, 58], [1, 30, 58], "hf", "speculators")
+    cand = _aux([2, 30, 58], [2, 30, 58], "sglang_deepseek", "sglang")
+    fix = propose_fix([], 3, ref, cand, "sglang", num_layers=61, engine_rule=rule_named("sglang.deepseek_first_id_one"))
+    assert fix.value is None and not fix.config_can_fix
+    assert any("adds 1" in r for r in fix.reasons)

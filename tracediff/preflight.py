@@ -386,7 +386,7 @@ def _engine_view(res: Resolution, rule: Any, trainer: TrainerView, depth: int | 
         same = [str(p) for p in res.physical] == [str(p) for p in trainer.physical] and not res.missing
         verdict = "same" if same else "different"
         if not same:
-            ids, problems = fix_ids(rule, list(trainer.physical), depth or 0)
+            ids, problems = fix_ids(rule, list(trainer.physical), depth)
             fix = {"field": config_field(rule), "ids": ids, "problems": problems}
             say = (f"set {config_field(rule)} = {ids}" if ids is not None
                    else "cannot be set in its config: " + "; ".join(problems))

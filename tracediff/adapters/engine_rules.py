@@ -291,7 +291,24 @@ def _capture_ids(rule: Rule, ids: list[int]) -> list[int]:
     return [i + conv.offset for i in ids]
 
 
-def fix_ids(rule: Rule, wanted: list[PhysicalLayer], num_layers: int) -> tuple[list[int] | None, list[str]]:
+def rule_named(name: Any) -> Rule | None:
+    return next((r for r in RULES if r.name == name), None)
+
+
+def recorded_rule(meta: dict[str, Any], engine: str | None) -> Rule | None:
+    """The rule a serving recording's ``meta.<engine>.preflight`` names (the adapters store it), looked
+    for in the store's and the writers' meta; None when not recorded."""
+    if not engine:
+        return None
+    for part in (meta.get("store"), meta.get("writer"), meta):
+        block = (part or {}).get(engine) if isinstance(part, dict) else None
+        predicted = block.get("preflight") if isinstance(block, dict) else None
+        if isinstance(predicted, dict) and rule_named(predicted.get("rule")) is not None:
+            return rule_named(predicted.get("rule"))
+    return None
+
+
+def fix_ids(rule: Rule, wanted: list[PhysicalLayer], num_layers: int | None) -> tuple[list[int] | None, list[str]]:
     """The ids to write in ``rule``'s field so that it captures ``wanted`` (physical, in order), and
     why it cannot, if so. Numbering through :func:`tracediff.adapters.conventions.from_physical`."""
     problems: list[str] = []
@@ -343,5 +360,6 @@ def config_field(rule: Rule) -> str:
 
 
 __all__ = ["DEEPSEEK_ARCHITECTURES", "ENGINES", "RULES", "TRAINERS", "Resolution", "Rule", "RuleChoice",
-           "choose_rule", "config_field", "draft_ids", "fix_ids", "installed_version", "load_problem", "parse_version", "resolve",
+           "choose_rule", "config_field", "draft_ids", "fix_ids", "installed_version", "load_problem", "recorded_rule",
+           "rule_named", "parse_version", "resolve",
            "target_family"]

@@ -70,8 +70,13 @@ def bank_physical(ident: Any, j: int) -> PhysicalLayer | None:
 
 def propose_fix(decisions: list[SegmentDecision], ref_segments: int, ref_aux: AuxLayers | None,
                 cand_aux: AuxLayers | None, candidate_engine: str | None, bank: Any = None,
-                num_layers: int | None = None) -> Fix:
-    """The fix for a wiring mismatch (call it only when the segments are not wired the same)."""
+                num_layers: int | None = None, engine_rule: Any = None) -> Fix:
+    """The fix for a wiring mismatch (call it only when the segments are not wired the same).
+
+    ``engine_rule``: the candidate engine's rule for its target as the recording stored it
+    (:func:`tracediff.adapters.engine_rules.recorded_rule`, the rule `tracediff preflight` applies):
+    its numbering replaces the engine's generic one, and its own limits apply (SGLang's DeepSeek path
+    adds 1 when the first id is 1; vLLM's fails on id 0 there)."""
     target: list[PhysicalLayer | None] = [None] * ref_segments
     source = ""
     if ref_aux is not None and ref_aux.physical is not None and len(ref_aux.physical) == ref_segments:
@@ -92,6 +97,8 @@ def propose_fix(decisions: list[SegmentDecision], ref_segments: int, ref_aux: Au
         cand_layers = named if all(n is not None for n in named) else None  # type: ignore[assignment]
     engine = candidate_engine or (cand_aux.framework if cand_aux is not None else None)
     conv = convention(engine) or (convention(cand_aux.convention) if cand_aux is not None else None)
+    if engine_rule is not None:
+        conv = CONVENTIONS[engine_rule.convention]
     fix = Fix(target, cand_layers, engine, conv.name if conv else None, conv.field if conv else None, None, False,
               target_from=source)
     unknown = [j for j, t in enumerate(target) if t is None]
@@ -112,7 +119,12 @@ def propose_fix(decisions: list[SegmentDecision], ref_segments: int, ref_aux: Au
             f"before the final norm); the candidate's engine and numbering are not recorded, so in each engine's "
             f"words: " + "; ".join(_in_words(target, CONVENTIONS[n], num_layers) for n in ("sglang", "vllm")) + ".")
         return fix
-    value, problems = from_physical(list(target), conv, num_layers)  # type: ignore[arg-type]
+    if engine_rule is not None:
+        from tracediff.adapters.engine_rules import fix_ids  # noqa: PLC0415  (preflight's fix: one source)
+
+        value, problems = fix_ids(engine_rule, list(target), num_layers)  # type: ignore[arg-type]
+    else:
+        value, problems = from_physical(list(target), conv, num_layers)  # type: ignore[arg-type]
     fix.value = value
     fix.config_can_fix = value is not None and not problems
     fix.numbering_mixup = _numbering_mixup(cand_aux, target, conv, num_layers)

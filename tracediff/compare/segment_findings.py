@@ -57,7 +57,10 @@ def segment_findings(report: Report, segplan: SegmentPlan, stream: StreamResult,
         engine = engine_of(report.candidate.meta.get("store") or {}, None) or engine_of(
             report.candidate.meta.get("writer") or {}, None)
         layers = num_layers(report.reference.meta) or num_layers(report.candidate.meta)
-        fix = propose_fix(decisions, report.reference.segments, ref_aux, cand_aux, engine, bank, layers)
+        from tracediff.adapters.engine_rules import recorded_rule  # noqa: PLC0415
+
+        fix = propose_fix(decisions, report.reference.segments, ref_aux, cand_aux, engine, bank, layers,
+                          engine_rule=recorded_rule(report.candidate.meta, engine))
         _attach_fix((wiring or wrong_layer)[0], fix)
     return wiring + subset_findings + values + _layer_config_findings(report, segplan, ref_aux, cand_aux, subsets,
                                                                       wiring + values)
