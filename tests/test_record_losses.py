@@ -211,3 +211,27 @@ def test_waiting_for_the_writer_bounds_the_backlog_a_kill_can_take(tmp_path: Pat
         assert rec.wait_for_writer(4, timeout=120.0) is True
         assert rec._enqueued - rec._done <= 4
     assert rec.wait_for_writer(0) is True  # closed: nothing left to wait for
+
+
+def test_a_ledger_alone_says_why_a_stopped_tap_lost_rows_without_a_phantom_queued_loss(tmp_path: Path) -> None:
+    """A process killed after one of its taps stopped on an error leaves only its ledger: the line
+    gives the error as the reason (not the writer's pace), and rows counted once, not twice."""
+    import torch
+
+    from tracediff.record.inject import read_notes, recording_problems
+    from tracediff.record.recorder import Recorder
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    rec = Recorder(tmp_path / "s.zarr", ledger=Ledger(notes), handle_sigterm=False)
+    try:
+        rec.capture("fc_in", torch.ones(5, 8))
+        rec.capture("fc_in", torch.ones(5, 8), labels={"phase": "no-such-phase"})  # the tap stops here
+        rec.capture("fc_in", torch.ones(3, 8))
+        assert rec.flush(timeout=60)
+        (line,) = recording_problems(read_notes(notes))  # what record says if the process died now
+    finally:
+        rec.close()
+    assert line.startswith(f"fc_in/pid{os.getpid()} (pid {os.getpid()}): 8 of 13 rows lost, not recorded: tap "
+                           f"'fc_in' stopped recording after an error in its capture"), line
+    assert "--on-full" not in line

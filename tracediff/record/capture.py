@@ -67,6 +67,7 @@ class CapturePath:
         if rows == 0:
             return  # nothing to record (an empty batch); the layout above is still learnt
         self._account(name, OFFERED, rows)
+        self._tls.offered = rows  # what capture() counts as lost should this call raise from here on
         step = self._explicit_step if self._explicit_step is not None else state.calls - 1
         label_fields = self._resolve_labels(state, tensor, labels, rows, step)
         phase = label_fields.get("phase")
@@ -74,6 +75,7 @@ class CapturePath:
 
         if not self.limits.wants_step(step) or not self._wants_phase(phase):
             self._add_skip(state, rows)
+            self._tls.offered = 0
             return
         take = rows
         if self.limits.max_rows is not None:
@@ -82,9 +84,11 @@ class CapturePath:
             take = min(take, (self.limits.max_bytes - state.bytes_queued) // (width * tensor.element_size()))
         if take <= 0:
             self._add_skip(state, rows)
+            self._tls.offered = 0
             return
         if take < rows:
             self._add_skip(state, rows - take, batches=0)
+            self._tls.offered = take
             nbytes = take * width * tensor.element_size()
             # Scalar labels (0-d arrays: a step or seq given once for the batch) apply to every row.
             label_fields = {
@@ -120,7 +124,7 @@ class CapturePath:
 
     def _note_drop_reason(self, state: TapState, why: str) -> None:
         """The first reason a tap dropped rows (in its outcome and its ledger: once, a file write)."""
-        if not state.drop_reason:
+        if why and not state.drop_reason:
             state.drop_reason = why
             if self._ledger is not None:
                 self._ledger.set_reason(state.name, why)

@@ -466,9 +466,8 @@ def _drop_line(group: str, pid: Any, info: dict[str, Any], offered: int | None, 
     dropped = int(info.get("dropped_rows") or 0)
     of = f" of {offered:,}" if offered else ""
     why = info.get("drop_reason") or ""
-    if why and not why.startswith("the queue"):  # not the writer's pace: an adapter that could not take them
-        return f"{group} (pid {pid}): {dropped:,}{of} rows lost, not recorded: {why}"
-    why = why or "the writer queue was full"
+    if not why.startswith("the queue"):  # not the writer's pace: an error, an adapter that could not take them
+        return f"{group} (pid {pid}): {dropped:,}{of} rows lost, not recorded: {why or 'no reason was recorded'}"
     fix = ("a larger --queue-bytes, or fewer rows (--every-n-steps, --phases)" if on_full == "block" else
            "--on-full block (the host then waits for the writer, a bounded time per batch) or a larger "
            "--queue-bytes")

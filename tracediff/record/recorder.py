@@ -424,6 +424,7 @@ class Recorder(CapturePath, WriterThread):
             if state is not None:
                 self._count_lost(state, tensor)
             return
+        self._tls.offered = 0
         try:
             self._capture(name, tensor, labels, fresh)
         except Exception as exc:  # noqa: BLE001
@@ -432,7 +433,12 @@ class Recorder(CapturePath, WriterThread):
                 self.fail(f"capture of tap {name!r}", exc)
             else:
                 self._fail_tap(state, "its capture", exc)
-                self._count_lost(state, tensor)
+                offered = getattr(self._tls, "offered", 0)  # rows _capture had counted as offered
+                if offered:
+                    self._note_drop_reason(state, state.error or "")
+                    self._add_drop(state, offered)
+                else:
+                    self._count_lost(state, tensor)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every batch captured before this call is written and committed (or counted
@@ -590,6 +596,7 @@ class Recorder(CapturePath, WriterThread):
             if isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and tensor.shape[-1] > 0:
                 rows = tensor.numel() // tensor.shape[-1]
                 if rows:
+                    self._note_drop_reason(state, state.error or self.error or "the recorder was closed")
                     self._account(state.name, OFFERED, rows)
                     self._add_drop(state, rows)
         except Exception:  # noqa: BLE001, S110  (counting is best effort; the host comes first)

@@ -152,6 +152,7 @@ class WriterThread:
     def _count_drop(self, item: Batch) -> None:
         state = self._taps.get(item.tap)
         if state is not None:
+            self._note_drop_reason(state, f"the writer stopped: {self._writer_error or self.error}")
             self._add_drop(state, item.rows)
 
     def _finish(self) -> None:
