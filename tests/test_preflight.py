@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import invoke_tracediff
-from transformers import DeepseekV3Config, LlamaConfig, Qwen3Config
+from transformers import DeepseekV3Config, GptOssConfig, LlamaConfig, Qwen3Config
 
 from tracediff.adapters.engine_rules import RULES, installed_version, parse_version
 from tracediff.errors import UsageError
@@ -56,7 +56,15 @@ def _deepseek_v3(layers: int = 61) -> DeepseekV3Config:
     return cfg
 
 
-TARGETS = {"llama": _llama, "qwen3": _qwen3, "deepseek_v3": _deepseek_v3}
+def _gpt_oss(layers: int = 8) -> GptOssConfig:
+    cfg = GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                       num_attention_heads=2, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+                       num_experts_per_tok=2)
+    cfg.architectures = ["GptOssForCausalLM"]
+    return cfg
+
+
+TARGETS = {"llama": _llama, "qwen3": _qwen3, "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss}
 
 
 def _pair(root: Path, target: str, ids: list[int], where: str, **draft_kw: Any) -> tuple[Path, Path]:
@@ -69,7 +77,7 @@ def _pair(root: Path, target: str, ids: list[int], where: str, **draft_kw: Any) 
     return tdir, ddir
 
 
-# Draft configs of item 3 of issue #49: (name, target, ids, where the ids are written).
+# Draft configs of item 3 of issue #49, and gpt-oss's own rule: (name, target, ids, where the ids are written).
 CASES = [
     ("top_level_ids", "llama", [1, 3, 5], "top"),
     ("nested_ids", "llama", [1, 3, 5], "eagle_config"),
@@ -83,6 +91,8 @@ CASES = [
     ("deepseek_top", "deepseek_v3", [2, 30, 58], "top"),
     ("deepseek_first_id_one", "deepseek_v3", [1, 29, 57], "eagle_config"),
     ("deepseek_missing", "deepseek_v3", [2, 30, 58], "none"),
+    ("gpt_oss_last_layer", "gpt_oss", [1, 3, 8], "eagle_config"),
+    ("gpt_oss_plus_one", "gpt_oss", [1, 3, 5], "eagle_config"),
 ]
 
 
@@ -133,8 +143,9 @@ def test_sglang_captures_what_preflight_predicted(name: str, case_dirs: dict, sg
     res = _engine(run_preflight(draft, target, ("sglang",), versions={"sglang": "0.5.23"}), "sglang")
     assert res.ids == engine["ids"]  # the ids SGLang read (None: none, defaults used)
     assert res.capture == engine["layers_to_capture"]  # its capture indices, in its order
-    # SGLang's layer loop passes layer i its input for i in 0..L-1, ascending: what is fed, in order.
-    loop = range(engine["num_layers"])
+    # SGLang's layer loop passes layer i its input for i in 0..L-1, ascending: what is fed, in order;
+    # gpt-oss's also captures end_layer = L (sglang/srt/models/gpt_oss.py GptOssModel.forward).
+    loop = range(engine["num_layers"] + (engine["class"] == "GptOssForCausalLM"))
     assert res.physical == [i for i in loop if i in engine["layers_to_capture"]]
     assert res.missing == [c for c in engine["layers_to_capture"] if c not in loop]
 
@@ -165,6 +176,20 @@ def test_a_fix_preflight_proposes_is_what_sglang_then_captures(tmp_path: Path, s
     assert sglang_resolution(target, fixed)["layers_to_capture"] == [0, 3, 31]
     assert run_preflight(fixed, target, ("sglang",), trainer_layers=[0, 3, 31],
                          versions={"sglang": "0.5.23"}).exit_code == 0
+
+
+def test_a_gpt_oss_fix_reaching_the_last_layer_is_what_sglang_then_captures(tmp_path: Path,
+                                                                              sglang_resolved: dict) -> None:
+    """gpt-oss takes ids raw when the largest is L: the trainer's [2, 4, 8] (the last layer before the
+    norm) is settable there, and SGLang's own code then captures it."""
+    from preflight_sglang import sglang_resolution  # noqa: PLC0415
+
+    target, draft = _pair(tmp_path, "gpt_oss", [1, 3, 5], "eagle_config")
+    pf = run_preflight(draft, target, ("sglang",), trainer_layers=[2, 4, 8], versions={"sglang": "0.5.23"})
+    fix = pf.engines[0].fix
+    assert fix is not None and fix["ids"] == [2, 4, 8]
+    _, fixed = _pair(tmp_path, "gpt_oss", fix["ids"], "eagle_config")
+    assert sglang_resolution(target, fixed)["layers_to_capture"] == [2, 4, 8]
 
 
 # ------------------------------------------------------------------------------------------ the issue's case

@@ -58,6 +58,8 @@ class Rule:
     source: str  # file and function
     first_id_one_adds_one: bool = False  # SGLang DeepSeek since PR #25454: +1 only when ids[0] == 1
     embedding_id_fails: bool = False  # vLLM DeepSeek: id 0 adds None (the residual) and raises
+    raw_when_max_is_depth: bool = False  # SGLang gpt-oss: ids taken raw when the largest is L, else +1
+    captures_last: bool = False  # the capture loop also fires at end_layer = L (last layer, before the norm)
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
@@ -86,6 +88,12 @@ RULES: tuple[Rule, ...] = (
          "sglang/srt/models/deepseek_v2.py set_eagle3_layers_to_capture before PR #25454 (layers_to_capture = "
          "[id + 1] unconditionally, as Llama)",
          notes=("this rule comes from SGLang's PR history, not from a release read here",)),
+    Rule("sglang", "sglang.gpt_oss", "gpt_oss", ("eagle_config",), "sglang", "engine",
+         ">=0.5.23 (earlier not read)", "0.5.23",
+         f"sglang/srt/models/gpt_oss.py GptOssForCausalLM.set_eagle3_layers_to_capture (ids taken raw when the "
+         f"largest is num_hidden_layers, else +1; default [2, L//2, L-3]); capture: GptOssModel.forward, which "
+         f"also captures end_layer; ids: {_SGLANG_READS}",
+         raw_when_max_is_depth=True, captures_last=True),
     Rule("vllm", "vllm.as_given", "llama", ("top", "eagle_config"), "vllm", "engine",
          ">=0.32.0", "0.32.0",
          f"vllm/model_executor/models/interfaces.py EagleModelMixin._set_aux_hidden_state_layers "
@@ -128,14 +136,17 @@ def installed_version(framework: str) -> str | None:
 
 
 def target_family(target: dict[str, Any]) -> str:
-    """``"deepseek"`` for the DeepSeek/Kimi/GLM-Lite family (by architecture, else model type), else ``"llama"``."""
+    """``"deepseek"`` for the DeepSeek/Kimi/GLM-Lite family, ``"gpt_oss"`` for gpt-oss (by architecture or
+    model type), else ``"llama"`` (every other target: SGLang adds 1, vLLM's ``EagleModelMixin``)."""
     archs = set(target.get("architectures") or [])
     text = target.get("text_config") if isinstance(target.get("text_config"), dict) else {}
     archs |= set(text.get("architectures") or [])
-    if archs & DEEPSEEK_ARCHITECTURES:
-        return "deepseek"
     types = {str(target.get("model_type", "")), str(text.get("model_type", ""))}
-    return "deepseek" if types & DEEPSEEK_MODEL_TYPES else "llama"
+    if archs & DEEPSEEK_ARCHITECTURES or types & DEEPSEEK_MODEL_TYPES:
+        return "deepseek"
+    if "GptOssForCausalLM" in archs or "gpt_oss" in types:
+        return "gpt_oss"
+    return "llama"
 
 
 @dataclass
@@ -152,7 +163,7 @@ def choose_rule(framework: str, family: str, version: str | None, version_from: 
     rule read, and a warning). SpecForge captures through SGLang: its numbering follows SGLang's rule
     at ``sglang_version``."""
     warnings: list[str] = []
-    candidates = [r for r in RULES if r.framework == framework and r.family in (family, "any")]
+    candidates = candidates_of(framework, family)
     if not candidates:
         raise ValueError(f"no rule for {framework}")
     rule = candidates[0]
@@ -160,8 +171,10 @@ def choose_rule(framework: str, family: str, version: str | None, version_from: 
         rule = _sglang_deepseek_rule(version, warnings)
     if framework == "specforge":
         # SpecForge's ids go to SGLang's set_eagle3_layers_to_capture: SGLang's numbering for this target.
-        sg = _sglang_deepseek_rule(sglang_version, warnings) if family == "deepseek" else candidates_of("sglang")[0]
+        sg = _sglang_deepseek_rule(sglang_version, warnings) if family == "deepseek" else candidates_of(
+            "sglang", family)[0]
         rule = replace(rule, convention=sg.convention, first_id_one_adds_one=sg.first_id_one_adds_one,
+                       raw_when_max_is_depth=sg.raw_when_max_is_depth, captures_last=sg.captures_last,
                        source=f"{rule.source}; numbering: {sg.name} ({sg.read_from})")
     if version is None:
         warnings.append(f"{framework} version unknown (not installed here; say --engine-version "
@@ -177,7 +190,10 @@ def choose_rule(framework: str, family: str, version: str | None, version_from: 
 
 
 def candidates_of(framework: str, family: str = "llama") -> list[Rule]:
-    return [r for r in RULES if r.framework == framework and r.family in (family, "any")]
+    """The rules of ``framework`` for a ``family`` target; a family it has no rule of its own for
+    goes its ``llama`` way (vLLM's gpt-oss is an ``EagleModelMixin`` like Llama)."""
+    own = [r for r in RULES if r.framework == framework and r.family in (family, "any")]
+    return own or [r for r in RULES if r.framework == framework and r.family == "llama"]
 
 
 def _sglang_deepseek_rule(version: str | None, warnings: list[str]) -> Rule:
@@ -252,11 +268,11 @@ def resolve(choice: RuleChoice, draft: dict[str, Any], num_layers: int | None) -
     depth = num_layers
     capture: list[int] | None
     if ids is not None:
-        capture = _capture_ids(rule, ids)
+        capture = _capture_ids(rule, ids, depth)
     elif depth is None:
         capture = None
     elif rule.default == "specforge":
-        capture = _capture_ids(rule, [1, depth // 2 - 1, depth - 4])
+        capture = _capture_ids(rule, [1, depth // 2 - 1, depth - 4], depth)
     else:
         capture = [2, depth // 2, depth - 3]
     problem = load_problem(rule.framework, draft)
@@ -273,7 +289,7 @@ def resolve(choice: RuleChoice, draft: dict[str, Any], num_layers: int | None) -
     # Engines capture inside their layer loop, once per layer: SGLang's loop runs over layers 0..depth-1
     # (capture index = that layer's input); vLLM's also captures end_layer = depth (the last layer's output
     # before the final norm). An index outside never fires: its slot is left unfilled.
-    top = (depth if rule.convention == "vllm" else depth - 1) if depth is not None else None
+    top = (depth if rule.convention == "vllm" or rule.captures_last else depth - 1) if depth is not None else None
     res.missing = [c for c in capture if c < 0 or (top is not None and c > top)]
     kept = [c for c in capture if c not in res.missing]
     if len(set(kept)) < len(kept):
@@ -283,8 +299,10 @@ def resolve(choice: RuleChoice, draft: dict[str, Any], num_layers: int | None) -
     return res
 
 
-def _capture_ids(rule: Rule, ids: list[int]) -> list[int]:
+def _capture_ids(rule: Rule, ids: list[int], depth: int | None) -> list[int]:
     """Ids as the rule reads them -> the framework's capture indices (input of layer k)."""
+    if rule.raw_when_max_is_depth and depth is not None and ids and max(ids) == depth:
+        return list(ids)
     if rule.first_id_one_adds_one:
         return [i + 1 for i in ids] if ids and ids[0] == 1 else list(ids)
     conv = CONVENTIONS[rule.convention]
@@ -314,6 +332,12 @@ def fix_ids(rule: Rule, wanted: list[PhysicalLayer], num_layers: int | None) -> 
     problems: list[str] = []
     if any(p == FINAL_NORM for p in wanted):
         return None, ["the final norm's output is not capturable by an engine (it feeds pre-norm states)"]
+    if rule.raw_when_max_is_depth and num_layers is not None and wanted and max(int(p) for p in wanted) == num_layers:
+        # gpt-oss takes a list whose largest id is L raw: capture indices, in ascending order.
+        raw = [int(p) for p in wanted]
+        if raw != sorted(set(raw)):
+            return None, [f"SGLang concatenates in ascending layer order: {wanted} cannot be set"]
+        return raw, []
     ids, problems = from_physical(list(wanted), CONVENTIONS[rule.convention], num_layers)
     if ids is None:
         return None, problems
