@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 from conftest import invoke_tracediff
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import DeepseekV3Config, GptOssConfig, LlamaConfig, Qwen3Config
 
 from tracediff.adapters.engine_rules import RULES, installed_version, parse_version
@@ -577,3 +579,30 @@ def test_compares_fix_says_when_sglangs_deepseek_path_cannot_take_the_layers() -
     fix = propose_fix([], 3, ref, cand, "sglang", num_layers=61, engine_rule=rule_named("sglang.deepseek_first_id_one"))
     assert fix.value is None and not fix.config_can_fix
     assert any("adds 1" in r for r in fix.reasons)
+
+
+# ------------------------------------------------------------------------------------------ property
+_ENGINE_RULES = [r.name for r in RULES if r.framework in ("sglang", "vllm")]
+
+
+@given(rule_name=st.sampled_from(_ENGINE_RULES), depth=st.integers(6, 96), data=st.data())
+@settings(max_examples=300, deadline=None)
+def test_a_proposed_fix_resolves_to_the_wanted_layers(rule_name: str, depth: int, data: st.DataObject) -> None:
+    """Whatever the layers and the rule: ids preflight proposes, written where that engine reads them,
+    resolve to exactly those layers, or preflight says why no ids can."""
+    from tracediff.adapters.engine_rules import RuleChoice, config_field, fix_ids, resolve, rule_named  # noqa: PLC0415
+
+    rule = rule_named(rule_name)
+    assert rule is not None
+    wanted = sorted(data.draw(st.sets(st.integers(0, depth), min_size=1, max_size=4)))
+    ids, problems = fix_ids(rule, list(wanted), depth)
+    if ids is None:
+        assert problems
+        return
+    draft: dict[str, Any] = {"model_type": "llama"}
+    if config_field(rule).startswith("eagle_aux"):
+        draft["eagle_aux_hidden_state_layer_ids"] = ids
+    else:
+        draft["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids}
+    res = resolve(RuleChoice(rule, rule.read_from, "given"), draft, depth)
+    assert res.physical == wanted and res.missing == [] and res.error is None, (ids, res)
