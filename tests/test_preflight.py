@@ -606,3 +606,12 @@ def test_a_proposed_fix_resolves_to_the_wanted_layers(rule_name: str, depth: int
         draft["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids}
     res = resolve(RuleChoice(rule, rule.read_from, "given"), draft, depth)
     assert res.physical == wanted and res.missing == [] and res.error is None, (ids, res)
+
+
+def test_a_layer_listed_twice_is_a_difference(tmp_path: Path) -> None:
+    target, draft = _pair(tmp_path, "llama", [3, 3, 5], "both")
+    pf = run_preflight(draft, target, ("sglang", "vllm"), versions={"sglang": "0.5.23", "vllm": "0.32.0"})
+    for view in pf.engines:
+        assert view.resolution.error and "twice" in view.resolution.error
+        assert view.resolution.physical == ([4, 6] if view.resolution.framework == "sglang" else [3, 5])
+    assert pf.exit_code == 1

@@ -292,8 +292,11 @@ def resolve(choice: RuleChoice, draft: dict[str, Any], num_layers: int | None) -
     top = (depth if rule.convention == "vllm" or rule.captures_last else depth - 1) if depth is not None else None
     res.missing = [c for c in capture if c < 0 or (top is not None and c > top)]
     kept = [c for c in capture if c not in res.missing]
-    if len(set(kept)) < len(kept):
-        res.warnings.append(f"{rule.framework} lists a layer twice ({capture}): the layer loop captures it once")
+    if len(set(kept)) < len(kept) and res.error is None:
+        # The loop captures a layer once: vLLM then feeds fewer slots than fc takes, SGLang's packer
+        # leaves its last slot unwritten.
+        res.error = (f"{rule.framework} is given a layer twice (capture indices {capture}): its layer loop captures "
+                     f"each layer once, so fc gets {len(set(kept))} states for {len(capture)} slots")
     res.capture = capture
     res.physical = sorted(set(kept))
     return res
