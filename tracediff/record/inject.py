@@ -13,7 +13,9 @@ Each process also leaves the ``record`` command a note in the folder ``TRACEDIFF
 ``<pid>-<kind>.json``: ``recorder`` (its :meth:`~tracediff.record.recorder.Recorder.outcome`, at close),
 ``inject`` (why recording could not start or stopped: the store unreachable, a tap that could not
 attach), ``shim`` (written by ``hooks/sitecustomize.py`` in an interpreter that cannot import
-tracediff). :func:`recording_problems` reads them back: a run that lost rows fails, never exits 0.
+tracediff), ``ledger<n>`` (the recorder's row counts, which outlive a SIGKILL:
+:mod:`tracediff.record.ledger`). :func:`recording_problems` reads them back: a run that lost rows
+fails, never exits 0.
 """
 
 from __future__ import annotations
