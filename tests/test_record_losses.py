@@ -235,3 +235,22 @@ def test_a_ledger_alone_says_why_a_stopped_tap_lost_rows_without_a_phantom_queue
     assert line.startswith(f"fc_in/pid{os.getpid()} (pid {os.getpid()}): 8 of 13 rows lost, not recorded: tap "
                            f"'fc_in' stopped recording after an error in its capture"), line
     assert "--on-full" not in line
+
+
+def test_the_vllm_advice_for_a_killed_worker_names_what_the_run_lacked() -> None:
+    """record runs outside vLLM's processes: the adapter reads --commit from the recording's config
+    (the store's meta.record), not from an activation config it does not have."""
+    from tracediff.adapters import vllm
+
+    serve = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "t", "--speculative-config", "{}",
+             "--no-enable-prefix-caching"]
+    step = vllm.loss_advice(serve, {"commit": "step"})
+    assert "--shutdown-timeout 10" in step and "--commit step" not in step
+    background = vllm.loss_advice(serve, {"commit": "background"})
+    assert "--shutdown-timeout 10" in background and "--commit step" in background
+    graceful = vllm.loss_advice([*serve, "--shutdown-timeout", "10"], {"commit": "background"})
+    assert "--commit step" in graceful and "--shutdown-timeout" not in graceful
+    rows = {"taps": {"fc_in": {"rows": 3}}}
+    warned = vllm.record_warnings(serve, {**rows, "meta": {"record": {"commit": "background"}}})
+    assert any("--shutdown-timeout 10" in w for w in warned), warned
+    assert not vllm.record_warnings(serve, {**rows, "meta": {"record": {"commit": "step"}}})
