@@ -507,7 +507,8 @@ def render_text(pf: Preflight) -> str:
     for v in pf.engines:
         r = v.resolution
         ver = f"{r.version} ({r.version_from})" if r.version else "version unknown"
-        lines.append(f"  {r.framework} {ver}: rule {r.rule} (read from {r.rule_read_from}; holds {r.rule_versions})")
+        lines.append(f"  {r.framework} {ver}: rule {r.rule} (source read: {r.rule_read_from}; holds for "
+                     f"{r.rule_versions})")
         lines.append(f"      reads {r.ids if r.ids is not None else 'no ids'} from {r.ids_from}"
                      + (f"; ignores {r.ignored}" if r.ignored else ""))
         lines.append(f"      numbering: {r.numbering}; captures (its indices) {r.capture}")

@@ -84,7 +84,7 @@ RULES: tuple[Rule, ...] = (
          f"passes layer i its input; ids: {_SGLANG_READS}",
          first_id_one_adds_one=True),
     Rule("sglang", "sglang.deepseek_plus_one", "deepseek", ("eagle_config",), "sglang", "engine",
-         "from PR #12319 (2025-10-29) to before PR #25454", "(not read: from the PR history)",
+         "from PR #12319 (2025-10-29) to before PR #25454", "no release (SGLang's PR history)",
          "sglang/srt/models/deepseek_v2.py set_eagle3_layers_to_capture before PR #25454 (layers_to_capture = "
          "[id + 1] unconditionally, as Llama)",
          notes=("this rule comes from SGLang's PR history, not from a release read here",)),
