@@ -615,3 +615,17 @@ def test_a_layer_listed_twice_is_a_difference(tmp_path: Path) -> None:
         assert view.resolution.error and "twice" in view.resolution.error
         assert view.resolution.physical == ([4, 6] if view.resolution.framework == "sglang" else [3, 5])
     assert pf.exit_code == 1
+
+
+def test_the_sglang_adapter_labels_a_deepseek_targets_slots_by_the_same_rule(case_dirs: dict) -> None:
+    """The SGLang adapter labels the fc slots (hs<i>) before the target has captured anything: from the
+    rule preflight applies, so a DeepSeek target on 0.5.23 gets hs2/hs30/hs58, a Llama target +1."""
+    from tracediff.adapters.sglang_provenance import fed_layers  # noqa: PLC0415
+
+    ds_target, _ = case_dirs["deepseek_nested"]
+    llama_target, _ = case_dirs["nested_ids"]
+    assert fed_layers([2, 30, 58], ds_target, "0.5.23") == [2, 30, 58]
+    assert fed_layers([1, 29, 57], ds_target, "0.5.23") == [2, 30, 58]
+    assert fed_layers([2, 30, 58], ds_target, "0.5.5") == [3, 31, 59]
+    assert fed_layers([1, 3, 5], llama_target, "0.5.23") == [2, 4, 6]
+    assert fed_layers([5, 1, 3], "org/hub-model", "0.5.23") == [2, 4, 6]  # no local config: the Llama rule

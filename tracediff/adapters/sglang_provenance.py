@@ -86,11 +86,33 @@ def draft_provenance(state: Any, draft: torch.nn.Module, fc_owner: torch.nn.Modu
                       "tracediff: sglang adapter: the draft config has aux layer ids at its top level (%s) but none "
                       "in eagle_config: SGLang ignores top-level ids and captures its default layers", top)
     if isinstance(out.get("aux_layer_ids"), list):
-        # Llama/Qwen config ids are layer indices j; SGLang captures the state entering layer j+1,
-        # HF hidden_states[j+1]. (DeepSeek/Kimi drafts since PR #25454 may differ: see the target's
-        # layers_to_capture, which is what was really captured.)
-        out["hf_hidden_states_indices"] = sorted(i + 1 for i in out["aux_layer_ids"])
+        # The target's layers_to_capture (what was really captured) is not set yet when the draft is
+        # built: the layers come from the rule `tracediff preflight` applies to this target.
+        out["hf_hidden_states_indices"] = fed_layers(out["aux_layer_ids"], server_args().get("model_path"),
+                                                     sglang_version())
     return out
+
+
+def fed_layers(ids: list[int], target_dir: Any, version: str | None) -> list[int]:
+    """The HF ``hidden_states`` indices SGLang feeds for the draft config's ``ids``, ascending: the rule of
+    :mod:`tracediff.adapters.engine_rules` for the target's family (read from ``target_dir``'s
+    config.json when it is a local folder; else the Llama rule, SGLang's +1)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from tracediff.adapters.engine_rules import choose_rule, resolve, target_family  # noqa: PLC0415
+    from tracediff.preflight import read_json_config  # noqa: PLC0415
+
+    family = "llama"
+    try:
+        if target_dir and Path(str(target_dir)).is_dir():
+            family = target_family(read_json_config(Path(str(target_dir)), "target"))
+    except Exception:  # noqa: BLE001  (best effort: the Llama rule)
+        family = "llama"
+    choice = choose_rule("sglang", family, version, "installed")
+    resolved = resolve(choice, {"model_type": "eagle3", "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}},
+                       None)
+    # SGLang's capture index i is HF hidden_states[i]; one label per configured id, as the fc slots.
+    return sorted(int(c) for c in resolved.capture)
 
 
 def sglang_version() -> str:
