@@ -629,3 +629,12 @@ def test_the_sglang_adapter_labels_a_deepseek_targets_slots_by_the_same_rule(cas
     assert fed_layers([2, 30, 58], ds_target, "0.5.5") == [3, 31, 59]
     assert fed_layers([1, 3, 5], llama_target, "0.5.23") == [2, 4, 6]
     assert fed_layers([5, 1, 3], "org/hub-model", "0.5.23") == [2, 4, 6]  # no local config: the Llama rule
+
+
+def test_without_a_target_a_draft_without_ids_cannot_be_told_and_exits_1(tmp_path: Path) -> None:
+    _, draft = _pair(tmp_path, "llama", [1, 2, 3], "none")
+    r = invoke_tracediff("preflight", str(draft), "--engine-version", "sglang=0.5.23", "--engine-version",
+                         "vllm=0.32.0")
+    assert r.returncode == 1
+    assert "verdict: unknown (exit 1)" in r.stdout and "give --target" in r.stdout
+    assert "no --target" in r.stdout  # the family assumed is said

@@ -249,11 +249,15 @@ class Preflight:
 
     @property
     def verdict(self) -> str:
-        return "different" if any(c.severity == "error" for c in self.checks) else "same"
+        """``same``, ``different``, or ``unknown`` when the only errors are layers it cannot tell."""
+        errors = [c for c in self.checks if c.severity == "error"]
+        if not errors:
+            return "same"
+        return "unknown" if all(c.kind == "layers_unknown" for c in errors) else "different"
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.verdict == "different" else 0
+        return 0 if self.verdict == "same" else 1
 
     def to_dict(self) -> dict[str, Any]:
         draft = asdict(self.draft)
@@ -283,6 +287,11 @@ def run_preflight(draft_dir: Path, target_dir: Path | None = None, engines: tupl
         v = installed_version(name)
         return (v, "installed") if v else (None, "unknown")
 
+    if target_dir is None:
+        checks.append(Check("target", "warning", "no --target: its family is unknown, so a Llama-like target is "
+                                                 "assumed (SGLang numbers DeepSeek/Kimi and gpt-oss targets "
+                                                 "differently), and its depth, hidden size and vocabulary are not "
+                                                 "checked"))
     sg_version = version_of("sglang")[0]
     trainer_view = _trainer_view(trainer, trainer_layers, draft, cfg, target, version_of, sg_version, checks)
     views: list[EngineView] = []
@@ -367,12 +376,16 @@ def _engine_view(res: Resolution, rule: Any, trainer: TrainerView, depth: int | 
                             f"{name} reads the ids only from {config_field(rule)}; the draft has them only at "
                             f"{', '.join(res.ignored)}: {name} ignores them and uses its defaults",
                             {"engine": name, "ignored": res.ignored}))
+    elif res.ids is None and res.physical is None:
+        checks.append(Check("layers_unknown", "error",
+                            f"cannot tell which layers {name} feeds: the draft config names no aux layers and its "
+                            f"default [2, L//2, L-3] depends on the target's depth: give --target",
+                            {"engine": name}))
     elif res.ids is None:
         checks.append(Check("default_layers", "warning",
                             f"the draft config names no aux layers: {name} uses its defaults "
-                            + (f"{format_layers(res.physical)} (HF hidden_states indices: "
-                               f"{', '.join(layer_text(p) for p in res.physical or [])})"
-                               if res.physical is not None else "[2, L//2, L-3] (give --target to know L)"),
+                            f"{format_layers(res.physical)} (HF hidden_states indices: "
+                            f"{', '.join(layer_text(p) for p in res.physical or [])})",
                             {"engine": name, "physical": res.physical}))
     if res.missing:
         checks.append(Check("missing_slot", "error",

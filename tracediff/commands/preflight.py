@@ -34,7 +34,8 @@ def _layers(text: str | None) -> list[int] | None:
 @click.command(epilog=exit_codes(
     (0, "the same layers everywhere: every engine feeds the draft what the trainer fed, and no check failed"),
     (1, "a difference: an engine feeds other layers, leaves a slot unfilled or fails, or the fc width, d2t map or "
-        "vocabulary does not fit the target"),
+        "vocabulary does not fit the target; or cannot tell (verdict unknown: the layers depend on a --target "
+        "not given)"),
     (2, "bad input (one 'tracediff: error: FILE: field ...' line), or --json cannot be written")))
 @click.argument("draft_dir", type=click.Path(path_type=Path), metavar="DRAFT_DIR")
 @click.option("--target", "target_dir", type=click.Path(path_type=Path), metavar="TARGET_DIR",
