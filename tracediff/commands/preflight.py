@@ -63,7 +63,6 @@ def preflight(draft_dir: Path, target_dir: Path | None, engine: str, trainer: st
     engine's own config field. Also checks the fc width, the d2t map, vocabularies and depth.
     """
     from tracediff.preflight import render_text, run_preflight  # noqa: PLC0415
-    from tracediff.report import write_json  # noqa: PLC0415
 
     check_output_files(("--json", json_path))
     if trainer is not None and trainer_layers is not None:
@@ -73,6 +72,8 @@ def preflight(draft_dir: Path, target_dir: Path | None, engine: str, trainer: st
                        versions=_versions(engine_versions))
     unwritten = None
     if json_path is not None:
+        from tracediff.report import write_json  # noqa: PLC0415  (only with --json)
+
         try:
             write_json(json_path, pf.to_dict())
         except ReportWriteError as exc:
