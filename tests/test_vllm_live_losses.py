@@ -13,7 +13,8 @@ proposes ``K * (1 + steps)`` draft tokens (after the prefill and after every ver
 either record exits 0 and the store holds every one of those rows, or it exits non-zero and says, per
 tap, how many rows were lost, which together with the stored rows make up every row produced.
 
-Two runs per case (``TRACEDIFF_LOSS_RUNS=N`` for more). Servers listen on 127.0.0.1 only; every
+Two runs per case (``TRACEDIFF_LOSS_RUNS=N`` for more; ``TRACEDIFF_LOSS_TOKENS`` new tokens a request,
+24 by default). Servers listen on 127.0.0.1 only; every
 process started here is stopped through its own pid.
 """
 
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.slow
 
 K = 3
 REQUESTS = 16
-NEW_TOKENS = 24
+NEW_TOKENS = int(os.environ.get("TRACEDIFF_LOSS_TOKENS", "24"))  # per request
 HIDDEN, LAYERS = 512, 8
 LOST = re.compile(r"tracediff: error: (\w+)(?:/[\w-]+)? \(pid \d+\): ([\d,]+)(?: of [\d,]+)? rows (?:dropped|lost|were taken)")
 
