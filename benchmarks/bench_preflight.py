@@ -115,7 +115,8 @@ def main() -> None:
         SECTION, "",
         f"`python benchmarks/bench_preflight.py` on {platform.machine()} ({os.cpu_count()} CPUs), Python "
         f"{platform.python_version()}: a DeepSeek-V3-shaped draft folder ({file_size / 1e9:.2f} GB safetensors, "
-        f"d2t over {DRAFT_VOCAB} ids, t2d over {VOCAB}), a 61-layer target config; {args.repeats} runs each.", "",
+        f"d2t over {DRAFT_VOCAB} ids, t2d over {VOCAB}), a 61-layer target config; {args.repeats} runs each; "
+        f"1-minute load average {os.getloadavg()[0]:.1f} at the end (the VM is shared: seconds vary with it).", "",
         "| what | median | min | max |", "|---|---|---|---|",
         f"| `tracediff preflight` (fresh process) | {statistics.median(cli):.3f} s | {min(cli):.3f} s | {max(cli):.3f} s |",
         f"| `run_preflight` (in process) | {statistics.median(inproc) * 1e3:.1f} ms | {min(inproc) * 1e3:.1f} ms | "
