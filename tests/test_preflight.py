@@ -638,3 +638,19 @@ def test_without_a_target_a_draft_without_ids_cannot_be_told_and_exits_1(tmp_pat
     assert r.returncode == 1
     assert "verdict: unknown (exit 1)" in r.stdout and "give --target" in r.stdout
     assert "no --target" in r.stdout  # the family assumed is said
+
+
+def test_the_pre_25454_fix_on_sglang_0_5_23_leaves_the_embedding_slot_unfilled(tmp_path: Path,
+                                                                                  sglang_resolved: dict) -> None:
+    """[-1, 2, 30], the fix for an SGLang that adds 1, written for SGLang 0.5.23's DeepSeek path: it
+    takes the ids raw, -1 matches no layer, and the slot is never written; preflight says so, as
+    SGLang's own code shows."""
+    from preflight_sglang import sglang_resolution  # noqa: PLC0415
+
+    target, draft = _pair(tmp_path, "deepseek_v3", [-1, 2, 30], "eagle_config")
+    assert sglang_resolution(target, draft)["layers_to_capture"] == [-1, 2, 30]
+    pf = run_preflight(draft, target, ("sglang",), trainer_layers=[0, 3, 31], versions={"sglang": "0.5.23"})
+    res = pf.engines[0].resolution
+    assert res.missing == [-1] and res.physical == [2, 30]
+    assert pf.engines[0].fix is not None and pf.engines[0].fix["ids"] == [0, 3, 31]
+    assert any(c.kind == "missing_slot" for c in pf.checks)
