@@ -34,12 +34,12 @@ def resolve(target: str, draft: str) -> dict:
     from_config = ids is not None
     if not ids:
         ids = SupportsEagle3.get_eagle3_default_aux_hidden_state_layers(holder)
-    own = cls.__dict__.get("set_aux_hidden_state_layers")
-    if own is not None:  # DeepSeek: stores the tuple as given on its model
-        own(holder, tuple(ids))
-    else:
+    owner = next(k for k in cls.__mro__ if "set_aux_hidden_state_layers" in k.__dict__)
+    if owner is not SupportsEagle3:  # DeepSeek (and Kimi-K2.5's wrapper): the tuple as given, on its model
+        owner.__dict__["set_aux_hidden_state_layers"](holder, tuple(ids))
+    else:  # SupportsEagle3's: the decoder stack's EagleModelMixin sorts and de-duplicates
         EagleModelMixin._set_aux_hidden_state_layers(inner, tuple(ids))
-    return {"class": cls.__name__, "ids": list(ids), "from_config": from_config, "num_layers": num_layers,
+    return {"class": cls.__name__, "setter": owner.__name__, "ids": list(ids), "from_config": from_config, "num_layers": num_layers,
             "aux_hidden_state_layers": list(inner.aux_hidden_state_layers)}
 
 

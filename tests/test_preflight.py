@@ -93,6 +93,7 @@ CASES = [
     ("deepseek_top", "deepseek_v3", [2, 30, 58], "top"),
     ("deepseek_first_id_one", "deepseek_v3", [1, 29, 57], "eagle_config"),
     ("deepseek_missing", "deepseek_v3", [2, 30, 58], "none"),
+    ("deepseek_unsorted", "deepseek_v3", [58, 2, 30], "both"),
     ("gpt_oss_last_layer", "gpt_oss", [1, 3, 8], "eagle_config"),
     ("gpt_oss_plus_one", "gpt_oss", [1, 3, 5], "eagle_config"),
 ]
