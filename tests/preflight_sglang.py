@@ -39,5 +39,6 @@ def sglang_resolution(target: Path, draft: Path) -> dict[str, Any]:
                              model=SimpleNamespace(layers_to_capture=[]), capture_aux_hidden_states=False)
     cls.set_eagle3_layers_to_capture(holder, aux.eagle_aux_hidden_state_layer_ids)
     return {"class": cls.__name__, "ids": aux.eagle_aux_hidden_state_layer_ids,
+            "use_aux_hidden_state": aux.eagle_use_aux_hidden_state,
             "num_layers": model_config.hf_text_config.num_hidden_layers,
             "layers_to_capture": list(holder.model.layers_to_capture)}

@@ -655,3 +655,17 @@ def test_the_pre_25454_fix_on_sglang_0_5_23_leaves_the_embedding_slot_unfilled(t
     assert res.missing == [-1] and res.physical == [2, 30]
     assert pf.engines[0].fix is not None and pf.engines[0].fix["ids"] == [0, 3, 31]
     assert any(c.kind == "missing_slot" for c in pf.checks)
+
+
+def test_a_draft_that_turns_aux_states_off_is_a_difference_on_sglang(tmp_path: Path, sglang_resolved: dict) -> None:
+    from preflight_sglang import sglang_resolution  # noqa: PLC0415
+
+    cfg = _llama()
+    target = tmp_path / "target"
+    cfg.save_pretrained(target)
+    draft = write_eagle3_draft(tmp_path / "draft", cfg, [1, 3, 5], where="eagle_config", extra_config={
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5], "use_aux_hidden_state": False}}).path
+    assert sglang_resolution(target, draft)["use_aux_hidden_state"] is False
+    pf = run_preflight(draft, target, ("sglang",), versions={"sglang": "0.5.23"})
+    assert "use_aux_hidden_state is false" in (pf.engines[0].resolution.error or "")
+    assert pf.exit_code == 1

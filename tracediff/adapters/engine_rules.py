@@ -277,8 +277,12 @@ def resolve(choice: RuleChoice, draft: dict[str, Any], num_layers: int | None) -
     else:
         capture = [2, depth // 2, depth - 3]
     problem = load_problem(rule.framework, draft)
+    nested = draft.get("eagle_config") if isinstance(draft.get("eagle_config"), dict) else {}
     if problem:
         res.error = problem
+    elif rule.framework == "sglang" and nested.get("use_aux_hidden_state") is False:
+        res.error = ("eagle_config.use_aux_hidden_state is false: SGLang captures no aux hidden states for this draft "
+                     "(spec_aux_hidden_state.py _resolve_eagle_aux_hidden_state), so fc gets none of the layers")
     if rule.framework == "specforge" and ids is not None and (len(ids) != 3 or any(i < 0 for i in ids)):
         res.error = f"SpecForge rejects {ids}: it needs exactly three non-negative ids (resolve_eagle_capture_layers)"
     if capture is None:
