@@ -669,3 +669,14 @@ def test_a_draft_that_turns_aux_states_off_is_a_difference_on_sglang(tmp_path: P
     pf = run_preflight(draft, target, ("sglang",), versions={"sglang": "0.5.23"})
     assert "use_aux_hidden_state is false" in (pf.engines[0].resolution.error or "")
     assert pf.exit_code == 1
+
+
+def test_a_draft_with_only_a_pickle_checkpoint_is_never_unpickled(tmp_path: Path) -> None:
+    """A ``pytorch_model.bin`` is a pickle: preflight reads no such file (here one that would fail to
+    unpickle) and says the fc width cannot be checked."""
+    target, draft = _pair(tmp_path, "llama", [1, 3, 5], "both")
+    (draft / "model.safetensors").unlink()
+    (draft / "pytorch_model.bin").write_bytes(b"\x80\x04not a pickle anyone should load")
+    pf = run_preflight(draft, target, ("vllm",), versions={"vllm": "0.32.0"})
+    assert pf.draft.fc_shape is None and pf.draft.files == []
+    assert [c for c in pf.checks if c.kind == "fc_shape" and c.severity == "warning"]
