@@ -201,3 +201,22 @@ def test_the_shipped_pairs_and_the_synthetic_cases_give_one_answer_per_segment(t
     assert [r.verdict for r in reports] == ["mismatch", "match", "mismatch", "mismatch", "mismatch", "cannot_tell"]
     for r in reports:
         assert one_answer_per_segment(r) == [], r.candidate.path
+
+
+def test_a_candidate_without_a_segment_size_on_a_wrong_layer_is_still_named_the_cut_being_confirmed(tmp_path):
+    """Same widths, no recorded size on the candidate, slot 2 a neighbouring layer: slots 0 and 1 match
+    exactly at the borrowed size, which confirms the cut; the wrong layer is named (with "Assumed, not
+    recorded") instead of CANNOT TELL."""
+    states = _sink_states()
+    tokens = np.random.default_rng(1).integers(0, 1000, states.shape[:2])
+    _layered_store(tmp_path / "ref.zarr", [0, 2, 4], states, tokens)
+    seqs, length, _, hidden = states.shape
+    with tracediff.record(tmp_path / "cand.zarr", role="") as rec:
+        for s in range(seqs):
+            rec.labels(seq=s, position=np.arange(length), token_id=tokens[s])
+            rec.capture("fc_in", torch.from_numpy(np.concatenate([states[s, :, k] for k in (0, 2, 5)], axis=-1)))
+    report = compare_stores(tmp_path / "ref.zarr", tmp_path / "cand.zarr")
+    gate = {p.name: p for p in report.preconditions}
+    assert gate["segment_sizes"].status == "supported"
+    assert report.verdict == "mismatch"
+    assert [f.evidence["candidate_segment"] for f in report.findings if f.kind == "segment_value"] == [2]
