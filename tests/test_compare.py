@@ -97,9 +97,12 @@ def test_clean_engine_run_matches_trainer(traces, candidate):
     assert report.exit_code() == 0
 
 
-def test_fp32_reference_against_bf16_candidate_matches(traces):
-    report = compare_stores(traces["ref_fp32"], traces["clean_fp16"])
-    assert report.verdict == "match"
+@pytest.mark.parametrize("candidate", ["clean_fp16", "clean_bf16_chunked"])
+def test_fp32_reference_against_a_half_precision_candidate_matches_with_a_dtype_note(traces, candidate):
+    report = compare_stores(traces["ref_fp32"], traces[candidate])
+    assert report.reference.dtype == "float32"
+    assert report.candidate.dtype == {"clean_fp16": "float16", "clean_bf16_chunked": "bfloat16"}[candidate]
+    assert report.verdict == "match", [f.message for f in report.findings]
     assert "dtype" in kinds(report, "info")
 
 

@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import zipfile
 from collections.abc import Callable
@@ -369,16 +370,22 @@ def test_record_refuses_bad_input_with_one_line_and_writes_nothing(tmp_path: Pat
     assert _snapshot(output) == before
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_record_refuses_an_output_under_a_read_only_folder(tmp_path: Path) -> None:
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o500)
+def test_record_refuses_an_output_under_a_read_only_folder() -> None:
+    """As a user that file permissions apply to: as root the command runs as nobody (root writes anywhere)."""
+    from test_hostile_inputs import _unprivileged  # noqa: PLC0415
+
+    shared = Path(tempfile.mkdtemp(prefix="tracediff-perm-", dir="/tmp"))  # a folder other users may enter
     try:
-        _one_line_error(invoke_tracediff("record", "--tap", "A.fc", "-o", locked / "s.zarr", "--", "true"), "locked")
+        shared.chmod(0o755)
+        locked = shared / "locked"
+        locked.mkdir()
+        locked.chmod(0o555)
+        with _unprivileged():
+            result = invoke_tracediff("record", "--tap", "A.fc", "-o", locked / "s.zarr", "--", "true")
+        _one_line_error(result, "locked")
         assert list(locked.iterdir()) == []
     finally:
-        locked.chmod(0o700)
+        shutil.rmtree(shared)
 
 
 def _future_format(tmp: Path) -> Path:

@@ -162,9 +162,9 @@ def test_push_resumes_after_a_crash_skipping_the_objects_already_there(
         assert store.streams["fc_in"] == []
     result = invoke_tracediff("push", local, url)
     assert result.returncode == 0, result.stderr
-    assert "already there" in result.stdout
-    resumed = [int(w) for w in result.stdout.split() if w.isdigit()]
-    assert resumed and "87 committed rows" in result.stdout
+    kept = re.search(r"(\d+) already there", result.stdout)
+    assert kept and int(kept[1]) > 0, result.stdout  # the chunks left by the first push were not sent again
+    assert "87 committed rows" in result.stdout
     there, here = _stream_arrays(url), _stream_arrays(local)
     assert there.keys() == here.keys() and all(np.array_equal(there[k], here[k]) for k in here)
 
@@ -338,9 +338,8 @@ def test_connections_dropped_mid_response_are_retried_into_the_same_report(
                                  "--json", tmp_path / "f.json", "-q")  # fmt: skip
         assert proxy.cuts > 0, "the proxy dropped no connection: the test tested nothing"
     assert direct.returncode == 1, direct.stderr
-    if flaky.returncode == 2:  # retries spent: a clean error is allowed, a wrong report never
-        _one_line_error(flaky, "s3://")
-        return
+    # Six dropped connections are fewer than one request's retries (s3fs's 5 times botocore's): the
+    # report must come through, the same as the direct one. An error here means a request was not retried.
     assert flaky.returncode == 1, flaky.stderr
     assert json.loads((tmp_path / "f.json").read_text()) == json.loads((tmp_path / "d.json").read_text())
 

@@ -136,8 +136,6 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
     for name, (schema, args, code) in runs.items():
         path = root / f"{name}.json"
         result = run_tracediff(*args, "--json", path)
-        if name == "identify_trainer_bank" and result.returncode == 2 and "bank tap" in result.stderr:
-            continue  # this tracediff has no trainer's-store banks
         assert result.returncode == code, result.stdout + result.stderr
         out[name] = {"schema": schema, "document": json.loads(path.read_text()), "text": path.read_text()}
     return out
@@ -206,8 +204,7 @@ def test_the_reports_exercise_the_payloads_that_matter(reports, replay_report) -
     assert {"replay", "draft_vocabulary"} <= {f["kind"] for f in replay["findings"]}
     verdicts = [s["verdict"] for s in reports["identify_hf_bank"]["document"]["segments"]]
     assert verdicts == ["match"] * 3
-    if "identify_trainer_bank" in reports:
-        assert "none" in [s["verdict"] for s in reports["identify_trainer_bank"]["document"]["segments"]]
+    assert "none" in [s["verdict"] for s in reports["identify_trainer_bank"]["document"]["segments"]]
 
 
 # ------------------------------------------------------------------------------ broken reports
