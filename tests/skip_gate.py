@@ -4,7 +4,7 @@ tests ran: a framework that did not install, or a venv where tracediff does not 
 not a quiet "s" in the progress line. Without the option (a developer's partial run) skips are
 only reported.
 
-Each entry is justified: the skip is about the machine (its user, its browser), never about
+Each entry is justified: the skip is about the machine (no browser, no mount namespace), never about
 tracediff or its test environment, and another test covers what the skipped one would.
 """
 
@@ -26,12 +26,6 @@ class AllowedSkip:
 
 
 ALLOWED_SKIPS = (
-    AllowedSkip(
-        "tests/test_report_render.py::test_write_report_leaves_no_file_in_an_unwritable_folder",
-        r"root writes into read-only folders",
-        "as root a chmod does not stop a write; "
-        "test_write_report_leaves_no_file_when_the_folder_refuses_new_files checks the same as root",
-    ),
     AllowedSkip(
         "tests/test_report_browser.py::*",
         r"chromium is not on PATH",

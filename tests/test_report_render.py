@@ -19,6 +19,8 @@ import json
 import math
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -443,17 +445,21 @@ def test_write_report_writes_only_what_is_asked(reports, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["only.html"]
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only folders")
-def test_write_report_leaves_no_file_in_an_unwritable_folder(reports, tmp_path):
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    folder.chmod(0o500)
+def test_write_report_leaves_no_file_in_an_unwritable_folder(reports):
+    """As a user that file permissions apply to: as root the write runs as nobody (root writes anywhere)."""
+    from test_hostile_inputs import _unprivileged  # noqa: PLC0415
+
+    shared = Path(tempfile.mkdtemp(prefix="tracediff-perm-", dir="/tmp"))  # a folder other users may enter
     try:
-        with pytest.raises(ReportWriteError, match="r.json"):
+        shared.chmod(0o755)
+        folder = shared / "ro"
+        folder.mkdir()
+        folder.chmod(0o555)
+        with _unprivileged(), pytest.raises(ReportWriteError, match="r.json"):
             write_report(reports["seed"], json_path=folder / "r.json")
         assert list(folder.iterdir()) == []
     finally:
-        folder.chmod(0o700)
+        shutil.rmtree(shared)
 
 
 def test_write_report_leaves_no_file_when_the_folder_refuses_new_files(reports, tmp_path, monkeypatch):

@@ -84,3 +84,4 @@ def test_every_allowed_skip_says_why_and_matches_only_its_reason() -> None:
     assert is_allowed("tests/test_report_browser.py::test_x", "chromium is not on PATH: install it")
     assert not is_allowed("tests/test_report_browser.py::test_x", "vLLM is not installed")
     assert not is_allowed("tests/test_vllm_live.py::test_x", "root writes into read-only folders")
+    assert not is_allowed("tests/test_report_render.py::test_x", "root writes into read-only folders")

