@@ -3,7 +3,7 @@
 #
 # Usage:  PIP=/path/to/venv/bin/pip bash requirements/frameworks-sglang.sh
 #
-# Preconditions: the venv already has torch 2.13.0 (the local CPU build) and tracediff[test]
+# Preconditions: the venv already has torch 2.13.0 (any build: the registry's, or a CPU one) and tracediff[test]
 # (`pip install torch==2.13.0 && pip install -e '.[test]'`). Idempotent: re-running it installs nothing new.
 #
 # Why it looks like this:
@@ -20,9 +20,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/pip-install.sh"
 PY="$(dirname "$(command -v "$PIP")")/python"
 
 torch_version="$("$PY" -c 'import torch; print(torch.__version__)')"
-case "$torch_version" in
-  *+cpu) ;;
-  *) echo "frameworks-sglang.sh: expected a CPU torch in $PY, found $torch_version" >&2; exit 1 ;;
+case "${torch_version%%+*}" in
+  2.13.0) ;;
+  *) echo "frameworks-sglang.sh: expected torch 2.13.0 (any build) in $PY, found $torch_version" >&2; exit 1 ;;
 esac
 # Keep the installed torch whatever a dependency asks for.
 constraints="$(mktemp)"
@@ -43,14 +43,14 @@ pip_install "$PIP" -q -c "$constraints" \
 pip_install "$PIP" -q -c "$constraints" \
     uvicorn uvloop fastapi setproctitle einops jsonschema xgrammar==0.2.7 soundfile==0.13.1 python-multipart
 
-# Nothing above may have replaced the CPU torch with a CUDA build.
+# Nothing above may have replaced the chosen torch build (with a CUDA one, or another version).
 "$PY" - "$torch_version" <<'PY'
 import sys
 
 import sglang
 import torch
 
-assert torch.__version__ == sys.argv[1] == "2.13.0+cpu", f"torch was replaced: {torch.__version__}"
+assert torch.__version__ == sys.argv[1], f"torch was replaced: {torch.__version__} != {sys.argv[1]}"
 assert sglang.__version__ == "0.5.23", sglang.__version__
 print(f"frameworks-sglang: sglang {sglang.__version__}, torch {torch.__version__}")
 PY

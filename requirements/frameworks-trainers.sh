@@ -4,7 +4,7 @@
 #
 #   PIP=/path/to/venv/bin/pip requirements/frameworks-trainers.sh
 #
-# Precondition: the venv already holds torch 2.13.0 (the CPU build) and tracediff[test]
+# Precondition: the venv already holds torch 2.13.0 (any build: the registry's, or a CPU one) and tracediff[test]
 # (`pip install torch==2.13.0 && pip install -e .[test]`). Idempotent: a second run changes nothing.
 #
 # Why --no-deps for the frameworks: speculators pins torchvision/torchaudio, SpecForge pins
@@ -21,9 +21,9 @@ PIP="${PIP:-pip}"
 PYTHON="${PYTHON:-$(dirname "$(command -v "$PIP")")/python}"
 
 torch_version="$("$PYTHON" -c 'import torch; print(torch.__version__)')"
-case "$torch_version" in
-  *+cpu) ;;
-  *) echo "frameworks-trainers.sh: expected a CPU torch in $PYTHON, found $torch_version" >&2; exit 1 ;;
+case "${torch_version%%+*}" in
+  2.13.0) ;;
+  *) echo "frameworks-trainers.sh: expected torch 2.13.0 (any build) in $PYTHON, found $torch_version" >&2; exit 1 ;;
 esac
 
 # Keep the installed torch whatever a dependency asks for.
