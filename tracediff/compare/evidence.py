@@ -8,7 +8,7 @@ and position; a segment size nobody recorded), compare must not name a root caus
 that depend on it become one "cannot tell: record X" finding, said in the first lines of every
 report (docs/report-schema.md, "What each conclusion needs").
 
-This module decides on metadata and the plan sample only; it reads no store.
+It decides on metadata and small samples of rows (the plan's scales, a sample of the pairs).
 """
 
 from __future__ import annotations
@@ -125,6 +125,41 @@ def _unit_rows(rows: np.ndarray, size: int, scales: Any) -> np.ndarray:
     norm = np.linalg.norm(x, axis=2, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
         return (x / norm).astype(np.float32)
+
+
+def gather_evidence(ref_index: Any, cand_index: Any, rl: Any, cl: Any, sizes: Any,
+                    sample: Any) -> Evidence:
+    """What the conclusions of this compare rest on (tracediff.compare.evidence): token ids, and how
+    each side's segment size was known; for a side that took the other's size, the size its own
+    values repeat at."""
+    recorded = {"reference": rl.segment_size is not None, "candidate": cl.segment_size is not None}
+    ev = Evidence(tokens={"reference": ref_index.has_tokens, "candidate": cand_index.has_tokens},
+                  size_source=sizes.source, size_recorded=recorded,
+                  sizes={"reference": sizes.reference, "candidate": sizes.candidate},
+                  widths={"reference": rl.width, "candidate": cl.width})
+    if sizes.source == "mixed":
+        from tracediff.compare.segments import infer_segment_size  # noqa: PLC0415
+
+        r_rows, c_rows = sample()
+        for side, rows in (("reference", r_rows), ("candidate", c_rows)):
+            if not recorded[side]:
+                own, how = infer_segment_size(rows.shape[1], rows.shape[1], rows, rows)
+                if "autocorrelation" in how:  # a repeating profile, not a fallback
+                    ev.own_size[side], ev.own_size_how[side] = own, how
+    return ev
+
+
+def pairing_of_rows(pairs: Any, ref_index: Any, cand_index: Any, segplan: Any, rows: int,
+                    seed: int) -> PairingEvidence:
+    """Rows paired without token ids: do the values say they hold the same inputs?"""
+    from tracediff.compare.gather import in_parallel  # noqa: PLC0415
+    from tracediff.compare.plan import read_rows, sample_pairs  # noqa: PLC0415
+
+    pick = sample_pairs(pairs, rows, seed)
+    c_rows, r_rows = in_parallel(lambda: read_rows(cand_index, pairs.candidate[pick]),
+                                 lambda: read_rows(ref_index, pairs.reference[pick]))
+    positions = np.asarray(cand_index.position[pairs.candidate[pick]], dtype=np.int64)
+    return pairing_evidence(c_rows, r_rows, positions, segplan.size, segplan.cand_scales, segplan.ref_scales)
 
 
 # ------------------------------------------------------------------------------------ preconditions

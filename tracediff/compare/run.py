@@ -8,7 +8,6 @@ it raises :class:`tracediff.errors.CompareError` (exit 2) when the stores cannot
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,14 +16,13 @@ from typing import Any
 import numpy as np
 
 from tracediff import __version__
-from tracediff.adapters import recording_side
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
 from tracediff.compare.align import align_sequences
-from tracediff.compare.evidence import Evidence, apply_preconditions, pairing_evidence, preconditions
+from tracediff.compare.evidence import apply_preconditions, gather_evidence, pairing_of_rows, preconditions
 from tracediff.compare.findings import build_findings
 from tracediff.compare.gather import in_parallel
 from tracediff.compare.kernels import prepare_kernel
-from tracediff.compare.metadata import aux_config, config_diff, num_layers, same_recording, side_aux_layers
+from tracediff.compare.metadata import aux_config, config_diff, num_layers, side_aux_layers
 from tracediff.compare.metrics import StreamResult, with_subset_profiles
 from tracediff.compare.noise import CALIBRATION_TAP, CalibrationRows, canonical_dtype, decide_compute_dtype
 from tracediff.compare.pairing import check_token_pairing
@@ -49,6 +47,7 @@ from tracediff.compare.results import Finding, Plan, Report, SegmentMatch, Side
 from tracediff.compare.rowpairs import RowPairs, content_keys, pair_rows
 from tracediff.compare.rows import RowIndex, stream_names
 from tracediff.compare.segments import SegmentDecision, segment_scales
+from tracediff.compare.sides import recorded_by, same_recording_of, store_set_notes, swapped_roles
 from tracediff.compare.stream import stream_metrics
 from tracediff.compare.subsets import (
     agreeing_rows_tell_nothing,
@@ -97,7 +96,7 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
     _stage(opts, "reading labels")
     rl, cl = stream_layout(ref_store, rtap), stream_layout(cand_store, ctap)
     ref_index, cand_index = _load_indexes(ref_store, rtap, cand_store, ctap)
-    notes = list(opts.extra_notes) + _store_set_notes(ref_store, "reference") + _store_set_notes(cand_store, "candidate")
+    notes = list(opts.extra_notes) + store_set_notes(ref_store, "reference") + store_set_notes(cand_store, "candidate")
 
     # -- sequences
     _stage(opts, "aligning sequences")
@@ -121,7 +120,7 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
 
     sizes = decide_segment_sizes(rl, cl, opts, size_sample)
     notes += list(sizes.notes)
-    evidence = _evidence(ref_index, cand_index, rl, cl, sizes, size_sample)
+    evidence = gather_evidence(ref_index, cand_index, rl, cl, sizes, size_sample)
 
     # -- metadata: config diff in one physical layer numbering
     ref_meta, cand_meta = collect_meta(ref_store, rtap), collect_meta(cand_store, ctap)
@@ -180,7 +179,7 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
                                 assumed_depth=num_layers(ref_meta) or num_layers(cand_meta), calibration=calibration)
         del c_sample, r_sample, ahead  # (up to 2 x 100 MB at 3 x 4096: not held through the pass)
         if not (ref_index.has_tokens and cand_index.has_tokens):
-            evidence.pairing = _pairing_evidence(pairs, ref_index, cand_index, segplan, opts)
+            evidence.pairing = pairing_of_rows(pairs, ref_index, cand_index, segplan, min(opts.sample_rows, 2048), opts.seed + 2)
         # -- the streaming pass
         matched = [(d.candidate, d.reference) for d in segplan.decisions
                    if d.reference is not None and d.duplicate_of is None]
@@ -276,7 +275,7 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
                 meta={**meta, "stores": store.names} if isinstance(store, StoreSet) else meta,
                 aux_layer_config=aux_config(meta),
                 aux_layers=aux.to_dict() if aux is not None else None,
-                recorded_by=_recorded_by(store),
+                recorded_by=recorded_by(store),
             )
         )
     segment_map = ([_segment_match(d, segplan, rlabels, clabels) for d in segplan.decisions] if segplan else [])
@@ -304,7 +303,7 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
                                            + ".", {k: v for k, v in p.items() if k not in ("severity", "message")}))
     if bank is not None:
         _name_layers(report, bank, opts)
-    same = _same_recording(ref_store, cand_store)
+    same = same_recording_of(ref_store, cand_store)
     if same is not None:
         what = ("the same store" if same == "same store"
                 else f"two copies of one recording ({Path(str(ref_store.path)).name} and {Path(str(cand_store.path)).name})")
@@ -313,75 +312,12 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
             f"Both sides are {what}: this compare checks the store against itself and says nothing about "
             f"the server. Compare the trainer's store with one the server recorded.",
             {"how": same, "reference": str(ref_store.path), "candidate": str(cand_store.path)}))
-    swapped = _swapped_roles(ref_store, cand_store)
+    swapped = swapped_roles(ref_store, cand_store)
     if swapped is not None:
         report.findings.insert(0, swapped)
     attach_next_steps(report)
     apply_preconditions(report, preconditions(evidence, report))
     return report
-
-
-def _recording_side(store: Side_) -> str | None:
-    """"trainer" or "server", as the store records it (its role, or the adapters that recorded it)."""
-    first = store.stores[0] if isinstance(store, StoreSet) else store
-    record = first.meta.get("record") if isinstance(first.meta, dict) else None
-    adapters = record.get("adapters") if isinstance(record, dict) else None
-    role = first.source.get("role", "") if isinstance(first.source, dict) else ""
-    return recording_side(str(role or ""), [str(a) for a in adapters] if isinstance(adapters, list) else [])
-
-
-def _swapped_roles(ref_store: Side_, cand_store: Side_) -> Finding | None:
-    """A warning, first in the report, when the reference was recorded by a server and the candidate
-    by a trainer: every finding then reads the server as what the draft learned."""
-    ref, cand = _recording_side(ref_store), _recording_side(cand_store)
-    if (ref, cand) != ("server", "trainer"):
-        return None
-    return Finding(
-        "swapped_roles", "warning",
-        f"The reference ({Path(str(ref_store.path)).name}) was recorded by a server and the candidate "
-        f"({Path(str(cand_store.path)).name}) by a trainer: the arguments look swapped. compare reads the first store "
-        f"as what the draft learned, so 'missing' and 'extra' are inverted and the Fix names the trainer's config; "
-        f"run: tracediff compare TRAINER_STORE SERVER_STORE.",
-        {"reference": ref, "candidate": cand}, "the arguments look swapped (server as reference)")
-
-
-def _recorded_by(store: Side_) -> list[str]:
-    """The `tracediff record` command line a store records (one store of a set: the first's)."""
-    first = store.stores[0] if isinstance(store, StoreSet) else store
-    argv = first.source.get("recorded_by") if isinstance(first.source, dict) else None
-    return [str(a) for a in argv] if isinstance(argv, list) and argv[:2] == ["tracediff", "record"] else []
-
-
-def _evidence(ref_index: RowIndex, cand_index: RowIndex, rl: Any, cl: Any, sizes: Any,
-              sample: Any) -> Evidence:
-    """What the conclusions of this compare rest on (tracediff.compare.evidence): token ids, and how
-    each side's segment size was known; for a side that took the other's size, the size its own
-    values repeat at."""
-    recorded = {"reference": rl.segment_size is not None, "candidate": cl.segment_size is not None}
-    ev = Evidence(tokens={"reference": ref_index.has_tokens, "candidate": cand_index.has_tokens},
-                  size_source=sizes.source, size_recorded=recorded,
-                  sizes={"reference": sizes.reference, "candidate": sizes.candidate},
-                  widths={"reference": rl.width, "candidate": cl.width})
-    if sizes.source == "mixed":
-        from tracediff.compare.segments import infer_segment_size  # noqa: PLC0415
-
-        r_rows, c_rows = sample()
-        for side, rows in (("reference", r_rows), ("candidate", c_rows)):
-            if not recorded[side]:
-                own, how = infer_segment_size(rows.shape[1], rows.shape[1], rows, rows)
-                if "autocorrelation" in how:  # a repeating profile, not a fallback
-                    ev.own_size[side], ev.own_size_how[side] = own, how
-    return ev
-
-
-def _pairing_evidence(pairs: RowPairs, ref_index: RowIndex, cand_index: RowIndex, segplan: SegmentPlan,
-                      opts: CompareOptions) -> Any:
-    """Rows paired without token ids: do the values say they hold the same inputs?"""
-    pick = sample_pairs(pairs, min(opts.sample_rows, 2048), opts.seed + 2)
-    c_rows, r_rows = in_parallel(lambda: read_rows(cand_index, pairs.candidate[pick]),
-                                 lambda: read_rows(ref_index, pairs.reference[pick]))
-    positions = np.asarray(cand_index.position[pairs.candidate[pick]], dtype=np.int64)
-    return pairing_evidence(c_rows, r_rows, positions, segplan.size, segplan.cand_scales, segplan.ref_scales)
 
 
 Side_ = TraceStore | StoreSet
@@ -407,20 +343,6 @@ def _load_indexes(ref_store: Side_, rtap: str, cand_store: Side_, ctap: str) -> 
     return in_parallel(lambda: RowIndex.load(ref_store, rtap, ref_read), lambda: RowIndex.load(cand_store, ctap, cand_read))
 
 
-def _store_set_notes(store: Side_, role: str) -> list[str]:
-    """What a compare tells of a side read from several stores: which, and where their meta differ."""
-    if not isinstance(store, StoreSet):
-        return []
-    each = ("; rows of one sequence and position in several stores are each compared with the reference"
-            if role == "candidate" else "")
-    notes = [f"{role}: {len(store.stores)} stores read as one trace ({', '.join(store.names)}): their writer "
-             f"groups together{each}"]
-    differ = store.meta_differences()
-    if differ:
-        notes.append(f"{role} stores differ in meta {', '.join(differ)}: the config diff reads {store.names[0]}'s")
-    return notes
-
-
 def _reference_replica_notes(alignment: Any, ref_index: RowIndex) -> list[str]:
     """Reference sequences held whole by several writer groups (replicated ranks or stores): the
     candidate is paired with one copy; say so, and how to check the others."""
@@ -444,16 +366,6 @@ def _reference_replica_notes(alignment: Any, ref_index: RowIndex) -> list[str]:
     return [f"{copies} reference sequences ({rows} rows) are held whole by more than one reference writer group "
             f"({', '.join(sorted(writers))}): the candidate is compared with one copy of each; compare a copy "
             f"as the candidate to check the reference replicas against each other"]
-
-
-def _same_recording(ref_store: Side_, cand_store: Side_) -> str | None:
-    """same_recording for single stores; for several, whether a store is on both sides."""
-    if not isinstance(ref_store, StoreSet) and not isinstance(cand_store, StoreSet):
-        return same_recording(ref_store, cand_store)
-    def paths(s: Side_) -> set[str]:
-        return {os.path.realpath(p) for p in (s.names if isinstance(s, StoreSet) else [str(s.path)])}
-
-    return "same store" if paths(ref_store) & paths(cand_store) else None
 
 
 def _labels_of(layout: Any, size: int) -> list[str]:
