@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from tracediff.errors import StoreExistsError, StoreWriteError
-from tracediff.store.writer import _as_good_as_empty, _looks_like_trace_store, check_replaceable
+from tracediff.store.writer import as_good_as_empty, check_replaceable, looks_like_trace_store
 
 SUFFIX = ".previous"
 POLL_SECONDS = 0.5
@@ -62,7 +62,7 @@ class PreviousStore:
         if not os.path.lexists(path):
             return None
         check_replaceable(path, overwrite=True)
-        if not _looks_like_trace_store(path):  # zarr's temporary files only: nothing to keep
+        if not looks_like_trace_store(path):  # zarr's temporary files only: nothing to keep
             return None
         aside = path.with_name(path.name + SUFFIX)
         if os.path.lexists(aside):
@@ -118,7 +118,7 @@ class PreviousStore:
             return self.outcome
         with self._lock:
             if os.path.lexists(self.path):
-                if not (self.path.is_dir() and (_looks_like_trace_store(self.path) or _as_good_as_empty(self.path))):
+                if not (self.path.is_dir() and (looks_like_trace_store(self.path) or as_good_as_empty(self.path))):
                     return self.outcome
                 shutil.rmtree(self.path)
             try:

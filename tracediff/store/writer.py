@@ -71,15 +71,15 @@ def create_store(
 
         return create_remote_store(location, role=role, meta=meta, source=source, overwrite=overwrite, join=join)
     path = Path(location.local)
-    if join and _looks_like_trace_store(path):
+    if join and looks_like_trace_store(path):
         return path
     if str(path).endswith(".zip"):
         raise UsageError(f"{path}: a .zarr.zip store is read-only; record into a folder and pack it")
     if join:
         # Another process joining the same store may be creating it right now (its folder made,
         # its root not yet linked into place): join it unless what is there is something else.
-        if path.exists() and (not path.is_dir() or not _as_good_as_empty(path)):
-            if _looks_like_trace_store(path):  # created since we looked
+        if path.exists() and (not path.is_dir() or not as_good_as_empty(path)):
+            if looks_like_trace_store(path):  # created since we looked
                 return path
             raise StoreExistsError(
                 f"{path}: exists and is not a tracediff store; refusing to add to it, choose another path"
@@ -104,13 +104,13 @@ def create_store(
     except OSError as exc:
         raise StoreWriteError(f"{path}: cannot create the store: {exc.strerror or exc}") from exc
     if there != ours:
-        if join and _looks_like_trace_store(path):
+        if join and looks_like_trace_store(path):
             return path
         raise StoreExistsError(f"{path}: was created by another process meanwhile; choose another path")
     return path
 
 
-def _as_good_as_empty(path: Path) -> bool:
+def as_good_as_empty(path: Path) -> bool:
     """A folder holding nothing, or only zarr's temporary files (``*.partial``): a store whose root
     is being written (or was killed while being written)."""
     return all(p.name.endswith(".partial") and p.is_file() for p in path.iterdir())
@@ -137,7 +137,7 @@ def check_replaceable(path: Path, overwrite: bool) -> None:
     # A plain file is never a store folder (packed .zip stores are refused above): keep it too.
     # A folder holding only zarr's temporary files is a store killed while its root zarr.json
     # was being written: as good as empty.
-    if not path.is_dir() or (not _as_good_as_empty(path) and not _looks_like_trace_store(path)):
+    if not path.is_dir() or (not as_good_as_empty(path) and not looks_like_trace_store(path)):
         raise StoreExistsError(
             f"{path}: exists and is not a tracediff store; refusing to delete it, choose another path"
         )
@@ -166,7 +166,7 @@ def update_store_meta(path: str | os.PathLike[str], meta: Mapping[str, Any]) -> 
     group.attrs.put(attrs)
 
 
-def _looks_like_trace_store(path: Path) -> bool:
+def looks_like_trace_store(path: Path) -> bool:
     try:
         doc = json.loads((path / "zarr.json").read_text())
         return "tracediff" in doc.get("attributes", {})
