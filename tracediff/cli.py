@@ -126,6 +126,11 @@ def run() -> None:
         _run(ending)
     except Interrupted as exc:
         code = ending.say(exc.signum)
+        # That line is the last word: what a dask cluster's event loop logs while it is torn down
+        # (tasks whose exceptions nobody retrieved, a closed comm) would follow it on stderr.
+        import logging  # noqa: PLC0415
+
+        logging.disable(logging.CRITICAL)
         if "tracediff.record.recorder" in sys.modules or "multiprocessing.resource_tracker" in sys.modules:
             # The recorder closes at exit; multiprocessing's finalizers release what a cluster that
             # was starting created (else its resource tracker warns of leaked semaphores). The
