@@ -17,10 +17,11 @@ from tracediff.commands.options import (
     say_written,
     stage_progress,
     storage_options,
+    write_json_result,
     write_reports,
 )
 from tracediff.commands.replay import replay_draft
-from tracediff.errors import ReportWriteError, UsageError
+from tracediff.errors import UsageError
 
 
 @click.command(epilog=exit_codes(
@@ -177,18 +178,12 @@ def identify(store: Path, bank: Path, tap: str | None, bank_tap: str | None, seg
              json_path: Path | None) -> None:
     """Name the layer each segment of STORE comes from ("segment 0 is hidden_states[3]")."""
     from tracediff.compare.identify import identify_segments, render_identification  # noqa: PLC0415
-    from tracediff.report import write_json  # noqa: PLC0415
 
     check_output_files(("--json", json_path))
     with stage_progress("identify", None) as prog:
         prog.stage("naming each segment's layer")
         ident = identify_segments(store, bank, tap=tap, bank_tap=bank_tap, segment_size=segment_size)
-    unwritten = None
-    if json_path is not None:
-        try:
-            write_json(json_path, ident.to_dict())
-        except ReportWriteError as exc:
-            unwritten = exc
+    unwritten = write_json_result(json_path, ident.to_dict())
     click.echo(render_identification(ident))
     if unwritten is not None:
         raise unwritten

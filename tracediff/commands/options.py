@@ -213,6 +213,20 @@ def write_reports(report: Any, json_path: Path | None, markdown_path: Path | Non
     return None
 
 
+def write_json_result(path: Path | None, data: Any) -> TracediffError | None:
+    """Write a command's JSON result, when asked (whole or not at all); a failure is returned, as by
+    :func:`write_reports`, for the command to raise once it has printed what it found."""
+    if path is None:
+        return None
+    from tracediff.report import write_json  # noqa: PLC0415
+
+    try:
+        write_json(path, data)
+    except TracediffError as exc:
+        return exc
+    return None
+
+
 def say_written(command: str, json_path: Path | None, markdown_path: Path | None, html_path: Path | None) -> None:
     """One line per report file written, on stderr (stdout stays the report, or -q's one line)."""
     for kind, path in (("JSON", json_path), ("Markdown", markdown_path), ("HTML", html_path)):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from tracediff.commands.options import check_output_files, exit_codes
-from tracediff.errors import ReportWriteError, UsageError
+from tracediff.commands.options import check_output_files, exit_codes, write_json_result
+from tracediff.errors import UsageError
 
 
 def _versions(values: tuple[str, ...]) -> dict[str, str]:
@@ -70,14 +70,7 @@ def preflight(draft_dir: Path, target_dir: Path | None, engine: str, trainer: st
     engines = ("sglang", "vllm") if engine == "all" else (engine,)
     pf = run_preflight(draft_dir, target_dir, engines, trainer=trainer, trainer_layers=_layers(trainer_layers),
                        versions=_versions(engine_versions))
-    unwritten = None
-    if json_path is not None:
-        from tracediff.report import write_json  # noqa: PLC0415  (only with --json)
-
-        try:
-            write_json(json_path, pf.to_dict())
-        except ReportWriteError as exc:
-            unwritten = exc
+    unwritten = write_json_result(json_path, pf.to_dict())
     click.echo(render_text(pf))
     if unwritten is not None:
         raise unwritten

@@ -21,8 +21,9 @@ from tracediff.commands.options import (
     stage_progress,
     storage_options,
     store_name,
+    write_json_result,
 )
-from tracediff.errors import ReportWriteError, UsageError
+from tracediff.errors import UsageError
 
 # ---------------------------------------------------------------------------------- import
 _IMPORT_EXITS = exit_codes((0, "the store written"),
@@ -143,14 +144,8 @@ def send(trace: Path, url: str, engine: str, model: str | None, tap: str | None,
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
-    unwritten = None
-    if report_path is not None:  # whole or not at all (a temporary file renamed), as compare's reports
-        from tracediff.report import write_json  # noqa: PLC0415
-
-        try:
-            write_json(report_path, {"trace": str(trace), **result.to_dict()})
-        except ReportWriteError as exc:
-            unwritten = exc
+    # Whole or not at all (a temporary file renamed), as compare's reports.
+    unwritten = write_json_result(report_path, {"trace": str(trace), **result.to_dict()})
     click.echo(f"sent {result.succeeded} of {result.sequences} sequences ({result.tokens} tokens) to {result.url} "
                f"in {result.seconds:.1f}s" + (f", {result.retried} retries" if result.retried else ""))
     for key, error in list(result.failures.items())[:10]:
