@@ -13,7 +13,11 @@ already); a compare reads only :func:`recorded_d2t_problems` and never imports i
 from __future__ import annotations
 
 import hashlib
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from tracediff.errors import UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -155,3 +159,18 @@ def recorded_d2t_problems(meta: dict[str, Any], side: str) -> list[dict[str, Any
 
 
 __all__ = ["compare_provenance", "d2t_facts", "d2t_kind", "recorded_d2t_problems", "tensor_sha256"]
+
+
+def read_json_config(path: Path, what: str) -> dict[str, Any]:
+    """A checkpoint's config.json (a draft's, a target's; a folder or the file) as a dict; a missing or unreadable file is a :class:`UsageError` naming it."""
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise UsageError(f"{path}: {what} config.json not found; give the {what} checkpoint's folder")
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UsageError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"{path}: top level is {type(doc).__name__}, expected an object")
+    return doc

@@ -33,6 +33,7 @@ from tracediff.adapters.engine_rules import (
     resolve,
     target_family,
 )
+from tracediff.drafts import read_json_config
 from tracediff.errors import UsageError
 
 FORMAT = 1
@@ -40,19 +41,6 @@ _MAX_HEADER = 100 << 20  # safetensors' own limit on a header
 
 
 # ------------------------------------------------------------------------------------------ reading
-def read_json_config(path: Path, what: str) -> dict[str, Any]:
-    """A config.json as a dict; a missing or unreadable file is a :class:`UsageError` naming it."""
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise UsageError(f"{path}: {what} config.json not found; give the {what} checkpoint's folder")
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise UsageError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise UsageError(f"{path}: top level is {type(doc).__name__}, expected an object")
-    return doc
 
 
 @dataclass
@@ -354,11 +342,8 @@ def _store_view(store: Path, num_layers: int | None) -> TrainerView:
     doc_path = store / "zarr.json"
     if not doc_path.is_file():
         raise UsageError(f"{store}: --trainer: not speculators, specforge or a trainer store (no zarr.json)")
-    try:
-        doc = json.loads(doc_path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise UsageError(f"{doc_path}: not valid JSON ({exc})") from None
-    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    doc = read_json_config(doc_path, "trainer store")
+    attrs = doc.get("attributes")
     if not isinstance(attrs, dict) or "tracediff" not in attrs:
         raise UsageError(f"{doc_path}: field attributes.tracediff missing: not a trace store")
     meta = attrs.get("meta") or {}

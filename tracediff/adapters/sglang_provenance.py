@@ -100,7 +100,7 @@ def fed_layers(ids: list[int], target_dir: Any, version: str | None) -> list[int
     from pathlib import Path  # noqa: PLC0415
 
     from tracediff.adapters.engine_rules import choose_rule, resolve, target_family  # noqa: PLC0415
-    from tracediff.preflight import read_json_config  # noqa: PLC0415
+    from tracediff.drafts import read_json_config  # noqa: PLC0415
 
     family = "llama"
     try:

@@ -18,7 +18,6 @@ own keys of steps 1..k.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from tracediff.drafts import d2t_kind, tensor_sha256
+from tracediff.drafts import d2t_kind, read_json_config, tensor_sha256
 from tracediff.errors import UsageError
 
 _LAYER_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.", "model.midlayer.")
@@ -76,15 +75,7 @@ def _load_weights(folder: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
 
 
 def _config(folder: Path) -> dict[str, Any]:
-    path = folder / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise UsageError(f"{path}: missing (a draft checkpoint folder has config.json and *.safetensors)") from exc
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(cfg, dict):
-        raise UsageError(f"{path}: not a JSON object")
+    cfg = read_json_config(folder / "config.json", "draft")
     # speculators nests the transformer config
     inner = cfg.get("transformer_layer_config")
     if isinstance(inner, dict):
