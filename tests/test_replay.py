@@ -190,7 +190,7 @@ def test_bad_replay_input_is_a_one_line_error_naming_the_file(world, tmp_path: P
     if case == "no_config":
         draft = tmp_path / "empty_draft"
         draft.mkdir()
-        expect = f"{draft / 'config.json'}: missing"
+        expect = f"{draft / 'config.json'}: draft config.json not found"
     elif case == "wrong_width":
         draft = write_eagle3_draft(tmp_path / "two_aux", world["tl"].config, [0, 3]).path  # fc reads 2 x 64
         expect = "its fc takes 2 x 64 inputs, the reference rows are 192 wide"
