@@ -10,6 +10,7 @@ set -euo pipefail
 # shellcheck source=pip-install.sh
 source "$(dirname "${BASH_SOURCE[0]}")/pip-install.sh"
 cd "$(dirname "$0")/.."
+started=$(date +%s)
 [ -x .venv/bin/python ] || python3 -m venv .venv
 pip_install .venv/bin/pip -q torch==2.13.0 ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"}
 pip_install .venv/bin/pip -q -e '.[test]'
@@ -17,3 +18,6 @@ PIP=.venv/bin/pip bash requirements/frameworks-trainers.sh
 PIP=.venv/bin/pip bash requirements/frameworks-sglang.sh
 bash requirements/frameworks-vllm.sh
 bash requirements/browser.sh
+# How long this took, for README's cost table (tests/ci_record.py reads it when .ci/run's pytest ends).
+finished=$(date +%s)
+printf '{"seconds": %d, "finished": %d}\n' "$((finished - started))" "$finished" > .venv/tracediff-setup.json

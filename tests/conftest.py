@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ci_record
 import numpy as np
 import pytest
 import skip_gate
@@ -469,6 +470,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     skip_gate.register(config)
+    ci_record.register(config)
     config.addinivalue_line(
         "markers", "report_schema(level): how the reports this test produces are validated: 'strict' (default) or "
                    "'off' (a test that writes a report-shaped document on purpose)")
