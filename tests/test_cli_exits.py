@@ -225,7 +225,7 @@ def test_two_reports_to_one_file_are_refused_before_the_compare_starts(long_pass
 @pytest.mark.parametrize(("args", "option"), [
     (["identify", BROKEN, "--bank", BANK, "--json", "/proc/ident.json"], "--json /proc/ident.json"),
     (["replay", TRAIN, BROKEN, "--draft", "no-such-draft", "--markdown", "/proc/r.md"], "--markdown /proc/r.md"),
-    (["send", TRAIN, "--url", "http://127.0.0.1:9", "--report", "/proc/sent.json"], "--report /proc/sent.json"),
+    (["send", TRAIN, "--url", "http://127.0.0.1:9", "--json", "/proc/sent.json"], "--json /proc/sent.json"),
     (["pack", TRAIN, "-o", "/proc/train.zarr.zip"], "-o /proc/train.zarr.zip"),
     (["import", "speculators", "no-such-folder", "-o", "/proc/train.zarr"], "-o /proc/train.zarr"),
     (["import", "specforge", "no-such-folder", "-o", "/proc/train.zarr"], "-o /proc/train.zarr"),
@@ -272,7 +272,7 @@ def test_a_send_report_that_fails_to_write_at_the_end_leaves_the_summary_then_th
     reports.mkdir()
     try:
         proc = subprocess.Popen([sys.executable, "-m", "tracediff", "send", str(TRAIN), "--url", server.url,
-                                 "--no-progress", "--report", str(reports / "sent.json")], stdout=subprocess.PIPE,
+                                 "--no-progress", "--json", str(reports / "sent.json")], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=cli_env())
         deadline = time.monotonic() + 60
         while not server.max_in_flight:  # the folder was there when send started; now it goes
@@ -289,7 +289,7 @@ def test_a_send_report_that_fails_to_write_at_the_end_leaves_the_summary_then_th
 
 # ------------------------------------------------------------------------------------------ help
 COMMANDS = ["compare", "identify", "calibrate", "demo", "send", "push", "inspect", "pack", "replay", "import",
-            "import speculators", "import specforge"]  # record's help is record's own (tests/test_record_*)
+            "import speculators", "import specforge", "record", "preflight"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -306,8 +306,9 @@ def test_every_command_help_lists_its_exit_codes(command: str) -> None:
 def test_the_program_help_says_what_every_command_exits_with() -> None:
     proc = subprocess.run([sys.executable, "-m", "tracediff", "--help"], capture_output=True, text=True,
                           env=cli_env(), timeout=60)
-    text = " ".join(proc.stdout.split())
-    assert "Exit codes:" in text and "130 on Ctrl-C (SIGINT) and 143 on SIGTERM" in text, proc.stdout
+    codes = re.findall(r"^ +(\d+) +\S", proc.stdout[proc.stdout.index("Exit codes:"):], re.MULTILINE)
+    assert codes == ["0", "1", "2", "130", "143"], proc.stdout
+    assert "each command's own codes end its 'tracediff COMMAND -h'" in " ".join(proc.stdout.split())
 
 
 # ------------------------------------------------------------------------------------------ push

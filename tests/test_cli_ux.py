@@ -41,9 +41,9 @@ def _one_line_error(result, *parts: str) -> str:
     [
         (["compare", TRAIN], ["missing argument 'CANDIDATE'", "usage: tracediff compare [OPTIONS] REFERENCE CANDIDATE",
                               "'tracediff compare -h'"]),
-        (["compare", TRAIN, FIXED, "--bogus"], ["no such option '--bogus'", "tracediff compare -h"]),
+        (["compare", TRAIN, FIXED, "--bogus"], ["no such option --bogus", "tracediff compare -h"]),
         (["compare", TRAIN, FIXED, "--fail-on", "never"], ["'--fail-on'", "'never' is not one of"]),
-        (["nosuch"], ["no such command 'nosuch'", "usage: tracediff [OPTIONS] COMMAND"]),
+        (["nosuch"], ["no such command nosuch", "usage: tracediff [OPTIONS] COMMAND"]),
         (["record", "-o", "x.zarr"], ["missing argument 'COMMAND...'", "tracediff record -h"]),
         (["identify", BROKEN], ["missing option '--bank'"]),
     ],

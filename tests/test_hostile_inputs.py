@@ -346,7 +346,7 @@ def _run(command: str, bad: Path, good: Path, out: Path, real: bool) -> Outcome:
     if command == "inspect":
         args, outputs = ["inspect", bad], []
     elif command == "inspect_json":
-        args, outputs = ["inspect", "--json", bad], []
+        args, outputs = ["inspect", "--json", "-", bad], []
     elif command in ("compare_reference", "compare_candidate"):
         pair = [bad, good] if command == "compare_reference" else [good, bad]
         args = ["compare", *pair, "--json", reports[0], "--markdown", reports[1], "--html", reports[2]]

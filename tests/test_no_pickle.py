@@ -181,7 +181,7 @@ def test_a_store_with_pickled_data_is_refused_by_every_command_without_running_i
     _COUNTS["store_cases"] += 1
     for args in (
         ["inspect", hostile],
-        ["inspect", "--json", hostile],
+        ["inspect", "--json", "-", hostile],
         ["compare", hostile, intact, "--json", out / "r.json", "--html", out / "r.html"],
         ["compare", intact, hostile, "--json", out / "r.json", "--html", out / "r.html"],
         ["identify", hostile, "--bank", intact, "--json", out / "i.json"],

@@ -443,7 +443,7 @@ def test_inspect_refuses_what_is_not_a_readable_trace_store_with_one_line(tmp_pa
     path = make(tmp_path)
     before = _snapshot(path)
     _one_line_error(invoke_tracediff("inspect", path), *names)
-    _one_line_error(invoke_tracediff("inspect", "--json", path), *names)
+    _one_line_error(invoke_tracediff("inspect", "--json", "-", path), *names)
     assert _snapshot(path) == before
 
 
@@ -471,7 +471,7 @@ def test_overwrite_replaces_an_existing_store(tmp_path: Path) -> None:
     result = invoke_tracediff("record", "--tap", "A.fc", "--overwrite", "--role", "new", "-o", store, "--",
                               sys.executable, script)
     assert result.returncode == 0, result.stderr
-    shown = json.loads(invoke_tracediff("inspect", "--json", store).stdout)
+    shown = json.loads(invoke_tracediff("inspect", "--json", "-", store).stdout)
     assert shown["source"]["role"] == "new" and shown["taps"]["fc_in"]["rows"] == 3
     assert not (store / "fc_in" / "stale").exists()
     shutil.rmtree(store)

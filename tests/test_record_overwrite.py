@@ -102,7 +102,7 @@ def old_store(recorded: Path, tmp_path: Path) -> Path:
 
 
 def _rows(store: Path) -> int:
-    shown = invoke_tracediff("inspect", "--json", store)
+    shown = invoke_tracediff("inspect", "--json", "-", store)
     assert shown.returncode == 0, shown.stderr
     return json.loads(shown.stdout)["taps"]["fc_in"]["rows"]
 
@@ -155,7 +155,7 @@ def test_a_run_that_records_replaces_the_old_store_once_its_first_row_is_committ
     result = _record_over(old_store, "Head.fc:input", "head.py", "3", str(aside))
     assert result.returncode == 0, result.stderr
     assert f"tracediff: moved the previous store to {aside}" in result.stderr
-    shown = json.loads(invoke_tracediff("inspect", "--json", old_store).stdout)
+    shown = json.loads(invoke_tracediff("inspect", "--json", "-", old_store).stdout)
     assert shown["source"]["role"] == "new" and shown["taps"]["fc_in"]["rows"] == 3 * 64
     assert _siblings(old_store) == ["it.zarr"]  # no backup, no half-deleted folder
 
@@ -207,3 +207,73 @@ def test_record_help_documents_every_exit_code() -> None:
     codes = shown[shown.index("Exit codes:"):]
     assert "0    the command exited 0" in codes and "2    a bad option" in codes and "N    any other" in codes
     assert "STORE.previous" in shown and "at a URL it is deleted before the command starts" in " ".join(shown.split())
+
+
+# ------------------------------------------------------------- the Python API: tracediff.record(overwrite=True)
+API_RUN = textwrap.dedent(
+    """
+    import os
+    import sys
+    import time
+    from pathlib import Path
+
+    import torch
+    import tracediff
+
+    store, steps, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    fc = torch.nn.Linear(8, 4)
+    with tracediff.record(store, role="new", overwrite=True) as rec:
+        rec.tap(fc, name="fc_in", capture="input")
+        if mode == "raise":
+            raise RuntimeError("the data loader failed before the first forward")
+        with torch.no_grad():
+            for step in range(steps):
+                fc(torch.full((64, 8), float(step)))
+        if mode == "hang":  # a trainer that dies mid-run, before its recorder closed
+            Path(store + ".started").write_text(str(os.getpid()))
+            time.sleep(120)
+    """
+)
+
+
+def _api_run(store: Path, steps: int, mode: str = "finish") -> subprocess.CompletedProcess:
+    (store.parent / "api_run.py").write_text(API_RUN)
+    return subprocess.run([sys.executable, "api_run.py", str(store), str(steps), mode], cwd=store.parent,
+                          env=cli_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_the_python_api_replaces_the_old_store_only_once_the_new_run_committed_rows(old_store: Path) -> None:
+    done = _api_run(old_store, 3)
+    assert done.returncode == 0, done.stderr
+    assert _rows(old_store) == 3 * 64
+    assert f"moved the previous store to {old_store}.previous" in done.stderr
+    assert _siblings(old_store) == ["it.zarr"]  # the old store deleted, no backup left
+
+
+def test_the_python_api_gives_the_old_store_back_when_the_run_records_nothing(old_store: Path) -> None:
+    before = _digest(old_store)
+    done = _api_run(old_store, 0, "raise")
+    assert done.returncode == 1 and "the data loader failed" in done.stderr
+    assert f"this run committed no row: the previous store is back at {old_store}" in done.stderr
+    assert _digest(old_store) == before and _siblings(old_store) == ["it.zarr"]
+
+
+def test_a_killed_trainer_using_the_python_api_leaves_the_old_store_aside(old_store: Path) -> None:
+    before = _digest(old_store)
+    (old_store.parent / "api_run.py").write_text(API_RUN)
+    started = Path(str(old_store) + ".started")
+    proc = subprocess.Popen([sys.executable, "api_run.py", str(old_store), "0", "hang"], cwd=old_store.parent,
+                            env=cli_env(), stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert started.exists(), "the trainer never reached its run"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    aside = old_store.with_name("it.zarr.previous")
+    assert _digest(aside) == before and _rows(aside) == OLD_ROWS

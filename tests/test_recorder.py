@@ -277,7 +277,7 @@ def test_a_full_queue_drops_whole_batches_counts_them_and_never_changes_the_host
     shown = invoke_tracediff("inspect", store)
     assert shown.returncode == 0
     assert f"dropped {sum(sizes[1:])}" in shown.stdout and "were dropped because the writer fell behind" in shown.stdout
-    as_json = json.loads(invoke_tracediff("inspect", "--json", store).stdout)
+    as_json = json.loads(invoke_tracediff("inspect", "--json", "-", store).stdout)
     (writer,) = as_json["taps"]["fc_in"]["writers"]
     assert (writer["dropped_rows"], writer["dropped_batches"]) == (sum(sizes[1:]), len(sizes) - 1)
 

@@ -60,8 +60,8 @@ def bucket_samples(object_store: ObjectStore) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------ reading URLs
 def test_a_pushed_store_inspects_like_the_local_one(bucket_samples: dict[str, str]) -> None:
-    remote = invoke_tracediff("inspect", "--json", bucket_samples["train"])
-    local = invoke_tracediff("inspect", "--json", SAMPLES / "train.zarr")
+    remote = invoke_tracediff("inspect", "--json", "-", bucket_samples["train"])
+    local = invoke_tracediff("inspect", "--json", "-", SAMPLES / "train.zarr")
     assert remote.returncode == 0 and local.returncode == 0, remote.stderr
     there, here = json.loads(remote.stdout), json.loads(local.stdout)
     assert there.pop("path") == bucket_samples["train"]
@@ -562,7 +562,7 @@ def test_a_push_killed_midway_leaves_a_readable_store_and_the_rerun_completes_it
     assert shown.returncode == 0, shown.stderr
     status = [line for line in shown.stdout.splitlines() if line.startswith("status  incomplete: a push from ")]
     assert len(status) == 1 and rerun in status[0] and "warning: incomplete: a push" in shown.stdout
-    assert rerun in json.loads(invoke_tracediff("inspect", "--json", url).stdout)["incomplete"]
+    assert rerun in json.loads(invoke_tracediff("inspect", "--json", "-", url).stdout)["incomplete"]
     _one_line_error(invoke_tracediff("compare", local, url), url, "incomplete", rerun)
     _one_line_error(invoke_tracediff("compare", url, local), url, "incomplete", rerun)
     _one_line_error(invoke_tracediff("identify", url, "--bank", SAMPLES / "bank.zarr"), url, rerun)

@@ -78,7 +78,7 @@ def live(models: dict[str, Path]) -> dict[str, object]:
         try:
             servers.wait_healthy(url, proc, log_path)
             sent = tracediff("send", models["train"], "--url", url, "--engine", "vllm", "--max-new-tokens",
-                             NEW_TOKENS, "--report", root / "send.json")
+                             NEW_TOKENS, "--json", root / "send.json")
         finally:
             servers.stop(proc)  # at once: no --shutdown-timeout, so vLLM SIGKILLs its worker
     report = json.loads((root / "send.json").read_text()) if (root / "send.json").is_file() else {}

@@ -28,17 +28,18 @@ import click
 
 from tracediff import __version__
 from tracediff.commands.compare import calibrate, compare, demo, identify
-from tracediff.commands.options import CommandGroup
+from tracediff.commands.options import CommandGroup, exit_codes
 from tracediff.commands.preflight import preflight
 from tracediff.commands.record import record
 from tracediff.commands.replay import replay
 from tracediff.commands.stores import import_group, inspect, pack, push, send
 
 
-@click.group(cls=CommandGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=(
-    "\b\nExit codes: each command's own in 'tracediff COMMAND -h'; every command exits 2 on a usage or\n"
-    "input error (one 'tracediff: error:' line), 130 on Ctrl-C (SIGINT) and 143 on SIGTERM (one\n"
-    "'tracediff:' line each)."))
+@click.group(cls=CommandGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=exit_codes(
+    (0, "success (compare: match); each command's own codes end its 'tracediff COMMAND -h'"),
+    (1, "a difference (compare: mismatch; preflight: a wiring difference)"),
+    (2, "a usage or input error (one 'tracediff: error:' line, with a did-you-mean for a mistyped option or "
+        "command), or compare's CANNOT TELL")))
 @click.version_option(__version__, prog_name="tracediff")
 def main() -> None:
     """Record and compare the fc-input rows an EAGLE-3 draft sees in training and in serving."""

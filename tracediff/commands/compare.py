@@ -9,14 +9,21 @@ from pathlib import Path
 import click
 
 from tracediff.commands.options import (
+    REPLAY,
+    REPORTS,
     STORE,
+    WHAT_TO_COMPARE,
+    Command,
     check_output_files,
     check_output_folder,
     exit_codes,
+    output_option,
     replay_options,
     say_written,
+    section,
     stage_progress,
     storage_options,
+    to_stdout,
     write_json_result,
     write_reports,
 )
@@ -24,39 +31,49 @@ from tracediff.commands.replay import replay_draft
 from tracediff.errors import UsageError
 
 
-@click.command(epilog=exit_codes(
+@click.command(cls=Command, epilog=exit_codes(
     (0, "match (no finding at --fail-on's severity)"),
     (1, "mismatch"),
-    (2, "usage or input error, or a report file that cannot be written (one 'tracediff: error:' line; when "
-        "only the write failed, after the verdict)")))
-@storage_options
+    (2, "cannot tell (the evidence a conclusion needs was not recorded: the report says what to record); or a "
+        "usage or input error, or a report file that cannot be written (one 'tracediff: error:' line; when only "
+        "the write failed, after the verdict)")))
 @click.argument("stores", nargs=-1, type=STORE, metavar="REFERENCE CANDIDATE [CANDIDATE...]")
-@click.option("--reference", "references", multiple=True, type=STORE, metavar="STORE",
-              help="A reference store (or quoted glob); repeat for several. Then every positional is a candidate.")
-@click.option("--candidate", "candidates", multiple=True, type=STORE, metavar="STORE",
-              help="Another candidate store (or quoted glob); repeat for several.")
-@click.option("--dask", "dask_target", metavar="ADDRESS|local:N",
-              help="Run the streaming pass as dask.distributed tasks: on the scheduler at ADDRESS "
-                   "(tcp://HOST:PORT), or on a LocalCluster of N worker processes (local:N). Workers open "
-                   "the stores by path or URL themselves (with the --storage-option values). Needs tracediff[dask].")
-@click.option("--tap", help="Tap to compare on both sides (default: the common tap, fc_in first).")
-@click.option("--ref-tap", help="Tap of the reference, when the names differ.")
-@click.option("--cand-tap", help="Tap of the candidate, when the names differ.")
-@click.option("--segment-size", type=int, help="Width of one segment (hidden size); default from the stores.")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the JSON report here.")
-@click.option("--markdown", "markdown_path", type=click.Path(path_type=Path), help="Write a Markdown report here.")
-@click.option("--html", "html_path", type=click.Path(path_type=Path), help="Write a self-contained HTML report here.")
-@click.option("--fail-on", type=click.Choice(["error", "warning"]), default="error", show_default=True,
-              help="Exit 1 on error findings only, or on warnings too (strict CI).")
-@click.option("--bank", type=STORE, help="A bank recorded with --adapter hf: name each segment's layer.")
-@click.option("--sample-rows", type=int, default=2048, show_default=True, help="Rows sampled to plan the comparison.")
-@click.option("--quiet", "-q", is_flag=True, help="Print only the verdict line.")
-@click.option("--verbose", "-v", is_flag=True,
-              help="Print everything: the plan, every metric, worst rows, every finding's evidence, the config diff.")
-@click.option("--progress/--no-progress", default=None,
-              help="Progress on stderr: a live line on a terminal, a status line every few seconds in a log "
-                   "(default); --no-progress prints none.")
-@replay_options
+@section(
+    WHAT_TO_COMPARE,
+    click.option("--reference", "references", multiple=True, type=STORE, metavar="STORE",
+                 help="A reference store (or quoted glob); repeat for several. Then every positional is a candidate."),
+    click.option("--candidate", "candidates", multiple=True, type=STORE, metavar="STORE",
+                 help="Another candidate store (or quoted glob); repeat for several."),
+    click.option("--tap", help="Tap to compare on both sides (default: the common tap, fc_in first)."),
+    click.option("--ref-tap", help="Tap of the reference, when the names differ."),
+    click.option("--cand-tap", help="Tap of the candidate, when the names differ."),
+    click.option("--segment-size", type=int, help="Width of one segment (hidden size); default from the stores."),
+    click.option("--bank", type=STORE, help="A bank recorded with --adapter hf: name each segment's layer."),
+    click.option("--sample-rows", type=int, default=2048, show_default=True, help="Rows sampled to plan the comparison."),
+)
+@section(
+    REPORTS,
+    output_option("--json", "json_path", "Write the JSON report here"),
+    output_option("--markdown", "markdown_path", "Write a Markdown report here"),
+    output_option("--html", "html_path", "Write a self-contained HTML report here"),
+    click.option("--fail-on", type=click.Choice(["error", "warning"]), default="error", show_default=True,
+                 help="Exit 1 on error findings only, or on warnings too (strict CI)."),
+    click.option("--quiet", "-q", is_flag=True, help="Print only the verdict line."),
+    click.option("--verbose", "-v", is_flag=True,
+                 help="Print everything: the plan, every metric, worst rows, every finding's evidence, the config diff."),
+)
+@replay_options(REPLAY)
+@section(
+    "Running",
+    click.option("--dask", "dask_target", metavar="ADDRESS|local:N",
+                 help="Run the streaming pass as dask.distributed tasks: on the scheduler at ADDRESS "
+                      "(tcp://HOST:PORT), or on a LocalCluster of N worker processes (local:N). Workers open "
+                      "the stores by path or URL themselves (with the --storage-option values). Needs tracediff[dask]."),
+    click.option("--progress/--no-progress", default=None,
+                 help="Progress on stderr: a live line on a terminal, a status line every few seconds in a log "
+                      "(default); --no-progress prints none."),
+)
+@storage_options
 def compare(
     stores: tuple[str, ...],
     references: tuple[str, ...],
@@ -104,6 +121,8 @@ def compare(
 
     The --json, --markdown and --html paths are checked before anything is read: each file's folder
     exists and takes a new file. Each report is written whole or not at all (a temporary file renamed).
+    One of them may be '-': that report goes to stdout, and the verdict line to stderr (-v: the whole
+    text report).
     """
     from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
     from tracediff.report import render_text  # noqa: PLC0415
@@ -151,10 +170,13 @@ def compare(
         prog.stage("writing reports")
         unwritten = write_reports(report, json_path, markdown_path, html_path)
         prog.close(finished=unwritten is None)  # no "done" line before the error
-    if quiet:
-        click.echo(render_verdict_line(report))
+    # A report on stdout keeps it to itself: the text goes to stderr, the verdict line unless -v.
+    piped = any(to_stdout(p) for p in (json_path, markdown_path, html_path))
+    if quiet or (piped and not verbose):
+        click.echo(render_verdict_line(report), err=piped)
     else:
-        click.echo(render_text(report, color=sys.stdout.isatty(), verbose=verbose))
+        stream = sys.stderr if piped else sys.stdout
+        click.echo(render_text(report, color=stream.isatty(), verbose=verbose), err=piped)
     if unwritten is not None:  # the verdict above, then why a report is missing: exit 2
         raise unwritten
     say_written("compare", json_path, markdown_path, html_path)
@@ -162,18 +184,21 @@ def compare(
 
 
 # ---------------------------------------------------------------------------------- identify
-@click.command(epilog=exit_codes(
+@click.command(cls=Command, epilog=exit_codes(
     (0, "every segment identified (a layer, or a layer scaled)"),
     (1, "a segment is not identified"),
     (2, "usage or input error, or --json cannot be written (when only the write failed, after the result)")))
-@storage_options
 @click.argument("store", type=STORE)
-@click.option("--bank", required=True, type=STORE,
-              help="A trace of every layer of the target model (tracediff record --adapter hf).")
-@click.option("--tap", help="Tap of STORE to identify (default fc_in).")
-@click.option("--bank-tap", help="Tap of the bank (default: its only bank tap).")
-@click.option("--segment-size", type=int, help="Segment width (default: from the store, else the bank's).")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the result as JSON here.")
+@section(
+    "What to identify",
+    click.option("--bank", required=True, type=STORE,
+                 help="A trace of every layer of the target model (tracediff record --adapter hf)."),
+    click.option("--tap", help="Tap of STORE to identify (default fc_in)."),
+    click.option("--bank-tap", help="Tap of the bank (default: its only bank tap)."),
+    click.option("--segment-size", type=int, help="Segment width (default: from the store, else the bank's)."),
+)
+@section(REPORTS, output_option("--json", "json_path", "Write the result as JSON here"))
+@storage_options
 def identify(store: Path, bank: Path, tap: str | None, bank_tap: str | None, segment_size: int | None,
              json_path: Path | None) -> None:
     """Name the layer each segment of STORE comes from ("segment 0 is hidden_states[3]")."""
@@ -184,26 +209,30 @@ def identify(store: Path, bank: Path, tap: str | None, bank_tap: str | None, seg
         prog.stage("naming each segment's layer")
         ident = identify_segments(store, bank, tap=tap, bank_tap=bank_tap, segment_size=segment_size)
     unwritten = write_json_result(json_path, ident.to_dict())
-    click.echo(render_identification(ident))
+    click.echo(render_identification(ident), err=to_stdout(json_path))
     if unwritten is not None:
         raise unwritten
-    if json_path is not None:
+    if json_path is not None and not to_stdout(json_path):
         click.echo(f"tracediff identify: wrote the JSON result {json_path}", err=True)
     sys.exit(0 if all(s.verdict in ("match", "scaled") for s in ident.segments) else 1)
 
 
-@click.command(epilog=exit_codes(
+@click.command(cls=Command, epilog=exit_codes(
     (0, "calibration rows appended"),
     (2, "usage or input error (STORE, the model, the layers)")))
 @click.argument("store", type=click.Path(path_type=Path))
-@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path),
-              help="The target model's local folder (save_pretrained; safetensors weights): the trainer's weights.")
-@click.option("--dtype", default="bfloat16", show_default=True, help="The server's compute dtype.")
-@click.option("--sequences", default=8, show_default=True, type=int, help="Sequences of STORE to recompute.")
-@click.option("--tap", default="fc_in", show_default=True, help="The tap whose rows are recomputed.")
-@click.option("--layers", help="HF hidden_states indices of the segments, comma-separated (pre_norm: the last layer "
-                               "before the final norm); default: the layers STORE records.")
-def calibrate(store: Path, model_dir: Path, dtype: str, sequences: int, tap: str, layers: str | None) -> None:
+@section(
+    "What to recompute",
+    click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path),
+                 help="The target model's local folder (save_pretrained; safetensors weights): the trainer's weights."),
+    click.option("--server-dtype", "server_dtype", default="bfloat16", show_default=True,
+                 help="The server's compute dtype, which the sequences are recomputed in (bfloat16, float16, float32)."),
+    click.option("--sequences", default=8, show_default=True, type=int, help="Sequences of STORE to recompute."),
+    click.option("--tap", default="fc_in", show_default=True, help="The tap whose rows are recomputed."),
+    click.option("--layers", help="HF hidden_states indices of the segments, comma-separated (pre_norm: the last "
+                                  "layer before the final norm); default: the layers STORE records."),
+)
+def calibrate(store: Path, model_dir: Path, server_dtype: str, sequences: int, tap: str, layers: str | None) -> None:
     """Append calibration rows to a trainer's STORE: some of its sequences recomputed by the target in
     the server's compute dtype, so that compare measures what a correct run drifts at every segment
     instead of assuming it."""
@@ -212,20 +241,26 @@ def calibrate(store: Path, model_dir: Path, dtype: str, sequences: int, tap: str
     if not (store / "zarr.json").is_file():
         raise UsageError(f"{store}: not a trace store (no zarr.json)")
     wanted = [x.strip() for x in layers.split(",") if x.strip()] if layers else None
-    done = run_calibrate(store, model_dir, dtype=dtype, sequences=sequences, tap=tap, layers=wanted)
+    done = run_calibrate(store, model_dir, dtype=server_dtype, sequences=sequences, tap=tap, layers=wanted)
     click.echo(f"tracediff calibrate: wrote {done['rows']} calibration rows of {done['sequences']} sequences "
                f"({done['compute_dtype']}, layers {done['layers']}) to {store} (tap {done['tap']})")
 
 
 # ---------------------------------------------------------------------------------- demo
-@click.command(epilog=exit_codes(
+@click.command(cls=Command, epilog=exit_codes(
     (0, "the demo showed what it should (the broken pair mismatches, the fixed one matches)"),
     (1, "a result came out otherwise"),
     (2, "the samples are missing, or --out cannot hold the reports")))
-@click.option("--out", type=click.Path(path_type=Path), default=Path("tracediff-demo"), show_default=True,
-              help="Folder for the HTML, Markdown and JSON reports (created).")
-@click.option("--samples", type=click.Path(path_type=Path),
-              help="Folder of the sample stores (default: samples/ of the source checkout).")
+@section(
+    REPORTS,
+    click.option("--out", type=click.Path(path_type=Path), default=Path("tracediff-demo"), show_default=True,
+                 help="Folder for the HTML, Markdown and JSON reports (created)."),
+)
+@section(
+    WHAT_TO_COMPARE,
+    click.option("--samples", type=click.Path(path_type=Path),
+                 help="Folder of the sample stores (default: samples/ of the source checkout)."),
+)
 def demo(out: Path, samples: Path | None) -> None:
     """Compare the shipped broken and fixed trace pairs, identify the broken server's layers, write reports.
 

@@ -18,57 +18,79 @@ from typing import Any
 
 import click
 
-from tracediff.commands.options import STORE, parse_size, storage_options
+from tracediff.commands.options import REMOTE, STORE, Command, exit_codes, parse_size, section, storage_options
 from tracediff.errors import TracediffError, UsageError
 
 
-@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@storage_options
-@click.option("-o", "--output", "output", required=True, type=STORE, help="Store to create.")
-@click.option("--adapter", "adapters", multiple=True, help="Framework adapter: sglang, vllm, speculators, specforge, hf (a bank of every layer), generic; repeatable.")
-@click.option("--tap", "taps", multiple=True,
-              help="Tap spec [NAME=]CLASS[.ATTR.PATH][:input|:output][@ARG] (grammar below); repeatable.")
-@click.option("--labels-from", "labels_from", multiple=True,
-              help="Class whose forward's input_ids/position_ids label the rows captured after it. Without it (and "
-                   "without --adapter) the outermost module whose forward gets input_ids labels them.")
-@click.option("--segment-size", type=int, help="Width of one segment of the tapped rows (e.g. hidden size).")
-@click.option("--segment-labels", help="Comma-separated segment names, e.g. hs0,hs3,hs6 (hsN: HF hidden_states[N]; "
-                                       "without --aux-layers they are the recorded aux layers).")
-@click.option("--aux-layers", "aux_layers",
-              help="The target layers the tapped rows concatenate, comma-separated ids (e.g. 0,3,6), numbered as "
-                   "--convention says; stored as meta aux_layers so compare knows them.")
-@click.option("--convention", type=click.Choice(["hf", "capture", "vllm", "sglang", "sglang_deepseek"]),
-              help="Numbering of the --aux-layers ids (default hf: HF hidden_states indices; docs/format.md).")
-@click.option("--role", default="", help="What this recording is (trainer, server, bank...).")
-@click.option("--overwrite", is_flag=True,
-              help="Replace an existing store: a local one is moved to STORE.previous, deleted once this run commits "
-                   "its first row and moved back if it commits none; at a URL it is deleted before the command starts.")
-@click.option("--append", "join", is_flag=True,
-              help="Add this run's writer groups to the store if it exists already (several nodes recording into one "
-                   "store, e.g. -o s3://bucket/server.zarr on each).")
-@click.option("--max-rows", type=int, help="Rows to record at most, per tap and process.")
-@click.option("--max-bytes", help="Bytes to record at most, per tap and process (e.g. 4GiB).")
-@click.option("--every-n-steps", type=int, default=1, show_default=True, help="Record one step in N.")
-@click.option("--first-n-steps", type=int, help="Record only steps 0..N-1.")
-@click.option("--phases", help="Comma-separated phases to record (train, prefill, draft_extend, decode...).")
-@click.option("--on-full", type=click.Choice(["drop", "block"]), default="drop", show_default=True,
-              help="When the writer falls behind: drop and count the batch, or wait (bounded) for it.")
-@click.option("--queue-bytes", default="1GiB", show_default=True, help="Host memory the queue may hold.")
-@click.option("--compressor", type=click.Choice(["none", "lz4", "zstd"]), default="none", show_default=True,
-              help="Compress value chunks (none is the fastest to write and to compare; zstd the smallest).")
-@click.option("--chunk-rows", type=int, default=1024, show_default=True,  # tracediff.store.DEFAULT_CHUNK_ROWS
-              help="Rows per chunk file: larger chunks mean fewer files, smaller ones less lost on a kill.")
-@click.option("--durable", is_flag=True, help="fsync each batch before committing it.")
-@click.option("--retry-seconds", type=float, default=60.0, show_default=True,  # remote_writer.DEFAULT_RETRY_SECONDS
-              help="At a URL: how long a batch whose upload failed on the way (endpoint unreachable, connection "
-                   "reset, timeout) is sent again before recording stops and the rest is counted as lost.")
-@click.option("--all-ranks", is_flag=True,
-              help="Record every tensor-parallel rank (sglang: default is attention-TP rank 0 only).")
-@click.option("--commit", "commit", type=click.Choice(["step", "background"]), default="step", show_default=True,
-              help="vllm: step = each drafter call's rows are committed before vLLM returns its tokens (survives a "
-                   "SIGKILL of the worker); background = writes overlap serving, at most 64 batches behind (faster; a "
-                   "kill loses that backlog: counted, and record exits 2).")
+@click.command(cls=Command, context_settings={"allow_interspersed_args": False}, epilog=exit_codes(
+    (0, "the command exited 0, rows were recorded and none was lost"),
+    (2, "a bad option or -o (one error line, the command not run); or the command exited 0 but a process lost "
+        "rows (dropped when its writer fell behind, still queued when the process was killed, a writer error, an "
+        "interpreter that cannot import tracediff: each said on stderr, with the tap, the rows and the flag that "
+        "avoids it) or no row was recorded (no tap fired: a mistyped class, a module never reached)"),
+    ("N", "any other: the command's own exit code (128+S when signal S ended it: 130 after Ctrl-C, 143 after "
+          "SIGTERM, which record forwards), kept whether or not rows were lost")))
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+@section(
+    "What to record",
+    click.option("--tap", "taps", multiple=True,
+                 help="Tap spec [NAME=]CLASS[.ATTR.PATH][:input|:output][@ARG] (grammar above); repeatable."),
+    click.option("--adapter", "adapters", multiple=True, help="Framework adapter: sglang, vllm, speculators, specforge, hf (a bank of every layer), generic; repeatable."),
+    click.option("--labels-from", "labels_from", multiple=True,
+                 help="Class whose forward's input_ids/position_ids label the rows captured after it. Without it (and "
+                      "without --adapter) the outermost module whose forward gets input_ids labels them."),
+    click.option("--segment-size", type=int, help="Width of one segment of the tapped rows (e.g. hidden size)."),
+    click.option("--segment-labels", help="Comma-separated segment names, e.g. hs0,hs3,hs6 (hsN: HF hidden_states[N]; "
+                                          "without --aux-layers they are the recorded aux layers)."),
+    click.option("--aux-layers", "aux_layers",
+                 help="The target layers the tapped rows concatenate, comma-separated ids (e.g. 0,3,6), numbered as "
+                      "--convention says; stored as meta aux_layers so compare knows them."),
+    click.option("--convention", type=click.Choice(["hf", "capture", "vllm", "sglang", "sglang_deepseek"]),
+                 help="Numbering of the --aux-layers ids (default hf: HF hidden_states indices; docs/format.md)."),
+    click.option("--role", default="", help="What this recording is (trainer, server, bank...)."),
+    click.option("--all-ranks", is_flag=True,
+                 help="Record every tensor-parallel rank (sglang: default is attention-TP rank 0 only)."),
+)
+@section(
+    "Output store",
+    click.option("-o", "--output", "output", required=True, type=STORE, help="Store to create."),
+    click.option("--overwrite", is_flag=True,
+                 help="Replace an existing store: a local one is moved to STORE.previous, deleted once this run commits "
+                      "its first row and moved back if it commits none; at a URL it is deleted before the command starts."),
+    click.option("--append", "join", is_flag=True,
+                 help="Add this run's writer groups to the store if it exists already (several nodes recording into one "
+                      "store, e.g. -o s3://bucket/server.zarr on each)."),
+)
+@section(
+    "What to keep",
+    click.option("--max-rows", type=int, help="Rows to record at most, per tap and process."),
+    click.option("--max-bytes", help="Bytes to record at most, per tap and process (e.g. 4GiB)."),
+    click.option("--every-n-steps", type=int, default=1, show_default=True, help="Record one step in N."),
+    click.option("--first-n-steps", type=int, help="Record only steps 0..N-1."),
+    click.option("--phases", help="Comma-separated phases to record (train, prefill, draft_extend, decode...)."),
+)
+@section(
+    "Writing",
+    click.option("--on-full", type=click.Choice(["drop", "block"]), default="drop", show_default=True,
+                 help="When the writer falls behind: drop and count the batch, or wait (bounded) for it."),
+    click.option("--queue-bytes", default="1GiB", show_default=True, help="Host memory the queue may hold."),
+    click.option("--compressor", type=click.Choice(["none", "lz4", "zstd"]), default="none", show_default=True,
+                 help="Compress value chunks (none is the fastest to write and to compare; zstd the smallest)."),
+    click.option("--chunk-rows", type=int, default=1024, show_default=True,  # tracediff.store.DEFAULT_CHUNK_ROWS
+                 help="Rows per chunk file: larger chunks mean fewer files, smaller ones less lost on a kill."),
+    click.option("--durable", is_flag=True, help="fsync each batch before committing it."),
+    click.option("--commit", "commit", type=click.Choice(["step", "background"]), default="step", show_default=True,
+                 help="vllm: step = each drafter call's rows are committed before vLLM returns its tokens (survives a "
+                      "SIGKILL of the worker); background = writes overlap serving, at most 64 batches behind (faster; a "
+                      "kill loses that backlog: counted, and record exits 2)."),
+)
+@section(
+    REMOTE,
+    click.option("--retry-seconds", type=float, default=60.0, show_default=True,  # remote_writer.DEFAULT_RETRY_SECONDS
+                 help="At a URL: how long a batch whose upload failed on the way (endpoint unreachable, connection "
+                      "reset, timeout) is sent again before recording stops and the rest is counted as lost."),
+)
+@storage_options
 def record(
     output: Path,
     adapters: tuple[str, ...],
@@ -100,6 +122,10 @@ def record(
 
     Example: tracediff record --tap Eagle3DraftModel.fc:input -o train.zarr -- python train.py
 
+    The options before COMMAND are record's own, and a mistyped one is an error (nothing runs);
+    everything from COMMAND on (after --, or from the first word that is no option) goes to it
+    untouched.
+
     -o may be an fsspec URL (s3://bucket/server.zarr): the rows are uploaded as they are committed.
 
     \b
@@ -117,17 +143,6 @@ def record(
     waits at STORE.previous (named on stderr before the command starts; after a SIGKILL of record it
     is still there) until the new store has committed a row, and is back at STORE if none was.
 
-    \b
-    Exit codes:
-      0    the command exited 0, rows were recorded and none was lost
-      2    a bad option or -o (one error line, the command not run); or the command exited 0
-           but a process lost rows (dropped when its writer fell behind, still queued when
-           the process was killed, a writer error, an interpreter that cannot import
-           tracediff: each said on stderr, with the tap, the rows and the flag that avoids
-           it) or no row was recorded (no tap fired: a mistyped class, a module
-           never reached)
-      N    any other: the command's own exit code (128+S when signal S ended it: 130 after
-           Ctrl-C, 143 after SIGTERM, which record forwards), kept whether or not rows were lost
     """
     from tracediff.adapters import adapter_info, check_installed  # noqa: PLC0415
     from tracediff.record.limits import Limits  # noqa: PLC0415
@@ -161,7 +176,8 @@ def record(
     queue_limit = parse_size(queue_bytes, "--queue-bytes") or 0
     if queue_limit <= 0:
         raise UsageError("--queue-bytes must be positive")
-    command = tuple(c for c in command if c != "--") if command[:1] == ("--",) else command
+    # click takes the first `--` itself; a second one right after it (`-- -- CMD`, from a wrapper) too.
+    command = command[1:] if command[:1] == ("--",) else command
     if not command:
         raise UsageError("no command to run after --")
     if shutil.which(command[0]) is None:  # checked before the store exists: nothing is left behind

@@ -10,13 +10,19 @@ from typing import Any
 import click
 
 from tracediff.commands.options import (
+    REPORTS,
     STORE,
+    WHAT_TO_COMPARE,
+    Command,
     check_output_files,
     exit_codes,
+    output_option,
     replay_options,
     say_written,
+    section,
     stage_progress,
     storage_options,
+    to_stdout,
     write_reports,
 )
 from tracediff.errors import UsageError
@@ -36,21 +42,27 @@ def replay_draft(report: Any, draft: Path, target: Path | None, server_draft: Pa
         score_rows=score_rows, multi_step_starts=multi_step_starts, dtype=replay_dtype))
 
 
-@click.command(epilog=exit_codes(
+@click.command(cls=Command, epilog=exit_codes(
     (0, "nothing found"),
     (1, "compare or replay found a problem"),
-    (2, "usage or input error, or a report file that cannot be written (when only the write failed, after "
-        "the result)")))
-@storage_options
+    (2, "compare cannot tell; or a usage or input error, or a report file that cannot be written (when only the "
+        "write failed, after the result)")))
 @click.argument("reference", type=STORE)
 @click.argument("candidate", type=STORE)
-@click.option("--tap", help="Tap to replay on both sides (default: as compare picks it).")
-@click.option("--ref-tap", help="Tap of the reference, when the names differ.")
-@click.option("--cand-tap", help="Tap of the candidate, when the names differ.")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the JSON report (compare + replay).")
-@click.option("--markdown", "markdown_path", type=click.Path(path_type=Path), help="Write a Markdown report here.")
-@click.option("--html", "html_path", type=click.Path(path_type=Path), help="Write a self-contained HTML report here.")
-@replay_options
+@replay_options("Replay")
+@section(
+    WHAT_TO_COMPARE,
+    click.option("--tap", help="Tap to replay on both sides (default: as compare picks it)."),
+    click.option("--ref-tap", help="Tap of the reference, when the names differ."),
+    click.option("--cand-tap", help="Tap of the candidate, when the names differ."),
+)
+@section(
+    REPORTS,
+    output_option("--json", "json_path", "Write the JSON report (compare + replay) here"),
+    output_option("--markdown", "markdown_path", "Write a Markdown report here"),
+    output_option("--html", "html_path", "Write a self-contained HTML report here"),
+)
+@storage_options
 def replay(reference: Path, candidate: Path, tap: str | None, ref_tap: str | None, cand_tap: str | None,
            json_path: Path | None, markdown_path: Path | None, html_path: Path | None, draft: Path | None,
            target: Path | None, server_draft: Path | None, send_report: Path | None, steps: int,
@@ -59,7 +71,10 @@ def replay(reference: Path, candidate: Path, tap: str | None, ref_tap: str | Non
     on REFERENCE's (trainer's) and CANDIDATE's (server's) recorded fc rows: step-0 and multi-step accuracy
     and accept length, (a) on the reference's rows, (b) on the candidate's, (c) on the candidate's with
     compare's proposed fix, next to (d) the accept length the engine reported (--send-report from
-    `tracediff send --report`).
+    `tracediff send --json`).
+
+    One of --json, --markdown and --html may be '-': that report goes to stdout, the replay's text to
+    stderr.
     """
     from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
     from tracediff.report.text import render_replay  # noqa: PLC0415
@@ -80,7 +95,7 @@ def replay(reference: Path, candidate: Path, tap: str | None, ref_tap: str | Non
         prog.stage("writing reports")
         unwritten = write_reports(report, json_path, markdown_path, html_path)
         prog.close(finished=unwritten is None)  # no "done" line before the error
-    click.echo(render_replay(report))
+    click.echo(render_replay(report), err=any(to_stdout(p) for p in (json_path, markdown_path, html_path)))
     if unwritten is not None:
         raise unwritten
     say_written("replay", json_path, markdown_path, html_path)

@@ -4,7 +4,6 @@ object storage)."""
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
@@ -13,14 +12,19 @@ from typing import Any
 import click
 
 from tracediff.commands.options import (
+    REPORTS,
     STORE,
+    Command,
     CommandGroup,
     check_output_files,
     check_output_store,
     exit_codes,
+    output_option,
+    section,
     stage_progress,
     storage_options,
     store_name,
+    to_stdout,
     write_json_result,
 )
 from tracediff.errors import UsageError
@@ -35,19 +39,18 @@ def import_group() -> None:
     """Turn a trainer's offline hidden-state files into a reference trace (taps fc_in and bank)."""
 
 
-_IMPORT_OPTIONS = [
-    click.argument("src", type=click.Path(path_type=Path)),
-    click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="Store to create."),
-    click.option("--overwrite", is_flag=True, help="Replace an existing store."),
-    click.option("--layer-ids", help="The draft's aux layer ids, comma-separated (they name the segments)."),
-    click.option("--max-files", type=int, help="Import only the first N files."),
-]
+_OUTPUT_STORE = "Output store"
 
 
 def _import_options(func: Any) -> Any:
-    for decorator in reversed(_IMPORT_OPTIONS):
-        func = decorator(func)
-    return func
+    func = section(_OUTPUT_STORE,
+                   click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path),
+                                help="Store to create."),
+                   click.option("--overwrite", is_flag=True, help="Replace an existing store."))(func)
+    func = section("What to import",
+                   click.option("--layer-ids", help="The draft's aux layer ids, comma-separated (they name the segments)."),
+                   click.option("--max-files", type=int, help="Import only the first N files."))(func)
+    return click.argument("src", type=click.Path(path_type=Path))(func)
 
 
 @import_group.command(name="speculators", epilog=_IMPORT_EXITS)
@@ -87,28 +90,37 @@ def import_specforge_cmd(src: Path, output: Path, overwrite: bool, layer_ids: st
 
 
 # ---------------------------------------------------------------------------------- send
-@click.command(epilog=exit_codes(
+@click.command(cls=Command, epilog=exit_codes(
     (0, "every sequence sent"),
     (1, "some requests failed (each named on stderr)"),
-    (2, "usage or input error, the server unreachable, or --report cannot be written")))
-@storage_options
+    (2, "usage or input error, the server unreachable, or --json cannot be written")))
 @click.argument("trace", type=STORE)
-@click.option("--url", required=True, help="Base URL of the running server, e.g. http://127.0.0.1:30000.")
-@click.option("--engine", type=click.Choice(["sglang", "vllm"]), default="sglang", show_default=True,
-              help="The server's API: SGLang /generate, or vLLM's OpenAI-compatible /v1/completions.")
-@click.option("--model", "model", help="vLLM: the served model name (default: the server's first model).")
-@click.option("--tap", help="Tap whose token labels give the sequences (default fc_in, else the trace's only tap).")
-@click.option("--concurrency", type=int, default=4, show_default=True, help="Requests in flight at most.")
-@click.option("--max-new-tokens", type=int, default=1, show_default=True,
-              help="Tokens generated per request (1: only the sequence itself is forwarded, as in training; more: "
-                   "decode and verify steps too).")
-@click.option("--limit", type=int, help="Send only the first N sequences.")
-@click.option("--retries", type=int, default=3, show_default=True, help="Retries of a request the server did not take.")
-@click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for one response.")
-@click.option("--rid-prefix", default="", help="Prefix of the request ids (default: the sequence keys as they are).")
-@click.option("--report", "report_path", type=click.Path(path_type=Path),
-              help="Write what was sent and each response's output ids and the engine's speculative-decoding numbers "
-                   "(accept length) as JSON.")
+@section(
+    "What to send",
+    click.option("--tap", help="Tap whose token labels give the sequences (default fc_in, else the trace's only tap)."),
+    click.option("--limit", type=int, help="Send only the first N sequences."),
+    click.option("--max-new-tokens", type=int, default=1, show_default=True,
+                 help="Tokens generated per request (1: only the sequence itself is forwarded, as in training; more: "
+                      "decode and verify steps too)."),
+    click.option("--rid-prefix", default="", help="Prefix of the request ids (default: the sequence keys as they are)."),
+)
+@section(
+    "Server",
+    click.option("--url", required=True, help="Base URL of the running server, e.g. http://127.0.0.1:30000."),
+    click.option("--engine", type=click.Choice(["sglang", "vllm"]), default="sglang", show_default=True,
+                 help="The server's API: SGLang /generate, or vLLM's OpenAI-compatible /v1/completions."),
+    click.option("--model", "model", help="vLLM: the served model name (default: the server's first model)."),
+    click.option("--concurrency", type=int, default=4, show_default=True, help="Requests in flight at most."),
+    click.option("--retries", type=int, default=3, show_default=True, help="Retries of a request the server did not take."),
+    click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for one response."),
+)
+@section(
+    REPORTS,
+    output_option("--json", "report_path",
+                  "Write what was sent and each response's output ids and the engine's speculative-decoding numbers "
+                  "(accept length) as JSON here: replay's --send-report"),
+)
+@storage_options
 @click.option("--progress/--no-progress", default=None,
               help="Progress on stderr: a live line on a terminal, a status line every few seconds in a log "
                    "(default); --no-progress prints none.")
@@ -128,7 +140,7 @@ def send(trace: Path, url: str, engine: str, model: str | None, tap: str | None,
         raise UsageError(f"--url {url!r}: give a base URL such as http://127.0.0.1:30000")
     if concurrency < 1 or max_new_tokens < 1 or retries < 0 or timeout <= 0:
         raise UsageError("--concurrency and --max-new-tokens must be >= 1, --retries >= 0, --timeout > 0")
-    check_output_files(("--report", report_path))
+    check_output_files(("--json", report_path))
     sequences = sequences_from_trace(trace, tap=tap, limit=limit)
     info = check_server(url, retries=retries, engine=engine)
     check_vocabulary(sequences, info, url)
@@ -147,7 +159,8 @@ def send(trace: Path, url: str, engine: str, model: str | None, tap: str | None,
     # Whole or not at all (a temporary file renamed), as compare's reports.
     unwritten = write_json_result(report_path, {"trace": str(trace), **result.to_dict()})
     click.echo(f"sent {result.succeeded} of {result.sequences} sequences ({result.tokens} tokens) to {result.url} "
-               f"in {result.seconds:.1f}s" + (f", {result.retried} retries" if result.retried else ""))
+               f"in {result.seconds:.1f}s" + (f", {result.retried} retries" if result.retried else ""),
+               err=to_stdout(report_path))
     for key, error in list(result.failures.items())[:10]:
         click.echo(f"tracediff: failed: sequence {key}: {error}", err=True)
     if len(result.failures) > 10:
@@ -158,34 +171,46 @@ def send(trace: Path, url: str, engine: str, model: str | None, tap: str | None,
 
 
 # ---------------------------------------------------------------------------------- inspect
-@click.command(epilog=exit_codes((0, "shown (a half-pushed store too: its status line says so)"),
-                                 (2, "STORE cannot be opened or read")))
-@storage_options
+@click.command(cls=Command, epilog=exit_codes((0, "shown (a half-pushed store too: its status line says so)"),
+                                             (2, "STORE cannot be opened or read, or --json cannot be written")))
 @click.argument("store", type=STORE)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def inspect(store: Path, as_json: bool) -> None:
-    """Show what STORE holds: taps, processes, rows, width, dtype, segments, phases, drops, meta."""
+@section(REPORTS, output_option("--json", "json_path", "Write what STORE holds as JSON here"))
+@storage_options
+def inspect(store: Path, json_path: Path | None) -> None:
+    """Show what STORE holds: taps, processes, rows, width, dtype, segments, phases, drops, meta.
+
+    With --json - the JSON alone goes to stdout; with --json FILE the text is shown as without it.
+    """
     from tracediff.describe import describe_store, render_text  # noqa: PLC0415
     from tracediff.store import open_store  # noqa: PLC0415
 
+    check_output_files(("--json", json_path))
     opened = open_store(store)
     try:
         desc = describe_store(opened)
     finally:
         opened.close()
-    click.echo(json.dumps(desc, indent=2, sort_keys=True) if as_json else render_text(desc))
+    unwritten = write_json_result(json_path, desc)
+    if not to_stdout(json_path):
+        click.echo(render_text(desc))
+    if unwritten is not None:
+        raise unwritten
 
 
 # ---------------------------------------------------------------------------------- pack
-@click.command(epilog=exit_codes((0, "DEST written (its path printed)"),
-                                 (2, "usage or input error, DEST exists (no --overwrite) or cannot be written")))
-@storage_options
+@click.command(cls=Command, epilog=exit_codes((0, "DEST written (its path printed)"),
+                                             (2, "usage or input error, DEST exists (no --overwrite) or cannot be "
+                                                 "written")))
 @click.argument("store", type=STORE)
 @click.argument("dest", type=click.Path(path_type=Path), required=False)
-@click.option("-o", "--output", "output", type=click.Path(path_type=Path), metavar="DEST",
-              help="The .zarr.zip file to write (default: STORE.zip next to STORE), as record and import take it; "
-                   "DEST may also follow STORE.")
-@click.option("--overwrite", is_flag=True, help="Replace DEST if it exists already.")
+@section(
+    _OUTPUT_STORE,
+    click.option("-o", "--output", "output", type=click.Path(path_type=Path), metavar="DEST",
+                 help="The .zarr.zip file to write (default: STORE.zip next to STORE), as record and import take it; "
+                      "DEST may also follow STORE."),
+    click.option("--overwrite", is_flag=True, help="Replace DEST if it exists already."),
+)
+@storage_options
 def pack(store: Path | str, dest: Path | None, output: Path | None, overwrite: bool) -> None:
     """Pack a store folder (or a store at a URL) into one local .zarr.zip file (to attach to a bug report).
 
@@ -205,12 +230,13 @@ def pack(store: Path | str, dest: Path | None, output: Path | None, overwrite: b
 
 
 # ---------------------------------------------------------------------------------- push
-@click.command(epilog=exit_codes((0, "every committed row at URL, checked with the strict reader"),
-                                 (2, "usage or input error, URL unreachable or refusing (rerun: it resumes)")))
-@storage_options
+@click.command(cls=Command, epilog=exit_codes((0, "every committed row at URL, checked with the strict reader"),
+                                             (2, "usage or input error, URL unreachable or refusing (rerun: it "
+                                                 "resumes)")))
 @click.argument("local", type=click.Path(path_type=Path))
 @click.argument("url")
-@click.option("--overwrite", is_flag=True, help="Replace another store already at URL.")
+@section(_OUTPUT_STORE, click.option("--overwrite", is_flag=True, help="Replace another store already at URL."))
+@storage_options
 @click.option("--progress/--no-progress", default=None,
               help="Progress on stderr (bytes, objects, rate): a live line on a terminal, a status line every few "
                    "seconds in a log (default); --no-progress prints none.")

@@ -11,7 +11,7 @@ cover, labels = the reference's tokens):
     from the reference (what the fixed config would capture) and counted in the report;
 (z) a baseline: the draft with no fc input at all (zeros) on the reference's tokens, what it gets
     from the tokens alone: "near chance" for a draft is near z (scored at a quarter of the starts);
-(d) the accept length the engine itself reported for those requests (``send --report``), next to
+(d) the accept length the engine itself reported for those requests (``send --json``), next to
     (b) replayed at the positions the engine drafted from, over the server's whole sequence
     (generated tokens are the labels of greedy serving).
 
@@ -107,7 +107,7 @@ def _dtype(name: str, folder: str) -> torch.dtype:
     if name == "bfloat16":
         return torch.bfloat16
     if name != "auto":
-        raise UsageError(f"--dtype {name!r}: auto, float32 or bfloat16")
+        raise UsageError(f"--replay-dtype {name!r}: auto, float32 or bfloat16")
     from safetensors import safe_open  # noqa: PLC0415
 
     for f in sorted(Path(folder).glob("*.safetensors")):
@@ -127,23 +127,23 @@ def _fix_is_identity(segment_map: list[Any], k_ref: int, ref_size: int, cand_siz
 
 
 def read_send_report(send_report: str | Path) -> dict[str, Any]:
-    """The send report (tracediff send --report), checked: commands call it before any other work,
+    """The send report (tracediff send --json), checked: commands call it before any other work,
     so a wrong path is one line at once, not after a compare and a replay."""
     path = Path(send_report)
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError as exc:
-        raise UsageError(f"--send-report {path}: no such file (write it with tracediff send --report)") from exc
+        raise UsageError(f"--send-report {path}: no such file (write it with tracediff send --json)") from exc
     except (OSError, ValueError) as exc:
         raise UsageError(f"--send-report {path}: not a JSON send report ({exc})") from exc
     responses = doc.get("responses") if isinstance(doc, dict) else None
     if not isinstance(responses, dict):
-        raise UsageError(f"--send-report {path}: no 'responses' (write it with tracediff send --report)")
+        raise UsageError(f"--send-report {path}: no 'responses' (write it with tracediff send --json)")
     return doc
 
 
 def engine_accept(send_report: str | Path | None, keys: list[str]) -> dict[str, Any] | None:
-    """(d): the accept length the engine reported for ``keys`` (tracediff send --report): vLLM's
+    """(d): the accept length the engine reported for ``keys`` (tracediff send --json): vLLM's
     per-request ``speculative_decoding`` block, or SGLang's ``spec_verify_ct`` / completion tokens."""
     if send_report is None:
         return None

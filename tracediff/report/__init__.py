@@ -66,15 +66,20 @@ def write_report(
 
 def write_json(path: str | os.PathLike[str], document: object) -> Path:
     """Write any JSON-able document atomically (identify's result, for one)."""
-    import json  # noqa: PLC0415
-
     target = Path(path)
     if not target.parent.is_dir():
         raise ReportWriteError(f"cannot write {target}: folder {target.parent} does not exist; create it first")
+    _write_atomic(target, json_text(document))
+    return target
+
+
+def json_text(document: object) -> str:
+    """A JSON-able document as :func:`write_json` writes it (the CLI's ``--json -`` prints it)."""
+    import json  # noqa: PLC0415
+
     from tracediff.compare.results import json_safe  # noqa: PLC0415
 
-    _write_atomic(target, json.dumps(json_safe(document), indent=2, allow_nan=False, default=str) + "\n")
-    return target
+    return json.dumps(json_safe(document), indent=2, allow_nan=False, default=str) + "\n"
 
 
 def _render_json(report: Report) -> str:
@@ -103,4 +108,4 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-__all__ = ["ReportWriteError", "render_html", "render_markdown", "render_text", "write_json", "write_report"]
+__all__ = ["ReportWriteError", "json_text", "render_html", "render_markdown", "render_text", "write_json", "write_report"]
