@@ -42,6 +42,7 @@ from tracediff.store import (
     phase_code,
 )
 from tracediff.store.location import Location
+from tracediff.store.previous import PreviousStore
 from tracediff.store.remote_writer import (
     DEFAULT_RETRY_SECONDS,
     RemoteTraceWriter,
@@ -213,6 +214,7 @@ class Recorder(CapturePath, WriterThread):
         self.retry_seconds = float(retry_seconds)
         self._ledger = ledger
         self._give_up_at: float | None = None  # set by close(): no upload retry starts after it
+        self._previous: PreviousStore | None = None  # a local store overwrite=True replaces
 
         if self.location.remote:
             if append:
@@ -226,7 +228,13 @@ class Recorder(CapturePath, WriterThread):
         else:
             if self.path.exists() and not overwrite:
                 raise StoreExistsError(f"{self.path}: already exists; pass overwrite=True (--overwrite) to replace it")
+            # The old rows stay on disk (at PATH.previous) until this run has committed a row.
+            self._previous = PreviousStore.set_aside(self.path) if overwrite else None
             create_store(self.path, role=role, meta=self.meta, source=self.source, overwrite=overwrite)
+            if self._previous is not None:
+                log.warning("tracediff: moved the previous store to %s: it is deleted once this run commits a row, "
+                            "and put back if it commits none", self._previous.aside)
+                self._previous.watch()
         pid = os.getpid()
         if writer_name is None and self.location.remote:  # nodes share the store: pids repeat
             writer_name = default_writer_name(rank, pid)
@@ -546,7 +554,22 @@ class Recorder(CapturePath, WriterThread):
                 log.error("tracediff: the writer did not finish within %.0f s; %s keeps its committed rows, the %d "
                           "rows still queued are lost", timeout, self.location.display, sum(self._unfinished.values()))
                 self._report()
+            self._settle_previous()
             self._restore_sigterm()
+
+    def _settle_previous(self) -> None:
+        if self._previous is None:
+            return
+        try:
+            outcome = self._previous.settle()
+        except OSError as exc:  # the host goes on; the old rows are still at one of the two names
+            log.error("tracediff: could not settle the previous store %s: %s", self._previous.aside, exc)
+            return
+        if outcome == "restored":
+            log.warning("tracediff: this run committed no row: the previous store is back at %s", self.path)
+        elif outcome == "kept aside":
+            log.warning("tracediff: the previous store stays at %s (%s now holds something else)",
+                        self._previous.aside, self.path)
 
     # ------------------------------------------------------------------ host-thread internals
     def _warn_tap(self, state: TapState, key: str, message: str) -> None:
