@@ -247,7 +247,7 @@ def child_compare(ref: str, cand: str) -> dict:
     # a large pass loads it itself (in the background, while the plan runs).
     import zarr  # noqa: PLC0415, F401
 
-    import tracediff.compare.findings  # noqa: PLC0415, F401
+    import tracediff.compare.findings.build  # noqa: PLC0415, F401
     from tracediff.compare import compare_stores  # noqa: PLC0415
 
     try:  # what the tracediff program sets for itself (trees before it have no such module)

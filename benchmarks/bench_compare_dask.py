@@ -121,7 +121,7 @@ def run(ref: str, cand: str, value_bytes: int, worker_counts: list[int], repeat:
     import distributed  # noqa: PLC0415
 
     from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
-    from tracediff.compare.cluster import DaskRunner  # noqa: PLC0415
+    from tracediff.compare.stream.cluster import DaskRunner  # noqa: PLC0415
 
     stages: dict[str, float] = {}
 
@@ -240,7 +240,7 @@ def run_long_lived(ref: str, cand: str, compares: int, workers: int, storage_opt
     import psutil  # noqa: PLC0415
 
     from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
-    from tracediff.compare.cluster import DaskRunner  # noqa: PLC0415
+    from tracediff.compare.stream.cluster import DaskRunner  # noqa: PLC0415
 
     load_start = os.getloadavg()[0]
     cluster = distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",

@@ -1,5 +1,5 @@
-"""Benchmark the streaming pass's per-row statistics: the fused kernel (tracediff/compare/kernels.py) against
-the numpy kernels of the pass (:func:`tracediff.compare.kernels.numpy_row_stats`, its reference
+"""Benchmark the streaming pass's per-row statistics: the fused kernel (tracediff/compare/rows/kernels.py) against
+the numpy kernels of the pass (:func:`tracediff.compare.rows.kernels.numpy_row_stats`, its reference
 implementation, run a sub-block at a time as the pass runs it), in one process, on the same rows,
 one thread each.
 
@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
-from tracediff.compare.kernels import fused_kernel, fused_row_stats, numpy_row_stats
-from tracediff.compare.segments import to_float32
+from tracediff.compare.plan.segments import to_float32
+from tracediff.compare.rows.kernels import fused_kernel, fused_row_stats, numpy_row_stats
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:
@@ -31,7 +31,7 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 
 
 def _numpy_loop(craw: np.ndarray, rraw: np.ndarray, k: int, size: int, out: dict, sub: int) -> None:
-    """The numpy kernels of the pass as tracediff/compare/blocks.py runs them: widened a sub-block at a time
+    """The numpy kernels of the pass as tracediff/compare/stream/blocks.py runs them: widened a sub-block at a time
     into reused buffers."""
     n = craw.shape[0]
     d = np.empty((sub, size), np.float32)

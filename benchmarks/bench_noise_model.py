@@ -25,7 +25,7 @@ fed seeded random token ids (``--seqs`` sequences x ``--tokens`` tokens, one for
    ``d(D)/D`` estimate the true neighbour distance ``d(1) = d(l, l-1)`` there (ratio estimate/true).
 
 Errors are measured the way compare measures them: the reference's scales
-``tracediff.compare.segments.segment_scales(ref_rows, H)`` (looked up at run time: whatever compare does to
+``tracediff.compare.plan.segments.segment_scales(ref_rows, H)`` (looked up at run time: whatever compare does to
 massive dimensions, this does too), then ``sqrt(relative_error(cand, ref, mean, scale))``. For
 comparison, the ``ord`` columns give the same error over the ordinary dimensions only (the massive
 ones, ``tm.massive.dims``, dropped), standardised by the plain per-dimension standard deviation.

@@ -71,7 +71,7 @@ def _bullet(text: str) -> str:
 def facts(samples: Path = HERE) -> dict[str, Any]:
     """What the README says, measured on the stores in ``samples``."""
     from tracediff.compare import compare_stores  # noqa: PLC0415
-    from tracediff.compare.identify import identify_segments  # noqa: PLC0415
+    from tracediff.compare.plan.identify import identify_segments  # noqa: PLC0415
     from tracediff.report.wording import fix_assignment, root_cause_sentence  # noqa: PLC0415
     from tracediff.store import open_store  # noqa: PLC0415
 

@@ -429,7 +429,7 @@ class _ReportSchemaPlugin:
     """Records what compare and identify return in this process, and counts what was validated."""
 
     #: (module, function, schema): the functions every in-process compare / identify goes through.
-    PRODUCERS = (("tracediff.compare.run", "_compare", "compare"), ("tracediff.compare.identify", "_identify", "identify"))
+    PRODUCERS = (("tracediff.compare.run", "_compare", "compare"), ("tracediff.compare.plan.identify", "_identify", "identify"))
 
     def __init__(self) -> None:
         self.patched: dict[tuple[str, str], Any] = {}

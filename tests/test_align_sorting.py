@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from tracediff.compare import argsort
-from tracediff.compare.align import (
+from tracediff.compare.align import argsort
+from tracediff.compare.align.argsort import stable_argsort_with_keys
+from tracediff.compare.align.sequences import (
     SequenceRows,
     _groups,
     _unique_first_counts,
@@ -20,9 +21,8 @@ from tracediff.compare.align import (
     ngram_table,
     stable_argsort,
 )
-from tracediff.compare.argsort import stable_argsort_with_keys
-from tracediff.compare.kernels import vote_kernels
-from tracediff.compare.rows import RowIndex, _sequence_groups, _split_samples
+from tracediff.compare.rows.index import RowIndex, _sequence_groups, _split_samples
+from tracediff.compare.rows.kernels import vote_kernels
 
 keys = st.one_of(
     hnp.arrays(np.int64, st.integers(0, 400), elements=st.integers(-5, 5)),  # many ties
@@ -273,8 +273,8 @@ def test_pairs_without_a_repeated_reference_row_are_the_sorted_pairs(
     """``pair_rows``' mask path (no reference row paired twice) gives the arrays and counts of its
     general path (a sort by reference row, writer group and candidate row, duplicates and replicas
     set aside, then candidate order), on engine-ordered candidates over one or two writer groups."""
-    import tracediff.compare.align as align
-    import tracediff.compare.rowpairs as rowpairs
+    import tracediff.compare.align.rowpairs as rowpairs
+    import tracediff.compare.align.sequences as align
 
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     lengths = [int(rng.integers(8, 40)) for _ in range(sequences)]
@@ -310,7 +310,7 @@ def test_joined_pieces_are_their_concatenation(data: st.DataObject, n: int, dtyp
     """``_joined``: consecutive pieces of one array joined without a copy, any other pieces (gaps,
     overlaps, out of order, of another array, of an array of another width) copied; always their
     concatenation."""
-    from tracediff.compare.align import _joined
+    from tracediff.compare.align.sequences import _joined
 
     base = np.arange(n, dtype=dtype) * 3 - 7
     cuts = sorted(data.draw(st.lists(st.integers(0, n), max_size=6)))
@@ -340,7 +340,7 @@ def test_ngram_hashes_a_piece_at_a_time_are_every_windows_hash(data: st.DataObje
     """``_ngram_hashes`` hashes windows a piece at a time and moves the windows that count to the
     front of its own arrays in place: the hashes, starts and sequences of the windows of ``ngram``
     consecutive positions with known tokens inside one sequence, in window order, as defined."""
-    import tracediff.compare.align as align
+    import tracediff.compare.align.sequences as align
 
     tokens = data.draw(hnp.arrays(np.int32, n, elements=st.integers(-1, 4)))
     positions = np.cumsum(data.draw(hnp.arrays(np.int32, n, elements=st.integers(1, 2)))).astype(np.int32)
@@ -369,9 +369,9 @@ def test_a_reference_prefix_is_found_the_same_once_the_candidate_rows_are_let_go
     sequence's first position, finds the same prefixes; the rows themselves are gone."""
     import pytest
 
-    from tracediff.compare.align import align_sequences
-    from tracediff.compare.findings import _reference_prefix
-    from tracediff.compare.rowpairs import pair_rows
+    from tracediff.compare.align.rowpairs import pair_rows
+    from tracediff.compare.align.sequences import align_sequences
+    from tracediff.compare.findings.build import _reference_prefix
 
     rng = np.random.default_rng(11)
     lengths, cut = [30, 41, 25], [3, 3, 5]
@@ -419,8 +419,8 @@ def test_sequences_paired_together_are_paired_as_one_by_one(
     (several hypotheses), references with gaps (those sequences stay on the loop), rows in order (a
     trainer's spans) or shuffled, compact or int64 positions, with or without tokens; in one batch or
     in many run on threads (their notes merged in order)."""
-    import tracediff.compare.align as align
-    from tracediff.compare.rowpairs import pair_rows
+    import tracediff.compare.align.sequences as align
+    from tracediff.compare.align.rowpairs import pair_rows
 
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     base = (1 << 40) if wide else 0
@@ -474,7 +474,7 @@ def test_sequences_paired_together_are_paired_as_one_by_one(
         shuffle = rng.permutation(len(cand))
         cand.group, cand.position, cand.token_id = cand.group[shuffle], cand.position[shuffle], cand.token_id[shuffle]
     alignment = align.align_sequences(ref, cand)
-    import tracediff.compare.rowpairs as rowpairs
+    import tracediff.compare.align.rowpairs as rowpairs
 
     default = rowpairs._BATCH_ROWS
     for batch_rows in (default, int(rng.integers(1, 24))):  # few rows a batch: many, paired on the pool's threads
@@ -488,8 +488,8 @@ def test_sequences_paired_together_are_paired_as_one_by_one(
 
 def test_the_samples_pairs_are_the_same_paired_together_or_one_by_one() -> None:
     """The shipped samples (a trainer against a server, and the reverse): the same pairs either way."""
-    from tracediff.compare.align import align_sequences
-    from tracediff.compare.rowpairs import pair_rows
+    from tracediff.compare.align.rowpairs import pair_rows
+    from tracediff.compare.align.sequences import align_sequences
     from tracediff.store import open_store
 
     for a, b in (("train", "server_broken"), ("server_fixed", "train")):

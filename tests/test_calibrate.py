@@ -12,7 +12,12 @@ import pytest
 import torch
 
 import tracediff
-from tracediff.compare.noise import CALIBRATION_TAP, decide_compute_dtype, neighbour_distances, recorded_compute_dtype
+from tracediff.compare.plan.noise import (
+    CALIBRATION_TAP,
+    decide_compute_dtype,
+    neighbour_distances,
+    recorded_compute_dtype,
+)
 from tracediff.testing.models import build_tiny_model, server_model
 from tracediff.testing.pipelines import run_trainer
 from tracediff.testing.tiny_llama import DraftHead, layer_states, make_sequences

@@ -30,11 +30,11 @@ from wide_traces import write_wide_traces  # noqa: E402
 
 import tracediff  # noqa: E402
 from tracediff.compare import CompareOptions, compare_stores  # noqa: E402
-from tracediff.compare.align import align_sequences  # noqa: E402
-from tracediff.compare.cluster import DaskRunner, parse_dask_target  # noqa: E402
-from tracediff.compare.rowpairs import pair_rows  # noqa: E402
-from tracediff.compare.rows import RowIndex  # noqa: E402
-from tracediff.compare.stream import stream_metrics  # noqa: E402
+from tracediff.compare.align.rowpairs import pair_rows  # noqa: E402
+from tracediff.compare.align.sequences import align_sequences  # noqa: E402
+from tracediff.compare.rows.index import RowIndex  # noqa: E402
+from tracediff.compare.stream.cluster import DaskRunner, parse_dask_target  # noqa: E402
+from tracediff.compare.stream.one_pass import stream_metrics  # noqa: E402
 from tracediff.errors import CompareError, UsageError  # noqa: E402
 from tracediff.store import open_store  # noqa: E402
 from tracediff.testing.stores import write_small_store  # noqa: E402

@@ -25,7 +25,7 @@ import cloudpickle  # noqa: E402  (a dependency of distributed)
 from object_store import ObjectStore, object_store  # noqa: E402
 
 from tracediff.compare import CompareOptions, compare_stores  # noqa: E402
-from tracediff.compare.cluster import DaskRunner  # noqa: E402
+from tracediff.compare.stream.cluster import DaskRunner  # noqa: E402
 from tracediff.store.push import push_store  # noqa: E402
 from tracediff.testing.stores import write_small_store  # noqa: E402
 
@@ -101,7 +101,7 @@ def _held_by_worker() -> dict[str, int]:
 
     import s3fs  # noqa: PLC0415
 
-    from tracediff.compare.gather import ChunkReader  # noqa: PLC0415
+    from tracediff.compare.rows.gather import ChunkReader  # noqa: PLC0415
     from tracediff.store import TraceStream  # noqa: PLC0415
 
     live = gc.get_objects()

@@ -191,7 +191,7 @@ def test_next_tokens_compared_a_few_pairs_at_a_time_give_the_same_pairing(traces
     """The next-token check reads the pairs a piece at a time (issue #27: no whole gathered columns):
     pieces of 7 pairs, across every sequence and step boundary, give the whole check's counts,
     examples and pattern."""
-    import tracediff.compare.pairing as pairing_module
+    import tracediff.compare.align.pairing as pairing_module
 
     whole = compare_stores(traces["ref"], traces[candidate])
     monkeypatch.setattr(pairing_module, "_PAIRING_PIECE", 7)

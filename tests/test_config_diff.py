@@ -12,8 +12,8 @@ from deepdiff import DeepDiff
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracediff.compare.metadata import AUX_KEYS, VOLATILE_KEYS, config_diff
-from tracediff.compare.plan import collect_meta
+from tracediff.compare.plan.decide import collect_meta
+from tracediff.compare.plan.metadata import AUX_KEYS, VOLATILE_KEYS, config_diff
 from tracediff.store import open_store
 
 KEYS = st.sampled_from(["model", "dtype", "server_args", "ids", "pid", "host", "a", "b", "seq_len", "started"])

@@ -13,7 +13,7 @@ from tracediff.adapters.conventions import (
     from_physical,
     to_physical,
 )
-from tracediff.compare.metadata import config_diff, side_aux_layers
+from tracediff.compare.plan.metadata import config_diff, side_aux_layers
 
 L = 32
 

@@ -1,5 +1,5 @@
 """Never confidently wrong: a compare whose evidence is incomplete says "cannot tell: record X" in
-its first lines instead of naming a root cause (tracediff/compare/evidence.py).
+its first lines instead of naming a root cause (tracediff/compare/findings/evidence.py).
 
 Each case is recorded as a new user records it: `tracediff record -- python script.py` subprocesses
 on real transformers models (a shallow Llama, a deep Qwen2), scripts that do not import tracediff,

@@ -33,11 +33,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tracediff.compare import CompareOptions, compare_stores
-from tracediff.compare.align import align_sequences
-from tracediff.compare.identify import identify_segments
-from tracediff.compare.pairing import check_token_pairing
-from tracediff.compare.rowpairs import pair_rows
-from tracediff.compare.rows import COMPACT_BOUND, RowIndex
+from tracediff.compare.align.pairing import check_token_pairing
+from tracediff.compare.align.rowpairs import pair_rows
+from tracediff.compare.align.sequences import align_sequences
+from tracediff.compare.plan.identify import identify_segments
+from tracediff.compare.rows.index import COMPACT_BOUND, RowIndex
 from tracediff.describe import describe_store
 from tracediff.errors import TracediffError
 from tracediff.store import ChunkFiles, TraceStore, fused_reads, open_store

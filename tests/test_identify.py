@@ -17,7 +17,7 @@ from conftest import invoke_tracediff
 
 import tracediff
 from tracediff.adapters import hf
-from tracediff.compare.identify import identify_segments, render_identification
+from tracediff.compare.plan.identify import identify_segments, render_identification
 from tracediff.demo import default_samples_dir
 from tracediff.testing.pipelines import run_engine, run_trainer
 from tracediff.testing.tiny_llama import DraftHead, build_tiny_llama, layer_states, make_sequences

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tracediff.compare import compare_stores
-from tracediff.compare.kernels import fused_kernel, fused_row_stats
+from tracediff.compare.rows.kernels import fused_kernel, fused_row_stats
 
 
 def test_the_fused_kernel_is_available():
@@ -131,7 +131,7 @@ def test_compiled_closed_forms_are_numpys_bit_for_bit(pairs):
     """The pass's per-row metrics from the norms: the compiled loop and numpy's expressions (the pass
     without numba) give the same bits, sums included (their summation order is numpy's), on ordinary
     rows and on rows whose norms are tiny, huge, zero, NaN or Inf."""
-    from tracediff.compare.kernels import numpy_closed_forms
+    from tracediff.compare.rows.kernels import numpy_closed_forms
 
     rng = np.random.default_rng(pairs)
     m, block, k = 1000, 1024, 3
@@ -171,7 +171,7 @@ _COLD_CACHE_SCRIPT = r'''
 import json, sys
 import numpy as np
 from tracediff.compare import compare_stores
-from tracediff.compare import fused, fused_votes
+from tracediff.compare.rows import fused, fused_votes
 from tracediff.store import TraceWriter, create_store, decode_values, open_store
 
 # A float32 copy of the shipped training trace: a pass over float32 rows against bf16 ones.
@@ -221,14 +221,14 @@ def test_a_child_that_cannot_compile_leaves_the_compile_to_this_process(monkeypa
     import logging
     import types
 
-    from tracediff.compare import kernels
+    from tracediff.compare.rows import kernels
 
     caplog.set_level(logging.INFO, logger="tracediff")
     kernels._compile_elsewhere(types.SimpleNamespace(__name__="tracediff.compare.no_such_kernels"))
     assert "compiling tracediff.compare.no_such_kernels in a child process failed (ModuleNotFoundError" in caplog.text
     monkeypatch.setattr(kernels.sys, "executable", "/nonexistent/python3")
-    kernels._compile_elsewhere(types.SimpleNamespace(__name__="tracediff.compare.fused"))
-    assert "could not compile tracediff.compare.fused in a child process" in caplog.text
+    kernels._compile_elsewhere(types.SimpleNamespace(__name__="tracediff.compare.rows.fused"))
+    assert "could not compile tracediff.compare.rows.fused in a child process" in caplog.text
 
 
 def test_a_child_that_compiles_nothing_the_cache_keeps_is_a_warning(tmp_path, monkeypatch, caplog):
@@ -238,7 +238,7 @@ def test_a_child_that_compiles_nothing_the_cache_keeps_is_a_warning(tmp_path, mo
     import logging
     import sys
 
-    from tracediff.compare import kernels
+    from tracediff.compare.rows import kernels
 
     (tmp_path / "tdwarm_probe.py").write_text(
         "import numba\n\n@numba.njit(cache=True)\ndef one(x):\n    return x + 1\n\n"
@@ -257,12 +257,12 @@ def test_a_child_that_compiles_nothing_the_cache_keeps_is_a_warning(tmp_path, mo
 
 _PRELOAD_SCRIPT = r'''
 import json, threading
-from tracediff.compare import kernels
+from tracediff.compare.rows import kernels
 kernels.preload_fused_kernel("bfloat16", "float32")
 for t in threading.enumerate():
     if t.name == "tracediff-kernel-load":
         t.join()
-from tracediff.compare import fused
+from tracediff.compare.rows import fused
 print(json.dumps({"kernel": [[str(a) for a in sig[:2]] for sig in fused.kernel.signatures],
                   "closed_forms": len(fused.closed_forms.signatures)}))
 '''
@@ -286,10 +286,13 @@ def test_the_pass_kernel_is_loaded_ahead_for_its_stored_dtypes_only():
 
 _LOAD_ORDER_SCRIPT = r'''
 import json, sys, threading
-from tracediff.compare import CompareOptions, align, compare_stores, kernels, plan
+from tracediff.compare import CompareOptions, compare_stores
+from tracediff.compare.align import sequences
+from tracediff.compare.plan import decide
+from tracediff.compare.rows import kernels
 
 events = []
-real_reads = plan.plan_reads_compiled
+real_reads = decide.plan_reads_compiled
 
 
 def reads_compiled():
@@ -298,16 +301,16 @@ def reads_compiled():
     return got
 
 
-plan.plan_reads_compiled = reads_compiled
+decide.plan_reads_compiled = reads_compiled
 real_load = kernels._load_fused
 kernels._load_fused = lambda *a: events.append(f"load on {threading.current_thread().name}") or real_load(*a)
 # (TRACEDIFF_KERNEL=fused makes the alignment count its votes by the compiled kernel too, which would
 # set numba up before the pass's kernel: small stores' alignments count them in numpy.)
-align.use_vote_kernel = lambda rows: False
+sequences.use_vote_kernel = lambda rows: False
 if sys.argv[1] == "votes-first":
     kernels.vote_kernels()  # (numba set up already: the pass's kernel loads beside the plan)
 elif sys.argv[1] == "python-reads":
-    plan.plan_reads_compiled = lambda: events.append("python read") or False
+    decide.plan_reads_compiled = lambda: events.append("python read") or False
 elif sys.argv[1] == "cold-cache":  # numba's cache taken as empty: a child would compile first (not run here)
     kernels._cold = lambda module: True
     kernels._compile_elsewhere = lambda module: events.append(
@@ -368,7 +371,7 @@ def test_a_first_load_of_the_kernels_comes_before_the_plan_which_then_reads_by_t
     events = cold["events"]
     assert events.index("loading compiled kernels (not loaded)") < events.index("load on tracediff-kernel-load")
     assert "load on MainThread" not in events, events
-    assert "compile tracediff.compare.fused on tracediff-kernel-load" in events, events
+    assert "compile tracediff.compare.rows.fused on tracediff-kernel-load" in events, events
 
     python = _load_order("python-reads")
     assert {e for e in python["events"] if e.endswith(" read")} == {"python read"}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tracediff.compare import compare_stores
-from tracediff.compare.rows import RowIndex
+from tracediff.compare.rows.index import RowIndex
 from tracediff.compare.run import _load_indexes
 from tracediff.errors import CorruptStoreError
 from tracediff.store import DEFAULT_LABEL_CHUNK_ROWS, TraceStore, TraceWriter, create_store

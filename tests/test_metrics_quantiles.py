@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from tracediff.compare.metrics import Accumulator, _order_statistics, _quantiles, reduce_block
+from tracediff.compare.stream.metrics import Accumulator, _order_statistics, _quantiles, reduce_block
 
 QS = (0.0, 0.01, 0.25, 0.5, 0.75, 0.99, 1.0)
 
@@ -116,11 +116,11 @@ def test_finish_metrics_from_file_or_memory_columns_gives_the_defined_metrics(co
     order), as many as rows with a finite cosine, whatever the piece of rows ranked at a time."""
     import functools
 
-    import tracediff.compare.metrics as metrics_module
-    from tracediff.compare.metrics import finish_metrics
-    from tracediff.compare.rowcolumns import COLUMNS, STD_ERROR, RowColumns
-    from tracediff.compare.rowpairs import RowPairs
-    from tracediff.compare.rows import RowIndex
+    import tracediff.compare.stream.metrics as metrics_module
+    from tracediff.compare.align.rowpairs import RowPairs
+    from tracediff.compare.rows.index import RowIndex
+    from tracediff.compare.stream.metrics import finish_metrics
+    from tracediff.compare.stream.rowcolumns import COLUMNS, STD_ERROR, RowColumns
 
     cos, ratio, num = columns
     n = cos.size
@@ -196,10 +196,10 @@ def test_finishing_pairs_a_column_at_a_time_on_threads_gives_one_threads_metrics
     """The pass's last step (metrics.finish_pairs) on two threads, a column of a pair a task, makes
     the same metrics and per-row errors, bit for bit, as finish_metrics one pair after another: on
     the shipped samples (bf16, engine order), the per-row columns in memory or in the spill file."""
-    from tracediff.compare import metrics, rowcolumns, stream  # noqa: PLC0415
-    from tracediff.compare.align import align_sequences  # noqa: PLC0415
-    from tracediff.compare.rowpairs import pair_rows  # noqa: PLC0415
-    from tracediff.compare.rows import RowIndex  # noqa: PLC0415
+    from tracediff.compare.align.rowpairs import pair_rows  # noqa: PLC0415
+    from tracediff.compare.align.sequences import align_sequences  # noqa: PLC0415
+    from tracediff.compare.rows.index import RowIndex  # noqa: PLC0415
+    from tracediff.compare.stream import metrics, one_pass, rowcolumns  # noqa: PLC0415
     from tracediff.store import open_store  # noqa: PLC0415
 
     if spilled:
@@ -216,11 +216,11 @@ def test_finishing_pairs_a_column_at_a_time_on_threads_gives_one_threads_metrics
         calls.append(args[-1])
         return finish(jobs, *args)
 
-    monkeypatch.setattr(stream, "finish_pairs", counted)
+    monkeypatch.setattr(one_pass, "finish_pairs", counted)
     results = []
     for cpus in (1, 2):
-        monkeypatch.setattr(stream, "usable_cpus", lambda cpus=cpus: cpus)
-        results.append(stream.stream_metrics(pairs, ref, cand, matches, 64, workers=1))
+        monkeypatch.setattr(one_pass, "usable_cpus", lambda cpus=cpus: cpus)
+        results.append(one_pass.stream_metrics(pairs, ref, cand, matches, 64, workers=1))
     assert calls == [1, 2] and len(pairs) > 100
     one, two = results
     as_json = lambda ms: json.dumps([dataclasses.asdict(m) for m in ms], default=str)  # noqa: E731  (NaN == NaN here)

@@ -1,6 +1,6 @@
 """Wide rows read and measured a part at a time (issue #27): the streaming pass reads each block's
 rows of at least 4 KiB a side in parts the cache holds and measures each part while it is there
-(tracediff/compare/fused.py ``read_and_measure``), instead of reading the block whole and measuring
+(tracediff/compare/rows/fused.py ``read_and_measure``), instead of reading the block whole and measuring
 it afterwards. The numbers must be the whole block's, bit for bit, on every path a block can take:
 runs of rows cut by the parts, rows of several writer streams, non-finite rows and rows of extreme
 norms (which read the block whole after all), blocks whose rows span more chunk files than a reader
@@ -21,9 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from wide_traces import bf16, write_wide_traces
 
-import tracediff.compare.blocks as blocks
+import tracediff.compare.stream.blocks as blocks
 from tracediff.compare import CompareOptions, compare_stores
-from tracediff.compare.kernels import fused_kernel
+from tracediff.compare.rows.kernels import fused_kernel
 from tracediff.errors import StoreError
 from tracediff.store import fused_reads
 

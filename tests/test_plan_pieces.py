@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tracediff.compare.plan as plan
-import tracediff.compare.segments as segments
+import tracediff.compare.plan.decide as plan
+import tracediff.compare.plan.segments as segments
 import tracediff.store.stream as store_stream
-from tracediff.compare.rows import RowIndex
+from tracediff.compare.rows.index import RowIndex
 from tracediff.store import TraceWriter, create_store, open_store
 
 

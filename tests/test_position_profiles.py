@@ -72,7 +72,7 @@ def test_matched_pairs_carry_the_decision_metric_by_position_and_the_verdicts_th
     assert report.metrics
     for m in report.metrics:
         assert m.numerics_budget == pytest.approx(report.plan.numerics_budgets[m.reference])
-        # The limit is the noise model's (tracediff.compare.noise), never below the budget.
+        # The limit is the noise model's (tracediff.compare.plan.noise), never below the budget.
         assert m.drift_limit == pytest.approx(report.plan.drift_limits[m.reference])
         assert m.drift_limit >= m.numerics_budget
         assert m.noise_source in ("assumed", "calibrated") and m.limit_source
@@ -124,7 +124,7 @@ def test_position_buckets_a_few_rows_at_a_time_equal_the_whole(monkeypatch: pyte
     """PositionBuckets.of buckets the pairs' positions a few rows at a time (issue #27: no whole
     gathered or float64 copy): the same edges and buckets as the whole column at once, negative
     positions and huge ones too."""
-    import tracediff.compare.metrics as metrics_module
+    import tracediff.compare.stream.metrics as metrics_module
 
     monkeypatch.setattr(metrics_module, "_BUCKET_ROWS", rows_at_a_time)
     rng = np.random.default_rng(rows_at_a_time)
@@ -148,8 +148,8 @@ def test_position_bucket_sums_are_bincounts_bits(compiled: bool, data: st.DataOb
     of mixed signs, Inf, some rows left out; NaN where bincount's is NaN (the callers keep finite
     rows only). Without the compiled kernels, and in a process where a pass has loaded them (float32
     values then take the compiled loop)."""
-    import tracediff.compare.metrics as metrics_module
-    from tracediff.compare.kernels import fused_kernel
+    import tracediff.compare.stream.metrics as metrics_module
+    from tracediff.compare.rows.kernels import fused_kernel
 
     index = data.draw(hnp.arrays(np.int16, n, elements=st.integers(0, count - 1)))
     values = data.draw(hnp.arrays(dtype, n, elements=st.floats(width=32)))
@@ -178,7 +178,7 @@ def test_position_bucket_sums_are_bincounts_bits(compiled: bool, data: st.DataOb
 def test_position_bucket_sums_outside_the_buckets_are_never_compiled() -> None:
     """The compiled loop does not check its buckets: an index outside ``0..count - 1`` (or of another
     type, or strided) takes numpy's path, which refuses it as it always did."""
-    import tracediff.compare.metrics as metrics_module
+    import tracediff.compare.stream.metrics as metrics_module
 
     index = np.array([0, 1, 2], dtype=np.int16)
     values, keep = np.ones(3, dtype=np.float32), np.ones(3, dtype=bool)
@@ -197,8 +197,8 @@ def test_position_bucket_sums_of_nan_and_inf(compiled: bool) -> None:
     Inf; the others are untouched, with or without the compiled loop, and without numpy's warnings."""
     import warnings
 
-    import tracediff.compare.metrics as metrics_module
-    from tracediff.compare.kernels import fused_kernel
+    import tracediff.compare.stream.metrics as metrics_module
+    from tracediff.compare.rows.kernels import fused_kernel
 
     loaded = fused_kernel() if compiled else None
     index = np.array([0, 0, 1, 1, 2, 3], dtype=np.int16)

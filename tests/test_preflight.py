@@ -553,7 +553,7 @@ def test_compares_fix_uses_the_rule_the_recording_stored_for_a_deepseek_target()
     target recorded rule sglang.deepseek_first_id_one: the Fix box says [0, 3, 31] (0.5.23 reads ids
     raw), as preflight does, not the Llama numbering's [-1, 2, 30]."""
     from tracediff.adapters.engine_rules import recorded_rule  # noqa: PLC0415
-    from tracediff.compare.remedy import propose_fix  # noqa: PLC0415
+    from tracediff.compare.findings.remedy import propose_fix  # noqa: PLC0415
 
     ref = _aux([0, 3, 31], [0, 3, 31], "hf", "speculators")
     cand = _aux([2, 30, 58], [2, 30, 58], "sglang_deepseek", "sglang")
@@ -573,7 +573,7 @@ def test_compares_fix_says_when_sglangs_deepseek_path_cannot_take_the_layers() -
     """Layers starting at layer 1's input: raw ids would start with 1, which SGLang's DeepSeek path
     reads +1: no config value; the Fix box says so instead of proposing [1, ...]."""
     from tracediff.adapters.engine_rules import rule_named  # noqa: PLC0415
-    from tracediff.compare.remedy import propose_fix  # noqa: PLC0415
+    from tracediff.compare.findings.remedy import propose_fix  # noqa: PLC0415
 
     ref = _aux([1, 30, 58], [1, 30, 58], "hf", "speculators")
     cand = _aux([2, 30, 58], [2, 30, 58], "sglang_deepseek", "sglang")

@@ -96,7 +96,7 @@ def test_a_banks_names_are_the_root_cause_and_the_fix_says_what_the_candidate_fe
     import sys
     from pathlib import Path
 
-    from tracediff.compare.plan import CompareOptions
+    from tracediff.compare.plan.decide import CompareOptions
     from tracediff.report.text import render_text
     from tracediff.testing.pipelines import run_engine
     from tracediff.testing.tiny_llama import build_tiny_llama, make_sequences
@@ -127,7 +127,7 @@ def test_a_side_split_across_stores_gives_the_plan_of_one_store(tmp_path):
     """The same candidate rows in one store, and in two stores of half each (written in another
     order): the plan samples the same rows in the same order, so every number it decides on is
     identical; the streaming pass's float32 means agree to their precision."""
-    from tracediff.compare.plan import CompareOptions
+    from tracediff.compare.plan.decide import CompareOptions
 
     states = _sink_states(seqs=16, length=30)
     tokens = np.random.default_rng(1).integers(0, 1000, states.shape[:2])

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tracediff.compare.rows import COMPACT_BOUND, RowIndex
+from tracediff.compare.rows.index import COMPACT_BOUND, RowIndex
 from tracediff.errors import UsageError
 from tracediff.store import TraceWriter, create_store, open_store
 
@@ -91,8 +91,8 @@ def test_group_ids_are_int16_up_to_32767_sequences_and_pair_the_same_either_side
     """Sequence group ids are int16 up to 32,767 sequences (2 bytes a row) and int32 past it; either
     way the alignment finds every sequence and pairs every row with its own (a trace against itself,
     one side in engine order)."""
-    from tracediff.compare.align import align_sequences
-    from tracediff.compare.rowpairs import pair_rows
+    from tracediff.compare.align.rowpairs import pair_rows
+    from tracediff.compare.align.sequences import align_sequences
 
     n = sequences * 5
     rows = np.arange(n, dtype=np.int64)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from subset_traces import record_subset_traces
 
-import tracediff.compare.gather as gather
-import tracediff.compare.rowcolumns as rowcolumns
+import tracediff.compare.rows.gather as gather
+import tracediff.compare.stream.rowcolumns as rowcolumns
 from tracediff.compare import compare_stores
-from tracediff.compare.rowcolumns import COSINE, STD_ERROR, RowColumns
+from tracediff.compare.stream.rowcolumns import COSINE, STD_ERROR, RowColumns
 from tracediff.demo import default_samples_dir
 
 SAMPLES = default_samples_dir()

@@ -100,7 +100,7 @@ def test_a_non_editable_install_ships_the_schemas(tmp_path: Path) -> None:
 
 
 def test_the_vocabularies_cover_the_code() -> None:
-    from tracediff.compare.transforms import KINDS  # noqa: PLC0415
+    from tracediff.compare.plan.transforms import KINDS  # noqa: PLC0415
 
     defs = load_schema("compare")["$defs"]
 

@@ -78,7 +78,7 @@ def test_record_warnings_name_the_flags_to_add() -> None:
 
 def test_the_fix_names_a_cross_engine_numbering_mixup() -> None:
     from tracediff.adapters.conventions import CONVENTIONS, AuxLayers, to_physical
-    from tracediff.compare.remedy import propose_fix
+    from tracediff.compare.findings.remedy import propose_fix
 
     ref = AuxLayers([2, 4, 5], "aux_layers", "capture", [2, 4, 5])
     cand = AuxLayers([1, 3, 4], "aux_layers", "vllm", to_physical([1, 3, 4], CONVENTIONS["vllm"]), framework="vllm")

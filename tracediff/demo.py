@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tracediff.compare import CompareOptions, compare_stores
-from tracediff.compare.identify import Identification, identify_segments, render_identification
+from tracediff.compare.plan.identify import Identification, identify_segments, render_identification
 from tracediff.compare.results import Report
 from tracediff.errors import ReportWriteError, UsageError
 from tracediff.report import write_json, write_report

@@ -68,7 +68,7 @@ class Finding:
 @dataclass
 class Precondition:
     """What one kind of conclusion needs, and whether this compare has it
-    (:mod:`tracediff.compare.evidence`).
+    (:mod:`tracediff.compare.findings.evidence`).
 
     ``status``: ``met`` (recorded), ``supported`` (not recorded, but the data agree with what was
     assumed: the conclusions stand, with a warning), ``unmet`` (the conclusions in ``needed_by`` are
@@ -176,7 +176,7 @@ class SegmentMetrics:
     # data (segment_value). Also plan.numerics_budgets[reference], plan.noise[reference].
     numerics_budget: float = float("nan")
     drift_limit: float = float("nan")
-    # The noise model behind them (tracediff.compare.noise): where the expected drift came from (calibrated |
+    # The noise model behind them (tracediff.compare.plan.noise): where the expected drift came from (calibrated |
     # assumed), its size, what set the limit (neighbour | consistency | assumed), the estimated
     # distance to a neighbouring layer (NaN: not estimated).
     noise_source: str = ""
@@ -247,9 +247,9 @@ class Plan:
     compute_dtype: str = ""  # the coarser dtype, whose rounding bounds the compute noise
     reference_segment_size: int = 0
     candidate_segment_size: int = 0
-    token_pairing: dict[str, Any] = field(default_factory=dict)  # next-token agreement (tracediff.compare.pairing)
+    token_pairing: dict[str, Any] = field(default_factory=dict)  # next-token agreement (tracediff.compare.align.pairing)
     candidate_rows_replica: int = 0  # pairs whose reference row another candidate writer group pairs too
-    # The noise model (tracediff.compare.noise): per reference segment its drift, budget, limit and their
+    # The noise model (tracediff.compare.plan.noise): per reference segment its drift, budget, limit and their
     # sources (SegmentNoise.to_dict()); how the compute dtype was decided; the calibration rows used.
     noise: list[dict[str, Any]] = field(default_factory=list)
     compute: dict[str, Any] = field(default_factory=dict)
@@ -275,14 +275,14 @@ class Report:
     replay: dict[str, Any] | None = None  # compare --draft / tracediff replay (tracediff.replay.ReplayResult)
     # What differs, per position: each wrong segment against its closest counterpart, each subset's groups.
     position_profiles: list[SegmentProfile] = field(default_factory=list)
-    # The Fix box (tracediff.compare.remedy.attach_next_steps): the config field and value in the candidate engine's
+    # The Fix box (tracediff.compare.findings.remedy.attach_next_steps): the config field and value in the candidate engine's
     # numbering, or why no config value can fix it, and the commands to record again and compare; None
     # when no fix is known.
     fix: dict[str, Any] | None = None
     # The "what to record next" box: why this report cannot decide, and what to record so that the
     # next one can (calibration rows, a bank, the aux-layer ids); None when nothing is missing.
     record_next: dict[str, Any] | None = None
-    # What each kind of conclusion needed and whether this compare had it (tracediff.compare.evidence);
+    # What each kind of conclusion needed and whether this compare had it (tracediff.compare.findings.evidence);
     # an unmet one withholds the conclusions that need it (verdict cannot_tell).
     preconditions: list[Precondition] = field(default_factory=list)
 

@@ -17,16 +17,20 @@ import numpy as np
 
 from tracediff import __version__
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
-from tracediff.compare.align import align_sequences
-from tracediff.compare.evidence import apply_preconditions, gather_evidence, pairing_of_rows, preconditions
-from tracediff.compare.findings import build_findings
-from tracediff.compare.gather import in_parallel
-from tracediff.compare.kernels import prepare_kernel
-from tracediff.compare.metadata import aux_config, config_diff, num_layers, side_aux_layers
-from tracediff.compare.metrics import StreamResult, with_subset_profiles
-from tracediff.compare.noise import CALIBRATION_TAP, CalibrationRows, canonical_dtype, decide_compute_dtype
-from tracediff.compare.pairing import check_token_pairing
-from tracediff.compare.plan import (
+from tracediff.compare.align.pairing import check_token_pairing
+from tracediff.compare.align.rowpairs import RowPairs, content_keys, pair_rows
+from tracediff.compare.align.sequences import align_sequences
+from tracediff.compare.findings.build import build_findings
+from tracediff.compare.findings.evidence import apply_preconditions, gather_evidence, pairing_of_rows, preconditions
+from tracediff.compare.findings.remedy import attach_next_steps
+from tracediff.compare.findings.subsets import (
+    agreeing_rows_tell_nothing,
+    describe_subset,
+    find_subset,
+    might_hold_subset,
+    subset_labels,
+)
+from tracediff.compare.plan.decide import (
     CompareOptions,
     SegmentPlan,
     collect_meta,
@@ -42,20 +46,16 @@ from tracediff.compare.plan import (
     stream_layout,
     tap_summary,
 )
-from tracediff.compare.remedy import attach_next_steps
+from tracediff.compare.plan.metadata import aux_config, config_diff, num_layers, side_aux_layers
+from tracediff.compare.plan.noise import CALIBRATION_TAP, CalibrationRows, canonical_dtype, decide_compute_dtype
+from tracediff.compare.plan.segments import SegmentDecision, segment_scales
+from tracediff.compare.plan.sides import recorded_by, same_recording_of, store_set_notes, swapped_roles
 from tracediff.compare.results import Finding, Plan, Report, SegmentMatch, Side
-from tracediff.compare.rowpairs import RowPairs, content_keys, pair_rows
-from tracediff.compare.rows import RowIndex, stream_names
-from tracediff.compare.segments import SegmentDecision, segment_scales
-from tracediff.compare.sides import recorded_by, same_recording_of, store_set_notes, swapped_roles
-from tracediff.compare.stream import stream_metrics
-from tracediff.compare.subsets import (
-    agreeing_rows_tell_nothing,
-    describe_subset,
-    find_subset,
-    might_hold_subset,
-    subset_labels,
-)
+from tracediff.compare.rows.gather import in_parallel
+from tracediff.compare.rows.index import RowIndex, stream_names
+from tracediff.compare.rows.kernels import prepare_kernel
+from tracediff.compare.stream.metrics import StreamResult, with_subset_profiles
+from tracediff.compare.stream.one_pass import stream_metrics
 from tracediff.drafts import recorded_d2t_problems
 from tracediff.errors import CompareError, UsageError
 from tracediff.store import TraceStore
@@ -488,7 +488,7 @@ def _calibration_rows(store: Side_, tap: str, index: RowIndex, width: int, compu
 
 def _identify_with_bank(ref_store: TraceStore, cand_store: TraceStore, report: Report, opts: CompareOptions) -> Any:
     """Both sides' segments named against the bank (``compare --bank``)."""
-    from tracediff.compare.identify import identify_segments  # noqa: PLC0415
+    from tracediff.compare.plan.identify import identify_segments  # noqa: PLC0415
 
     size = report.plan.segment_size
     ref_id = identify_segments(ref_store.path, opts.bank or "", tap=report.plan.tap_reference, segment_size=size)

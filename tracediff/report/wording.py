@@ -296,12 +296,12 @@ def _noise_text(p: Any) -> str:
 def config_diff_items(report: Report) -> list[tuple[str, str, str, str]]:
     """Config differences as (field, change, reference value, candidate value), one field a row: the
     physical layers first (when a side knows them and they differ), then each entry walked down to
-    the fields that differ (:func:`tracediff.compare.metadata.readable_changes`), never a whole dict.
+    the fields that differ (:func:`tracediff.compare.plan.metadata.readable_changes`), never a whole dict.
 
     Entries are read leniently (``path``/``key``, ``change``/``kind``/``type``,
     ``reference``/``old``, ``candidate``/``new``); keys beyond those are appended to the change.
     """
-    from tracediff.compare.metadata import PHYSICAL_FIELD, readable_changes  # noqa: PLC0415
+    from tracediff.compare.plan.metadata import PHYSICAL_FIELD, readable_changes  # noqa: PLC0415
 
     out = []
     if report.config_diff:

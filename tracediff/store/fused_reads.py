@@ -1,7 +1,7 @@
 """Rows read from uncompressed chunk files by one compiled loop, compiled by numba (see
 :meth:`tracediff.store.stream.TraceStream.read_rows`, which uses it when the
 :class:`~tracediff.store.files.ChunkFiles` it reads through carries it; the streaming pass's readers
-do, through :func:`tracediff.compare.kernels.read_kernel`: importing this module imports numba).
+do, through :func:`tracediff.compare.rows.kernels.read_kernel`: importing this module imports numba).
 
 :func:`read_runs` does what ``read_rows``' Python loop does, run by run: one ``pread`` per run of
 consecutive rows of a chunk file, straight into the output where the run's destinations are
@@ -66,7 +66,7 @@ ENTRY_POINTS = (read_runs,)
 
 def warm() -> None:
     """Compile (or load from numba's cache) :func:`read_runs` for the types ``read_rows`` calls it
-    with, on no runs: run in a child process on a cold cache (:func:`tracediff.compare.fused.warm`)."""
+    with, on no runs: run in a child process on a cold cache (:func:`tracediff.compare.rows.fused.warm`)."""
     empty = np.zeros(0, dtype=np.int64)
     byte = np.zeros(1, dtype=np.uint8)
     read_runs(np.zeros(0, dtype=np.int32), empty, empty, empty, np.zeros(0, dtype=np.bool_), empty, byte, byte, 1)

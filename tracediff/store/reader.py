@@ -47,7 +47,7 @@ _CHUNK_KEY = re.compile(r"^(.*)/c(?:/\d+)+$")
 #: two threads reading light columns at once only hand the GIL to each other (measured at 8 M rows:
 #: the phases of two stores 0.08 s one after the other, 0.17 s at once; the positions, compressed to
 #: a seventh, 0.37 -> 0.22 s at once). Decides only the order in which a compare reads the columns
-#: (:meth:`tracediff.compare.rows.RowIndex.light_labels`), never what is read.
+#: (:meth:`tracediff.compare.rows.index.RowIndex.light_labels`), never what is read.
 LIGHT_LABEL_RATIO = 32
 
 

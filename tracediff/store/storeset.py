@@ -4,7 +4,7 @@ A recording spread over nodes or replicas leaves one store per node; their write
 are the trace. :class:`StoreSet` offers what a compare reads of a store (taps, writer groups, meta)
 over all of them; each writer group keeps its own store, so errors and row references name the store
 a row came from. Rows of one (sequence, position) held by several stores are paired like the rows of
-tensor-parallel ranks: each is compared with the reference (:func:`tracediff.compare.rowpairs.pair_rows`).
+tensor-parallel ranks: each is compared with the reference (:func:`tracediff.compare.align.rowpairs.pair_rows`).
 
 Stores of one side must hold the same layout (format, and per tap width, dtype and segment size):
 anything else is one :class:`tracediff.errors.CompareError` naming both stores.

@@ -39,14 +39,14 @@ def _within(values: np.ndarray, bound: int) -> bool:
 
 def compact_int(values: np.ndarray, bound: int) -> np.ndarray:
     """Integer ``values`` as int32 when every one lies in ``[-bound, bound)``, else as int64 (the same
-    values): the row index's compact label columns (:func:`tracediff.compare.rows.compact`)."""
+    values): the row index's compact label columns (:func:`tracediff.compare.rows.index.compact`)."""
     return values.astype(np.int32 if _within(values, bound) else np.int64, copy=False)
 
 
 class _Column:
     """A label column filled chunk by chunk. With a ``bound``, an integer column is held as int32
     while every value lies in ``[-bound, bound)`` and widened to int64 at the first chunk that holds
-    another (the index's compact columns, :func:`tracediff.compare.rows.compact`, without a whole
+    another (the index's compact columns, :func:`tracediff.compare.rows.index.compact`, without a whole
     int64 copy of the column). Only the first ``committed`` rows count: the last chunk's padding
     never widens the column."""
 
@@ -492,7 +492,7 @@ class TraceStream:
 
     def open_runs(self, first: np.ndarray, lengths: np.ndarray, files: ChunkFiles) -> tuple[np.ndarray, np.ndarray] | None:
         """Runs of consecutive committed rows, run r the ``lengths[r]`` rows from ``first[r]``, each
-        inside one chunk, as a compiled loop reads them (:func:`tracediff.compare.fused.read_and_measure`):
+        inside one chunk, as a compiled loop reads them (:func:`tracediff.compare.rows.fused.read_and_measure`):
         per run the file descriptor of its chunk file (opened through ``files``: open while it is
         asked for no more than ``files.limit`` others) and the run's byte offset in it. None where
         rows are not read straight from plain chunk files in this machine's byte order (the caller

@@ -1,15 +1,15 @@
 """The streaming pass of a compare as dask.distributed tasks: ``compare --dask ADDRESS|local:N``.
 
-The plan and the findings stay on the client. The pass's small inputs (:class:`~tracediff.compare.blocks.PassPlan`:
+The plan and the findings stay on the client. The pass's small inputs (:class:`~tracediff.compare.stream.blocks.PassPlan`:
 segment pairs, scales, profile requests, and where each writer group's rows are) go to every worker
 once; each task then carries a few consecutive blocks of row pairs as
-:class:`~tracediff.compare.blocks.BlockSpec` (per pair, the stream and stored row of each side: never the
+:class:`~tracediff.compare.stream.blocks.BlockSpec` (per pair, the stream and stored row of each side: never the
 whole row index), opens the stores itself by location through :func:`tracediff.store.open_store`,
 reads only those rows and returns the blocks' partial results. The client merges them with the same
 code, in the same block order, as the threaded pass: the report is the same bits.
 
 A worker holds one block of raw rows of both sides (about 16 MiB), the float32 sub-block buffers of
-:mod:`tracediff.compare.blocks`, and the per-row metrics of the task it runs: never the trace. Of stores read
+:mod:`tracediff.compare.stream.blocks`, and the per-row metrics of the task it runs: never the trace. Of stores read
 by whole chunks (compressed, or at a URL) it also caches up to 72 decoded chunks a thread, and a remote
 stream keeps the chunks it read ahead (about 2 x 64 MiB at most). When the compare ends, the client has
 every worker close that compare's stores and its threads' buffers (``_forget``): an idle worker holds
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
-from tracediff.compare.blocks import BlockResult, BlockSpec, BlockWorker, PassPlan
-from tracediff.compare.gather import StreamLocation
+from tracediff.compare.rows.gather import StreamLocation
+from tracediff.compare.stream.blocks import BlockResult, BlockSpec, BlockWorker, PassPlan
 from tracediff.errors import CompareError, StoreError, UsageError, first_line
 from tracediff.store import TraceStore, TraceStream
 from tracediff.store.storeset import open_side
@@ -62,7 +62,7 @@ def parse_dask_target(text: str) -> tuple[str, int | str]:
 
 
 class DaskRunner:
-    """Runs a pass's blocks on a dask.distributed cluster (a :class:`tracediff.compare.stream.BlockRunner`).
+    """Runs a pass's blocks on a dask.distributed cluster (a :class:`tracediff.compare.stream.one_pass.BlockRunner`).
 
     ``target`` is ``local:N`` (a LocalCluster of N single-threaded worker processes on 127.0.0.1,
     no dashboard, started when the pass begins and closed with the runner) or a scheduler address.

@@ -1,7 +1,7 @@
 """Findings about the segments: wiring (order, missing, extra, duplicate) and values (scale, value,
 precision), each resting on the plan's structural decisions, plus the fix in the candidate's words.
 
-A segment pair's relation comes from fitted transforms (:mod:`tracediff.compare.transforms`), never from a
+A segment pair's relation comes from fitted transforms (:mod:`tracediff.compare.plan.transforms`), never from a
 norm ratio alone: a neighbouring layer differs in norm too, and calling it a normalisation would
 send an engineer to the wrong place. Every number a decision used is in the evidence.
 """
@@ -12,13 +12,13 @@ import math
 from typing import Any
 
 from tracediff.adapters.conventions import AuxLayers, engine_of, format_layers
-from tracediff.compare.metadata import is_aux_key, num_layers
-from tracediff.compare.metrics import StreamResult
-from tracediff.compare.noise import ASSUMED_LIMIT_FACTOR, CONSISTENT_FACTOR, OUTLIER_FACTOR
-from tracediff.compare.plan import Relation, SegmentPlan
-from tracediff.compare.remedy import Fix, propose_fix
+from tracediff.compare.findings.remedy import Fix, propose_fix
+from tracediff.compare.plan.decide import Relation, SegmentPlan
+from tracediff.compare.plan.metadata import is_aux_key, num_layers
+from tracediff.compare.plan.noise import ASSUMED_LIMIT_FACTOR, CONSISTENT_FACTOR, OUTLIER_FACTOR
+from tracediff.compare.plan.segments import SegmentDecision
 from tracediff.compare.results import Finding, Report, SegmentMetrics
-from tracediff.compare.segments import SegmentDecision
+from tracediff.compare.stream.metrics import StreamResult
 
 
 def seg_name(label: str | None, index: int | None) -> str:

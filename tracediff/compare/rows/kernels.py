@@ -3,7 +3,7 @@
 For a block of row pairs the pass needs, per row, the norm of every segment of both sides and, per
 matched segment pair, the norm and the largest absolute value of the difference, the norm of the
 difference in units of the reference segment's robust scale, and the norm of the standardised
-reference. The reference implementation (:meth:`tracediff.compare.blocks._Pass.block_metrics`' numpy
+reference. The reference implementation (:meth:`tracediff.compare.stream.blocks._Pass.block_metrics`' numpy
 path) runs about eight eager kernels per pair over float32 copies of the rows: some ten reads and
 six writes of every value. :func:`fused_row_stats` widens each stored value (bf16 bits or float32)
 in registers where its loop reads it, in a compiled loop whose float32 sums LLVM vectorises: the same numbers up to float32
@@ -13,7 +13,7 @@ decisions to the numpy path's).
 Compiled by numba (a registry package; ``nogil``: the pass's block threads run it concurrently,
 each on its own block, so it is serial inside). Without numba, or for other stored dtypes (float16),
 the pass keeps the numpy path. The kernel is pure computation (no I/O, no allocation beyond a flag
-per segment); :func:`tracediff.compare.fused.read_and_measure` runs it on wide rows as it reads them.
+per segment); :func:`tracediff.compare.rows.fused.read_and_measure` runs it on wide rows as it reads them.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tracediff.compare.rows import RowIndex
+from tracediff.compare.rows.index import RowIndex
 from tracediff.store import VALUE_DTYPES
 
 log = logging.getLogger("tracediff")
@@ -42,10 +43,10 @@ _LOCK = threading.Lock()
 
 def _build(name: str) -> Any:
     """A compiled kernel by name (numba compiles it once and caches it on disk next to its module
-    where it can; later processes load it): the pass's fused kernel (:mod:`tracediff.compare.fused`) or
-    the alignment's kernels (the module :mod:`tracediff.compare.fused_votes`)."""
+    where it can; later processes load it): the pass's fused kernel (:mod:`tracediff.compare.rows.fused`) or
+    the alignment's kernels (the module :mod:`tracediff.compare.rows.fused_votes`)."""
     if name == "votes":
-        from tracediff.compare import fused_votes  # noqa: PLC0415
+        from tracediff.compare.rows import fused_votes  # noqa: PLC0415
 
         return fused_votes
     if name == "reads":
@@ -54,13 +55,13 @@ def _build(name: str) -> Any:
         if not fused_reads.usable():
             raise ImportError("the compiled reads need a 64-bit POSIX process")
         return fused_reads
-    from tracediff.compare import fused  # noqa: PLC0415
+    from tracediff.compare.rows import fused  # noqa: PLC0415
 
     return fused
 
 
 def fused_kernel() -> Any:
-    """The pass's compiled kernels (:mod:`tracediff.compare.fused`: ``kernel``, ``closed_forms``), or None
+    """The pass's compiled kernels (:mod:`tracediff.compare.rows.fused`: ``kernel``, ``closed_forms``), or None
     where numba is missing (or ``TRACEDIFF_KERNEL=numpy``; which passes use them at all:
     :func:`use_fused_kernel`)."""
     return _compiled("pass")
@@ -73,7 +74,7 @@ def loaded_fused_kernel() -> Any:
 
 
 def vote_kernels() -> Any:
-    """The alignment's compiled kernels (:mod:`tracediff.compare.fused_votes`: ``batch_votes``), or None
+    """The alignment's compiled kernels (:mod:`tracediff.compare.rows.fused_votes`: ``batch_votes``), or None
     where numba is missing (or ``TRACEDIFF_KERNEL=numpy``)."""
     return _compiled("votes")
 
@@ -124,7 +125,7 @@ def _compile_elsewhere(module: Any) -> None:
         return
     import subprocess  # noqa: PLC0415
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (tracediff's parent)
+    root = str(Path(os.path.abspath(__file__)).parents[3])  # tracediff's parent (this is tracediff/compare/rows/)
     env = dict(os.environ)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     log.info("tracediff: compiling %s once, in a child process (numba's cache is empty here)", module.__name__)
@@ -314,7 +315,7 @@ def numpy_row_stats(c3: np.ndarray, r3: np.ndarray, xc: np.ndarray, xr: np.ndarr
                     d: np.ndarray) -> None:
     """The pass's per-row statistics of a sub-block (float32 rows ``c3`` [b, Kc, H], ``r3`` [b, Kr, H]),
     eager numpy kernels into reused buffers (the reference implementation of
-    :func:`tracediff.compare.kernels.fused_row_stats`): every segment's norm into ``xc`` / ``xr``, and per
+    :func:`tracediff.compare.rows.kernels.fused_row_stats`): every segment's norm into ``xc`` / ``xr``, and per
     pair ``(a, b, dn, mx, sn, sd, mean, inv_scale)`` (views of the two segments and of the outputs)
     the norm and largest |value| of the difference and the norms of the standardised difference and
     reference. ``d``: a [b, H] float32 scratch buffer."""
@@ -338,7 +339,7 @@ def numpy_closed_forms(m: int, xc: np.ndarray, xr: np.ndarray, seg_c: np.ndarray
                        fin_r: np.ndarray, dn: np.ndarray, mx: np.ndarray, sn: np.ndarray, sd: np.ndarray) -> tuple:
     """The pass's per-row metrics of rows ``0..m`` from their norms (``xc`` / ``xr`` [m, k] segment norms,
     ``fin_c`` / ``fin_r`` their finiteness; per pair p ``dn``, ``mx``, ``sn``, ``sd`` [pairs, >= m]), numpy's
-    expressions (the reference of :func:`tracediff.compare.fused.closed_forms`): float64 [m, pairs]
+    expressions (the reference of :func:`tracediff.compare.rows.fused.closed_forms`): float64 [m, pairs]
     cosine, norm ratio, rel_diff, float32 max |diff| (NaN where the norms are not ordinary); per pair
     the squared error and reference norm of ordinary rows and the standardised error and reference
     of finite ones; the squared standardised error per row (NaN where not finite); and the (row,

@@ -14,9 +14,16 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.compare.align import NGRAM, Alignment, SequenceAlignment, SequenceRows, end_positions, kept_in_place
-from tracediff.compare.gather import usable_cpus
-from tracediff.compare.rows import COMPACT_BOUND, index_dtype
+from tracediff.compare.align.sequences import (
+    NGRAM,
+    Alignment,
+    SequenceAlignment,
+    SequenceRows,
+    end_positions,
+    kept_in_place,
+)
+from tracediff.compare.rows.gather import usable_cpus
+from tracediff.compare.rows.index import COMPACT_BOUND, index_dtype
 
 
 @dataclass
@@ -55,7 +62,7 @@ class RowPairs:
 
 def _shifted(positions: np.ndarray, delta: int, offset: int) -> np.ndarray:
     """``positions - delta + offset`` as int64 arithmetic gives it: compact (int32) positions stay
-    int32 when the result fits (:data:`~tracediff.compare.rows.COMPACT_BOUND`), else widen first."""
+    int32 when the result fits (:data:`~tracediff.compare.rows.index.COMPACT_BOUND`), else widen first."""
     if positions.dtype == np.int32 and abs(delta) + abs(offset) <= 2 * COMPACT_BOUND:
         return positions - delta + offset
     return positions.astype(np.int64, copy=False) - delta + offset

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.compare.gather import in_parallel
-from tracediff.compare.rowpairs import RowPairs
-from tracediff.compare.rows import RowIndex
+from tracediff.compare.align.rowpairs import RowPairs
+from tracediff.compare.rows.gather import in_parallel
+from tracediff.compare.rows.index import RowIndex
 from tracediff.store import PHASES
 
 #: A pattern names the mismatched rows when at least this share of them has it.

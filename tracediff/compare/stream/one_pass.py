@@ -1,11 +1,11 @@
 """The streaming pass over aligned rows: every aligned row pair measured once, in blocks
-(:mod:`tracediff.compare.blocks`: the work on one block), on the threads of this process or on a
-cluster (:mod:`tracediff.compare.cluster`), and the pass's metrics made of the blocks' results.
+(:mod:`tracediff.compare.stream.blocks`: the work on one block), on the threads of this process or on a
+cluster (:mod:`tracediff.compare.stream.cluster`), and the pass's metrics made of the blocks' results.
 
 :class:`_Merger` adds the results in block order whatever order they finish in, so threads of this
 process and tasks on a cluster give the same bits. Memory beyond the blocks' own: per-row float32
 arrays of the pass's pairs (in memory, or past a size in a temporary file:
-:mod:`tracediff.compare.rowcolumns`).
+:mod:`tracediff.compare.stream.rowcolumns`).
 """
 
 from __future__ import annotations
@@ -16,28 +16,28 @@ from typing import Protocol
 
 import numpy as np
 
-from tracediff.compare.blocks import BlockResult, BlockSpec, PassPlan, pass_plan, run_blocks
-from tracediff.compare.gather import usable_cpus
-from tracediff.compare.metrics import (
+from tracediff.compare.align.rowpairs import RowPairs
+from tracediff.compare.plan.decide import ProfileRequest
+from tracediff.compare.rows.gather import usable_cpus
+from tracediff.compare.rows.index import RowIndex
+from tracediff.compare.stream.blocks import BlockResult, BlockSpec, PassPlan, pass_plan, run_blocks
+from tracediff.compare.stream.metrics import (
     Accumulator,
     BlockReduction,
     FinishJob,
     PositionBuckets,
-    ProfileRequest,
     StreamResult,
     finish_pairs,
     profile_of,
     reduce_block,
 )
-from tracediff.compare.rowcolumns import COLUMNS, COSINE, NORM_RATIO, STD_ERROR, RowColumns
-from tracediff.compare.rowpairs import RowPairs
-from tracediff.compare.rows import RowIndex
+from tracediff.compare.stream.rowcolumns import COLUMNS, COSINE, NORM_RATIO, STD_ERROR, RowColumns
 from tracediff.errors import CompareError
 
 Progress = Callable[[int], None]
 
 class BlockRunner(Protocol):
-    """Runs the blocks of a pass somewhere else (:class:`tracediff.compare.cluster.DaskRunner`): each
+    """Runs the blocks of a pass somewhere else (:class:`tracediff.compare.stream.cluster.DaskRunner`): each
     spec through :func:`run_blocks` on ``plan``, each result handed to ``add`` (in any order) on the
     calling thread. Raises :class:`tracediff.errors.CompareError` when a block cannot be run."""
 
@@ -131,10 +131,10 @@ def stream_metrics(
     """One pass over every aligned row pair: per matched segment pair, every metric of the report.
 
     ``scales`` holds, per match, the reference segment's robust (mean, scale) from the plan sample
-    (:class:`tracediff.compare.segments.SegmentScales`); without it, every dimension counts at scale 1.
+    (:class:`tracediff.compare.plan.segments.SegmentScales`); without it, every dimension counts at scale 1.
     ``limits``, per match, the (numerics budget, drift limit) the findings hold it to
-    (:func:`tracediff.compare.plan.pair_limits`), carried into its metrics. ``profiles`` are pairs measured per position only
-    (:func:`tracediff.compare.plan.profile_requests`).
+    (:func:`tracediff.compare.plan.decide.pair_limits`), carried into its metrics. ``profiles`` are pairs measured per position only
+    (:func:`tracediff.compare.plan.decide.profile_requests`).
 
     ``workers`` threads (default: the CPUs this process may run on) each take whole blocks; for compressed
     stores, one (they share a cache of decoded chunks). With ``runner``, the blocks run there (a

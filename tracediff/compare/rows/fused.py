@@ -1,4 +1,4 @@
-"""The fused kernel of the streaming pass, compiled by numba (see :mod:`tracediff.compare.kernels`, which
+"""The fused kernel of the streaming pass, compiled by numba (see :mod:`tracediff.compare.rows.kernels`, which
 imports this module only when a pass uses it: importing it imports numba).
 
 Module-level functions, so that numba's on-disk cache (``cache=True``, next to this file where it is
@@ -186,7 +186,7 @@ def read_and_measure(c_fds: Any, c_offsets: Any, c_dest: Any, c_lengths: Any, r_
 @numba.njit(nogil=True, cache=True)
 def closed_forms(m: int, xc: Any, xr: Any, seg_c: Any, seg_r: Any, fin_c: Any, fin_r: Any, dn: Any, mx: Any, sn: Any,
                  sd: Any, rows: Any, sums: Any, odd: Any) -> None:
-    """The pass's per-row metrics of rows ``0..m`` from the norms: :func:`tracediff.compare.kernels.
+    """The pass's per-row metrics of rows ``0..m`` from the norms: :func:`tracediff.compare.rows.kernels.
     numpy_closed_forms`' expressions, element by element in float64 and in the same order (the same
     bits; no fastmath here). Per row i and pair p: ``rows[:, i, p]`` (float32) cosine, norm ratio,
     rel_diff, max |diff| (NaN where the norms are not ordinary) and the squared standardised error
@@ -238,7 +238,7 @@ def closed_forms(m: int, xc: Any, xr: Any, seg_c: Any, seg_r: Any, fin_c: Any, f
 
 @numba.njit(nogil=True, cache=True)
 def bucket_sums(index: Any, values: Any, keep: Any, every: bool, square: bool, total: Any, counts: Any) -> None:
-    """:meth:`tracediff.compare.metrics.PositionBuckets.sums` in one loop: per row ``i`` kept
+    """:meth:`tracediff.compare.stream.metrics.PositionBuckets.sums` in one loop: per row ``i`` kept
     (``every``, or ``keep[i]``), its value (squared in float64 with ``square``) added to
     ``total[index[i]]`` and one to ``counts[index[i]]``. Each bucket's values are added one after the
     other in row order, in float64 (no fastmath here): ``np.add.at``'s and ``np.bincount``'s bits (a
@@ -260,7 +260,7 @@ def warm() -> None:
     """Compile (or load from numba's cache) :func:`kernel` and :func:`read_and_measure` for every pair
     of stored dtypes a pass reads (bf16 bits, float32) and :func:`closed_forms`, on a few values: the
     types a pass calls them with, so that a pass afterwards loads each from the cache. Run in a child
-    process on a cold cache (:func:`tracediff.compare.kernels.fused_kernel`): compiling keeps ~60 MiB
+    process on a cold cache (:func:`tracediff.compare.rows.kernels.fused_kernel`): compiling keeps ~60 MiB
     of the compiler's memory in the process that compiles, which a compare at its peak cannot spare."""
     for c_bf16 in (True, False):
         for r_bf16 in (True, False):

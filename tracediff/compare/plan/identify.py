@@ -17,10 +17,8 @@ from typing import Any
 import numpy as np
 
 from tracediff.adapters.conventions import FINAL_NORM, layer_text
-from tracediff.compare.align import align_sequences
-from tracediff.compare.metadata import num_layers, side_aux_layers
-from tracediff.compare.noise import DEFAULT_DEPTH, decide_compute_dtype
-from tracediff.compare.plan import (
+from tracediff.compare.align.sequences import align_sequences
+from tracediff.compare.plan.decide import (
     CompareOptions,
     collect_meta,
     numerics_budget,
@@ -30,8 +28,9 @@ from tracediff.compare.plan import (
     sample_pairs,
     tap_summary,
 )
-from tracediff.compare.rows import RowIndex
-from tracediff.compare.segments import (
+from tracediff.compare.plan.metadata import num_layers, side_aux_layers
+from tracediff.compare.plan.noise import DEFAULT_DEPTH, decide_compute_dtype
+from tracediff.compare.plan.segments import (
     lower_median,
     noise_floor,
     relative_error,
@@ -41,7 +40,8 @@ from tracediff.compare.segments import (
     standardised_cosine_matrix,
     tier_of,
 )
-from tracediff.compare.transforms import best_transform, fit_transforms
+from tracediff.compare.plan.transforms import best_transform, fit_transforms
+from tracediff.compare.rows.index import RowIndex
 from tracediff.errors import CompareError
 from tracediff.store import TraceStore, open_store
 

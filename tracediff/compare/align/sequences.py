@@ -1,7 +1,7 @@
 """Row alignment: which candidate row holds the same token of the same sequence as which reference row.
 
 Works on labels only (the row index), never on values; the rows paired under an alignment (and the
-label offset that the value-based offset search chose) are :mod:`tracediff.compare.rowpairs`'s.
+label offset that the value-based offset search chose) are :mod:`tracediff.compare.align.rowpairs`'s.
 Sequences are matched by their token content (n-gram votes), never by request ids: an engine's
 request ids have nothing to do with a trainer's sample ids, a chat template can prepend tokens, a
 server can truncate, rows arrive in engine order, and some rows (rejected drafts, generated tokens,
@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.compare.argsort import stable_argsort_with_keys
-from tracediff.compare.gather import in_parallel
-from tracediff.compare.kernels import use_vote_kernel, vote_kernels
-from tracediff.compare.rows import RowIndex, index_dtype
+from tracediff.compare.align.argsort import stable_argsort_with_keys
+from tracediff.compare.rows.gather import in_parallel
+from tracediff.compare.rows.index import RowIndex, index_dtype
+from tracediff.compare.rows.kernels import use_vote_kernel, vote_kernels
 from tracediff.errors import CompareError
 
 NGRAM = 4
@@ -180,7 +180,7 @@ def _groups(index: RowIndex) -> list[SequenceRows]:
 def stable_argsort(key: np.ndarray) -> np.ndarray:
     """``np.argsort(key, kind="stable")``, faster for the index's large keys: nothing to sort for keys
     already in order (a trainer's rows), else a sort of the keys with their indices packed beside
-    them (:mod:`tracediff.compare.argsort`)."""
+    them (:mod:`tracediff.compare.align.argsort`)."""
     return _stable_argsort(key)[0]
 
 
@@ -429,7 +429,7 @@ def _votes_together(
     """:func:`_votes_alone` of every sequence at once (each at least n tokens long): one sorted
     lookup of all their n-grams instead of one per sequence, the same hypotheses in the same order.
     Candidate group -> its top hypotheses (sequences with none are left out). ``kernel``: the compiled
-    vote counter (:func:`tracediff.compare.fused_votes.batch_votes`: the same hypotheses), or None for
+    vote counter (:func:`tracediff.compare.rows.fused_votes.batch_votes`: the same hypotheses), or None for
     numpy's searches and sorts."""
     ref_h, ref_owner, ref_start = table[:3]
     lengths = np.array([g.size for g in groups], dtype=np.int64)

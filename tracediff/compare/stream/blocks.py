@@ -2,7 +2,7 @@
 pass's small :class:`PassPlan` and the block's :class:`BlockSpec` (which stored rows each side reads)
 alone, into a :class:`BlockResult` of sums, counts, first indices, per-position sums and the block's
 per-row metrics. Threads of this process run it (:func:`run_blocks`), and so do the tasks of a
-cluster (:class:`BlockWorker`, :mod:`tracediff.compare.cluster`); :mod:`tracediff.compare.stream`
+cluster (:class:`BlockWorker`, :mod:`tracediff.compare.stream.cluster`); :mod:`tracediff.compare.stream.one_pass`
 runs the pass and merges the results.
 
 Memory, per worker thread: one block of raw rows for both sides (about ``block_bytes``), a staging
@@ -11,14 +11,14 @@ of a sub-block (about 2 MiB), a part of ~1 MiB of stored rows, and a small cache
 for compressed stores only. Throughput is bound by copying the rows out of the page cache and by
 the kernels: rows of uncompressed chunk files are read straight into reused 64-byte aligned
 buffers, and every kernel writes into a buffer allocated once. With the compiled kernels
-(:mod:`tracediff.compare.fused`), rows of 4 KiB or more a side are read and measured a part at a
+(:mod:`tracediff.compare.rows.fused`), rows of 4 KiB or more a side are read and measured a part at a
 time, each part while the cache holds it: copies from the page cache into a block-sized buffer ran
 at half the speed of copies into one the cache holds, and the kernel then read the block back from
 memory. Else numpy's kernels run a sub-block at a time (they release the GIL and are
 single-threaded inside: no OpenMP barrier per kernel). No torch: a compare never imports it.
 
 Besides the matched pairs, a block measures each segment the plan calls wrong against its closest
-counterpart (:func:`tracediff.compare.plan.profile_requests`), in per-position buckets only: a handful
+counterpart (:func:`tracediff.compare.plan.decide.profile_requests`), in per-position buckets only: a handful
 of float64 sums per bucket, never a per-row array.
 """
 
@@ -31,8 +31,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tracediff.compare.gather import ChunkReader, StreamLocation, location_of, reference_files
-from tracediff.compare.kernels import (
+from tracediff.compare.align.rowpairs import RowPairs
+from tracediff.compare.plan.decide import ProfileRequest
+from tracediff.compare.plan.segments import to_float32
+from tracediff.compare.rows.gather import ChunkReader, StreamLocation, location_of, reference_files
+from tracediff.compare.rows.index import RowIndex
+from tracediff.compare.rows.kernels import (
     FUSED_DTYPES,
     dot,
     exact_row_stats,
@@ -44,10 +48,7 @@ from tracediff.compare.kernels import (
     row_bytes,
     use_fused_kernel,
 )
-from tracediff.compare.metrics import PositionBuckets, ProfileRequest
-from tracediff.compare.rowpairs import RowPairs
-from tracediff.compare.rows import RowIndex
-from tracediff.compare.segments import to_float32
+from tracediff.compare.stream.metrics import PositionBuckets
 from tracediff.store import VALUE_DTYPES, TraceStream
 from tracediff.store.files import aligned_empty
 
@@ -111,7 +112,7 @@ class BlockResult:
     profile_den: list[np.ndarray] = field(default_factory=list)
     # The block's place in the pass, and per row (of the block) and pair the float32 metrics: the
     # client writes cosine, norm ratio and squared standardised error into its per-row arrays, and
-    # reduces rel_diff and max abs diff (:func:`tracediff.compare.metrics.reduce_block`).
+    # reduces rel_diff and max abs diff (:func:`tracediff.compare.stream.metrics.reduce_block`).
     number: int = 0
     start: int = 0
     stop: int = 0
@@ -167,7 +168,7 @@ class PassPlan:
     reference_dtype: str
     candidate_streams: tuple[StreamLocation, ...] = ()
     reference_streams: tuple[StreamLocation, ...] = ()
-    # Whether blocks use the fused kernel (tracediff.compare.kernels) where it runs.
+    # Whether blocks use the fused kernel (tracediff.compare.rows.kernels) where it runs.
     fused: bool = False
     # Whether blocks are read and measured a part at a time (:meth:`_Pass._read_and_measure`): rows of
     # 4 KiB or more a side, the fused kernel, no profiles, chunk files read straight. Such blocks are
@@ -243,7 +244,7 @@ def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches
 
 class _Pass:
     """The per-block work of :func:`stream_metrics`: a function of (plan, the block's rows) alone,
-    run by threads of this process or by tasks of a cluster (:mod:`tracediff.compare.cluster`)."""
+    run by threads of this process or by tasks of a cluster (:mod:`tracediff.compare.stream.cluster`)."""
 
     def __init__(self, plan: PassPlan, reference: Sequence[TraceStream], candidate: Sequence[TraceStream]) -> None:
         self.plan = plan
@@ -367,7 +368,7 @@ class _Pass:
         start, stop = spec.start, spec.stop
         m, size, kc, kr = stop - start, self.size, self.kc, self.kr
         # The norms of every segment and, per matched pair, of the difference: one fused loop that
-        # reads each stored value once (tracediff.compare.kernels), where it runs, on wide rows as
+        # reads each stored value once (tracediff.compare.rows.kernels), where it runs, on wide rows as
         # they are read; else (and for the profiles) numpy kernels a sub-block at a time (its float32
         # rows stay in cache). Rows measured as read are read again only where a row needs its values
         # (non-finite or extreme norms: rare), those rows alone.
@@ -486,7 +487,7 @@ class _Pass:
 
     def _read_and_measure(self, w: _Buffers, spec: BlockSpec, m: int) -> bool:
         """The fused kernel on the block's rows as they are read, a part at a time
-        (:func:`tracediff.compare.fused.read_and_measure`): False, having measured nothing that
+        (:func:`tracediff.compare.rows.fused.read_and_measure`): False, having measured nothing that
         counts, where it cannot run here or a read failed (the caller reads the block whole, and so
         raises the store's error)."""
         compiled = fused_kernel()

@@ -29,7 +29,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tracediff.compare.segments import MANTISSA_BITS
+from tracediff.compare.plan.segments import MANTISSA_BITS
 
 #: Expected drift of a correct run, in units of the compute dtype's rounding (half an ulp) times
 #: sqrt(depth). Measured (docs/noise-model.md): 1.8-2.0 for a bf16 engine against an fp32 trainer at

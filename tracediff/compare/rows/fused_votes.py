@@ -1,7 +1,7 @@
-"""The alignment's n-gram vote counting, compiled by numba (see :mod:`tracediff.compare.align`, which
+"""The alignment's n-gram vote counting, compiled by numba (see :mod:`tracediff.compare.align.sequences`, which
 imports this module only for large alignments: importing it imports numba).
 
-:func:`batch_votes` gives the same hypotheses as :func:`tracediff.compare.align._votes_together`'s numpy
+:func:`batch_votes` gives the same hypotheses as :func:`tracediff.compare.align.sequences._votes_together`'s numpy
 path (integers only: the same numbers, not merely close ones). The numpy path looks each window's
 hash up by two binary searches over the reference table, then repeats, gathers and sorts every vote
 of the batch to count them; here the lookup walks the sorted hashes and the table together (each
@@ -44,7 +44,7 @@ def _bound(a: Any, q: Any, p: int, upper: bool) -> int:
 @numba.njit(nogil=True, cache=True)
 def _better(votes: Any, delta: Any, owner: Any, first: Any, s: int, b: int) -> bool:
     """Whether vote s ranks before vote b: more votes, then smaller |delta|, then lower group, then
-    the earlier first vote (as :func:`tracediff.compare.align._ranked_votes` ranks)."""
+    the earlier first vote (as :func:`tracediff.compare.align.sequences._ranked_votes` ranks)."""
     if votes[s] != votes[b]:
         return votes[s] > votes[b]
     if abs(delta[s]) != abs(delta[b]):
@@ -182,7 +182,7 @@ ENTRY_POINTS = (batch_votes,)
 def warm() -> None:
     """Compile (or load from numba's cache) :func:`batch_votes` for the types an alignment calls it
     with (int32 positions and reference groups: the row index's compact columns), on one window: run
-    in a child process on a cold cache (see :func:`tracediff.compare.fused.warm`). Positions beyond
+    in a child process on a cold cache (see :func:`tracediff.compare.rows.fused.warm`). Positions beyond
     the compact range (int64) compile in the compare's own process, as before."""
     one = np.zeros(1, dtype=np.int64)
     outs = [np.zeros((1, 4), dtype=np.int64) for _ in range(3)]

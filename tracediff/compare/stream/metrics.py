@@ -12,18 +12,19 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.compare.align import kept_in_place
-from tracediff.compare.kernels import loaded_fused_kernel
+from tracediff.compare.align.rowpairs import RowPairs
+from tracediff.compare.align.sequences import kept_in_place
+from tracediff.compare.plan.decide import ProfileRequest
 from tracediff.compare.results import RowRef, SegmentMetrics, SegmentProfile
-from tracediff.compare.rowpairs import RowPairs
-from tracediff.compare.rows import RowIndex
+from tracediff.compare.rows.index import RowIndex
+from tracediff.compare.rows.kernels import loaded_fused_kernel
 
 
 @dataclass
 class Accumulator:
     """One matched pair's totals over the pass; rel_diff and max |diff| reduced block by block
     (:func:`reduce_block`, :meth:`add_block`). Its per-row columns (cosine, norm ratio, squared
-    standardised error) live in :class:`tracediff.compare.rowcolumns.RowColumns`."""
+    standardised error) live in :class:`tracediff.compare.stream.rowcolumns.RowColumns`."""
 
     cand_seg: int
     ref_seg: int
@@ -156,8 +157,8 @@ class PositionBuckets:
 
 
 def _compiled_sums_take(index: np.ndarray, values: np.ndarray, keep: np.ndarray, count: int) -> bool:
-    """Whether :func:`tracediff.compare.fused.bucket_sums` takes these arrays as the one signature it
-    is compiled for ahead of a compare (:func:`tracediff.compare.fused.load`): contiguous int16
+    """Whether :func:`tracediff.compare.rows.fused.bucket_sums` takes these arrays as the one signature it
+    is compiled for ahead of a compare (:func:`tracediff.compare.rows.fused.load`): contiguous int16
     buckets within ``0..count - 1`` (the compiled loop does not check them), float32 values (the
     finish's per-row columns), bool flags. Others (the profiles' float64 sums) take numpy's path: no
     compile inside a compare."""
@@ -165,22 +166,6 @@ def _compiled_sums_take(index: np.ndarray, values: np.ndarray, keep: np.ndarray,
             and index.ndim == values.ndim == keep.ndim == 1 and index.size == values.size == keep.size
             and index.flags.c_contiguous and values.flags.c_contiguous and keep.flags.c_contiguous
             and (index.size == 0 or (int(index.min()) >= 0 and int(index.max()) < count)))
-
-
-@dataclass(frozen=True)
-class ProfileRequest:
-    """A segment pair the pass measures per position only (:func:`tracediff.compare.plan.profile_requests`)."""
-
-    kind: str  # segment_missing | segment_extra | segment_duplicate
-    candidate: int
-    reference: int
-    cand_mean: np.ndarray  # the candidate segment's robust (mean, scale), as the plan's matrix used
-    cand_scale: np.ndarray
-    ref_mean: np.ndarray
-    ref_scale: np.ndarray
-    numerics_budget: float
-    drift_limit: float
-    same_tensor_cosine: float
 
 
 @dataclass
@@ -191,7 +176,7 @@ class StreamResult:
     bytes_read: int
     # Per matched pair: each aligned row's standardised error over the pair's mean reference size
     # (float32, NaN where not finite), for localising the rows that differ. Mappings that may read
-    # each lookup from a file (tracediff.compare.rowcolumns): hold an array while it is needed.
+    # each lookup from a file (tracediff.compare.stream.rowcolumns): hold an array while it is needed.
     row_errors: Mapping[tuple[int, int], np.ndarray] = field(default_factory=dict)
     # Per matched pair, each aligned row's raw cosine and norm ratio (the same numbers the metrics
     # came from), for the per-position profiles of a subset's row groups.

@@ -1,9 +1,9 @@
 """How a candidate segment relates to the reference segment it comes from: fitted transforms.
 
-Segment matching (:mod:`tracediff.compare.segments`) says which reference tensor a candidate segment comes
+Segment matching (:mod:`tracediff.compare.plan.segments`) says which reference tensor a candidate segment comes
 from, invariant to per-dimension scale. This module says *how* the two relate, by fitting what real
 pipelines do and testing each fit on rows it was not fitted on (two-fold cross-validation), in units
-of the target's robust per-dimension scale (:class:`tracediff.compare.segments.SegmentScales`):
+of the target's robust per-dimension scale (:class:`tracediff.compare.plan.segments.SegmentScales`):
 
 * ``identity``: the same data (up to numerics);
 * ``constant``: ``cand = c * ref`` (a multiplier, a scaled cast);

@@ -22,7 +22,7 @@ from tracediff.adapters.conventions import (
     format_layers,
     from_physical,
 )
-from tracediff.compare.segments import SegmentDecision
+from tracediff.compare.plan.segments import SegmentDecision
 
 
 @dataclass
@@ -319,7 +319,7 @@ def record_next_box(report: Any) -> dict[str, Any] | None:
             dtype = report.plan.compute_dtype or "bfloat16"
             steps.append({"text": "Record calibration rows on the reference (a few of its sequences recomputed "
                                   "with the trainer's weights in the server's compute dtype), and compare again:",
-                          "commands": [f"tracediff calibrate {ref} --model TARGET_DIR --dtype {dtype}",
+                          "commands": [f"tracediff calibrate {ref} --model TARGET_DIR --server-dtype {dtype}",
                                        _compare_command(report)]})
         if not _bank_used(report):
             steps.append(_bank_step(report))

@@ -5,7 +5,7 @@ segment size (shapes first: two hidden sizes are a ``shape`` error, never re-cut
 segments), sequence alignment by token content, the label-offset search, the plan sample, and the
 segment decisions: which reference segment each candidate segment comes from (standardised cosines,
 ranked against the runner-up and the data's own noise floor) and how the two relate (fitted
-transforms, :mod:`tracediff.compare.transforms`). The result is a frozen :class:`SegmentPlan` that the
+transforms, :mod:`tracediff.compare.plan.transforms`). The result is a frozen :class:`SegmentPlan` that the
 streaming pass and the findings read; nothing here reads more than the sample.
 """
 
@@ -19,11 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.compare.align import Alignment
-from tracediff.compare.gather import ChunkReader, in_parallel
-from tracediff.compare.kernels import plan_reads_compiled
-from tracediff.compare.metrics import ProfileRequest
-from tracediff.compare.noise import (
+from tracediff.compare.align.rowpairs import RowPairs, mix64, pair_rows
+from tracediff.compare.align.sequences import Alignment
+from tracediff.compare.plan.noise import (
     ASSUMED_LIMIT_FACTOR,
     CALIBRATION_TAP,
     DEFAULT_DEPTH,
@@ -38,9 +36,7 @@ from tracediff.compare.noise import (
     segment_noise,
     with_limits,
 )
-from tracediff.compare.rowpairs import RowPairs, mix64, pair_rows
-from tracediff.compare.rows import RowIndex
-from tracediff.compare.segments import (
+from tracediff.compare.plan.segments import (
     NoiseFloor,
     SegmentDecision,
     SegmentScales,
@@ -60,7 +56,10 @@ from tracediff.compare.segments import (
     to_float32,
     widen_into,
 )
-from tracediff.compare.transforms import TransformFit, best_transform, fit_transforms
+from tracediff.compare.plan.transforms import TransformFit, best_transform, fit_transforms
+from tracediff.compare.rows.gather import ChunkReader, in_parallel
+from tracediff.compare.rows.index import RowIndex
+from tracediff.compare.rows.kernels import plan_reads_compiled
 from tracediff.errors import CompareError
 from tracediff.store import VALUE_DTYPES, TraceStore
 from tracediff.store.files import aligned_empty
@@ -72,7 +71,7 @@ OFFSETS = (-2, -1, 0, 1, 2)
 FC_INPUT_EQUIVALENTS = (("fc_in", "aux_hidden"), ("aux_hidden", "fc_in"), ("fc_in", "fc_in_raw"), ("fc_in_raw", "fc_in"))
 
 #: A pair this many times beyond its budget is no longer drift of the same tensor but other data,
-#: when the data gives no limit of its own (:mod:`tracediff.compare.noise`).
+#: when the data gives no limit of its own (:mod:`tracediff.compare.plan.noise`).
 DRIFT_FACTOR = ASSUMED_LIMIT_FACTOR
 
 
@@ -91,7 +90,7 @@ class CompareOptions:
     stage: Callable[[str], None] | None = None
     bank: str | None = None
     extra_notes: list[str] = field(default_factory=list)
-    #: Where the streaming pass runs its blocks (:class:`tracediff.compare.cluster.DaskRunner`); None:
+    #: Where the streaming pass runs its blocks (:class:`tracediff.compare.stream.cluster.DaskRunner`); None:
     #: threads of this process.
     runner: Any = None
     #: Raw rows of both sides one block of the streaming pass reads (rows of a block: 64..32768 with
@@ -462,7 +461,7 @@ def numerics_budget(floor_error: float, compute_dtype: str, depth: int) -> float
     """The squared standardised relative error numerics alone explain for one segment with no
     calibration and no other segment to learn from (``tracediff identify``): twice the storage
     rounding measured on the sample (``floor_error``), or the assumed drift of ``compute_dtype`` at
-    ``depth`` (:func:`tracediff.compare.noise.prior_drift`), twice over."""
+    ``depth`` (:func:`tracediff.compare.plan.noise.prior_drift`), twice over."""
     return max(2.0 * math.sqrt(max(floor_error, 0.0)), 2.0 * prior_drift(compute_dtype, depth), 1e-6) ** 2
 
 
@@ -473,8 +472,8 @@ def plan_segments(cand: np.ndarray, ref: np.ndarray, size: int, dtype_ref: str, 
 
     ``depths``: per reference segment, how many decoder layers deep it is (its physical layer), where
     a side records it; the prior assumes ``assumed_depth`` (the model's depth, else
-    :data:`tracediff.compare.noise.DEFAULT_DEPTH`) for the others. ``compute``: the compute dtype of the
-    compare (:func:`tracediff.compare.noise.decide_compute_dtype`; None: assumed bfloat16). ``calibration``:
+    :data:`tracediff.compare.plan.noise.DEFAULT_DEPTH`) for the others. ``compute``: the compute dtype of the
+    compare (:func:`tracediff.compare.plan.noise.decide_compute_dtype`; None: assumed bfloat16). ``calibration``:
     the measured drift of calibration rows, per reference segment.
     """
     compute = compute or decide_compute_dtype({}, {})
@@ -564,9 +563,9 @@ def _measure_calibration(cal: CalibrationRows, size: int, scales: SegmentScales)
 # ----------------------------------------------------------- what the streaming pass measures
 def pair_limits(segplan: SegmentPlan, matches: list[tuple[int, int]]) -> list[tuple[float, float]]:
     """Per (candidate, reference) pair: the numerics budget the findings hold its standardised
-    relative error to (``tracediff.compare.segment_findings``: beyond it a ``precision`` warning), and the
-    drift limit (the noise model's limit, :mod:`tracediff.compare.noise`: beyond it other data, and a row
-    beyond it is "off" for :mod:`tracediff.compare.subsets`)."""
+    relative error to (``tracediff.compare.findings.segments``: beyond it a ``precision`` warning), and the
+    drift limit (the noise model's limit, :mod:`tracediff.compare.plan.noise`: beyond it other data, and a row
+    beyond it is "off" for :mod:`tracediff.compare.findings.subsets`)."""
     out = []
     for _, j in matches:
         ok = 0 <= j < len(segplan.budgets)
@@ -575,9 +574,25 @@ def pair_limits(segplan: SegmentPlan, matches: list[tuple[int, int]]) -> list[tu
     return out
 
 
+@dataclass(frozen=True)
+class ProfileRequest:
+    """A segment pair the pass measures per position only (:func:`tracediff.compare.plan.decide.profile_requests`)."""
+
+    kind: str  # segment_missing | segment_extra | segment_duplicate
+    candidate: int
+    reference: int
+    cand_mean: np.ndarray  # the candidate segment's robust (mean, scale), as the plan's matrix used
+    cand_scale: np.ndarray
+    ref_mean: np.ndarray
+    ref_scale: np.ndarray
+    numerics_budget: float
+    drift_limit: float
+    same_tensor_cosine: float
+
+
 def profile_requests(segplan: SegmentPlan) -> list[ProfileRequest]:
     """The pairs to profile per position: every segment the wiring findings call wrong against its
-    closest counterpart (:func:`tracediff.compare.segments.closest_counterparts`), each side standardised by
+    closest counterpart (:func:`tracediff.compare.plan.segments.closest_counterparts`), each side standardised by
     its own robust scales as the plan's matrix was."""
     same = 1.0 - exact_distance(segplan.floor.distance)
     out = []

@@ -4,7 +4,7 @@ and say what those rows hold instead.
 Real serving bugs hit a subset: decode steps small enough for the CUDA-graph path, one phase, one
 tensor-parallel rank, rows past a chunk size. From the streaming pass's per-row standardised errors
 (``StreamResult.row_errors``) a row is *off* when it is beyond what drift of the same tensor allows
-(the noise model's limit of the pair, :mod:`tracediff.compare.noise`). A subset is reported only
+(the noise model's limit of the pair, :mod:`tracediff.compare.plan.noise`). A subset is reported only
 when one value range of one label (phase, rows per step, writer, position, sequence) holds nearly
 all the off rows and few others: a handful of scattered rows is noise, a label group is a finding.
 What the off rows hold is then decided on a sample of them with the same rules as the whole:
@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.compare.plan import read_rows
-from tracediff.compare.rowpairs import RowPairs
-from tracediff.compare.rows import RowIndex, stream_names
-from tracediff.compare.segments import SegmentScales, relative_error, split
+from tracediff.compare.align.rowpairs import RowPairs
+from tracediff.compare.plan.decide import read_rows
+from tracediff.compare.plan.segments import SegmentScales, relative_error, split
+from tracediff.compare.rows.index import RowIndex, stream_names
 from tracediff.store import PHASES
 
 #: A label group must hold this share of the off rows, and this share of it must be off.

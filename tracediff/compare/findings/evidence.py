@@ -129,7 +129,7 @@ def _unit_rows(rows: np.ndarray, size: int, scales: Any) -> np.ndarray:
 
 def gather_evidence(ref_index: Any, cand_index: Any, rl: Any, cl: Any, sizes: Any,
                     sample: Any) -> Evidence:
-    """What the conclusions of this compare rest on (tracediff.compare.evidence): token ids, and how
+    """What the conclusions of this compare rest on (tracediff.compare.findings.evidence): token ids, and how
     each side's segment size was known; for a side that took the other's size, the size its own
     values repeat at."""
     recorded = {"reference": rl.segment_size is not None, "candidate": cl.segment_size is not None}
@@ -138,7 +138,7 @@ def gather_evidence(ref_index: Any, cand_index: Any, rl: Any, cl: Any, sizes: An
                   sizes={"reference": sizes.reference, "candidate": sizes.candidate},
                   widths={"reference": rl.width, "candidate": cl.width})
     if sizes.source == "mixed":
-        from tracediff.compare.segments import infer_segment_size  # noqa: PLC0415
+        from tracediff.compare.plan.segments import infer_segment_size  # noqa: PLC0415
 
         r_rows, c_rows = sample()
         for side, rows in (("reference", r_rows), ("candidate", c_rows)):
@@ -152,8 +152,8 @@ def gather_evidence(ref_index: Any, cand_index: Any, rl: Any, cl: Any, sizes: An
 def pairing_of_rows(pairs: Any, ref_index: Any, cand_index: Any, segplan: Any, rows: int,
                     seed: int) -> PairingEvidence:
     """Rows paired without token ids: do the values say they hold the same inputs?"""
-    from tracediff.compare.gather import in_parallel  # noqa: PLC0415
-    from tracediff.compare.plan import read_rows, sample_pairs  # noqa: PLC0415
+    from tracediff.compare.plan.decide import read_rows, sample_pairs  # noqa: PLC0415
+    from tracediff.compare.rows.gather import in_parallel  # noqa: PLC0415
 
     pick = sample_pairs(pairs, rows, seed)
     c_rows, r_rows = in_parallel(lambda: read_rows(cand_index, pairs.candidate[pick]),

@@ -2,7 +2,7 @@
 
 Rows of uncompressed chunk files are read straight into the output (only the rows asked for, by
 ``preadv``); other chunks are decoded whole, through a small LRU cache. Used by the plan (its samples)
-and by every block of the streaming pass (:mod:`tracediff.compare.stream`).
+and by every block of the streaming pass (:mod:`tracediff.compare.stream.one_pass`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.compare.rows import RowIndex
+from tracediff.compare.rows.index import RowIndex
 from tracediff.store import ChunkFiles, TraceStream
 
 
@@ -27,14 +27,14 @@ class ChunkReader:
     def __init__(self, streams: Sequence[TraceStream], max_chunks: int = 64, max_files: int | None = None,
                  compiled: bool = False) -> None:
         """``compiled``: rows of uncompressed chunk files are read by the compiled loop
-        (:func:`tracediff.compare.kernels.read_kernel`) where it runs."""
+        (:func:`tracediff.compare.rows.kernels.read_kernel`) where it runs."""
         self.streams = list(streams)
         self.cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self.max_chunks = max_chunks
         self.bytes_read = 0
         self.files = ChunkFiles(limit=max(8, max_chunks) if max_files is None else max_files)
         if compiled:
-            from tracediff.compare.kernels import read_kernel  # noqa: PLC0415
+            from tracediff.compare.rows.kernels import read_kernel  # noqa: PLC0415
 
             reads = read_kernel()
             self.files.runs_reader = reads.read_runs if reads is not None else None
@@ -60,7 +60,7 @@ class ChunkReader:
         """The rows ``within[k]`` of streams ``stream[k]`` (k = 0..n, the rows of a block in its order)
         as runs of consecutive stored rows in that order, their files open (run r: rows
         ``dest[r]..dest[r] + lengths[r]`` of the block), for the compiled loop that reads and measures
-        them part by part (:func:`tracediff.compare.fused.read_and_measure`). None where that loop
+        them part by part (:func:`tracediff.compare.rows.fused.read_and_measure`). None where that loop
         cannot read them: no compiled reads here, chunks not plain files, or more chunk files than
         this reader keeps open (the block is then read with :meth:`gather_at`). The caller counts
         the bytes it reads in :attr:`bytes_read`."""

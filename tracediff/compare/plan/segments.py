@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from tracediff.compare.kernels import dot, norms
+from tracediff.compare.rows.kernels import dot, norms
 
 # A pair whose distance is below this fraction of its runner-up's is the same tensor up to numerics;
 # below the second fraction, the same source transformed (scaled, normalised, other context).
@@ -332,7 +332,7 @@ def standardised_cosine_matrix(cand: np.ndarray, ref: np.ndarray, cand_scales: S
 
     Invariant to a per-dimension affine map on either side (a norm weight, a constant factor, an
     offset), so it says which tensor a segment *comes from*; how it was transformed is decided
-    afterwards by fitting (:mod:`tracediff.compare.transforms`).
+    afterwards by fitting (:mod:`tracediff.compare.plan.transforms`).
     """
     size = ref_scales.mean.shape[1]
     n = cand.shape[0]
@@ -552,7 +552,7 @@ def closest_counterparts(decisions: list[SegmentDecision], standardised: np.ndar
                          dead_candidate: frozenset[int] = frozenset(),
                          dead_reference: frozenset[int] = frozenset()) -> list[Counterpart]:
     """Every wrong segment of ``decisions`` with its closest counterpart, by the rules the wiring
-    findings name them (``tracediff.compare.segment_findings``): a reference segment no candidate segment
+    findings name them (``tracediff.compare.findings.segments``): a reference segment no candidate segment
     carries, with the candidate segment of the highest standardised cosine to it; a candidate segment
     with no counterpart, with its runner-up; a duplicate, with the reference segment it repeats.
     Segments that are non-finite on every sampled row are non-finite findings, not wiring: left out."""

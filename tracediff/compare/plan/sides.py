@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from tracediff.adapters import recording_side
-from tracediff.compare.metadata import same_recording
+from tracediff.compare.plan.metadata import same_recording
 from tracediff.compare.results import Finding
 from tracediff.store import TraceStore
 from tracediff.store.storeset import StoreSet

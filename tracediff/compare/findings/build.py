@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from tracediff.adapters.conventions import AuxLayers, format_layers
-from tracediff.compare.align import Alignment
-from tracediff.compare.metadata import PHYSICAL_FIELD, is_aux_key, readable_changes
-from tracediff.compare.metrics import StreamResult, row_ref
-from tracediff.compare.plan import SegmentPlan
+from tracediff.compare.align.rowpairs import RowPairs
+from tracediff.compare.align.sequences import Alignment
+from tracediff.compare.findings.segments import seg_name, segment_findings
+from tracediff.compare.plan.decide import SegmentPlan
+from tracediff.compare.plan.metadata import PHYSICAL_FIELD, is_aux_key, readable_changes
 from tracediff.compare.results import Finding, Report
-from tracediff.compare.rowpairs import RowPairs
-from tracediff.compare.segment_findings import seg_name, segment_findings
+from tracediff.compare.stream.metrics import StreamResult, row_ref
 
 
 def build_findings(
