@@ -92,7 +92,36 @@ def speculators_files(src: Path) -> list[tuple[int, Path]]:
                             f"(speculators generate-offline-data writes them)")
 
 
-def _load_speculators_file(path: Path, index: int) -> _Sample:
+@dataclass
+class OfflineFile:
+    """One offline file as its trainer reads it: every stored slot of every position.
+
+    ``states`` [T, slots, H] are what the trainer's reader hands it (an FP8 file dequantised as
+    hs_connectors' ``FP8Transfer`` does); ``codes`` [T, slots, H] and ``scales`` [T] are the stored
+    FP8 values and per-token scales of an FP8 file (None otherwise). ``kinds`` says per slot what it
+    is meant to hold: ``aux`` (an aux layer), ``pre_norm`` (the last layer before the final norm),
+    ``post_norm`` (the final norm's output)."""
+
+    name: str
+    index: int
+    states: torch.Tensor
+    tokens: torch.Tensor
+    kinds: list[str]
+    codes: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+
+    @property
+    def storage(self) -> str:
+        if self.codes is None:
+            return str(self.states.dtype).removeprefix("torch.")
+        return f"{str(self.codes.dtype).removeprefix('torch.')} with one float32 scale per token"
+
+
+def read_speculators_file(path: Path, index: int = 0) -> OfflineFile:
+    """One ``hs_<i>.safetensors`` file (speculators datagen, vLLM's ExampleHiddenStatesConnector or
+    hs_connectors' FP8HiddenStatesConnector) as speculators' trainer reads it: ``FileTransfer`` hands
+    ``hidden_states`` over as stored; ``FP8Transfer`` replaces it, whenever ``hidden_states_scales`` is
+    present, by ``hidden_states.to(bf16) * hidden_states_scales.to(bf16)``."""
     from safetensors import SafetensorError  # noqa: PLC0415
     from safetensors.torch import load_file  # noqa: PLC0415
 
@@ -111,11 +140,27 @@ def _load_speculators_file(path: Path, index: int) -> _Sample:
     if tokens.dim() != 1 or tokens.shape[0] != hs.shape[0] or tokens.is_floating_point():
         raise ImportFormatError(f"{path}: token_ids has shape {tuple(tokens.shape)} {tokens.dtype}, expected "
                                 f"[{hs.shape[0]}] integers (one per row of hidden_states)")
-    if hs.dtype not in _TORCH_TO_STORE:
-        if "hidden_states_scales" not in data:
-            raise ImportFormatError(f"{path}: hidden_states is {hs.dtype} without hidden_states_scales")
-        # As speculators' FP8Transfer (hs_connectors) hands them to the trainer: bf16 * per-token scale.
-        hs = hs.to(torch.bfloat16) * data["hidden_states_scales"].to(torch.bfloat16)
+    codes = scales = None
+    if _SCALES in data:
+        scale = data[_SCALES]
+        if scale.numel() != hs.shape[0] or not scale.is_floating_point():
+            raise ImportFormatError(f"{path}: {_SCALES} has shape {tuple(scale.shape)} {scale.dtype}, expected "
+                                    f"[{hs.shape[0]}, 1, 1] floats (one scale per token)")
+        codes, scales = hs, scale.reshape(-1).float()
+        # hs_connectors.fp8_utils.dequantize_fp8_tensor with FP8Transfer's default dtype, bfloat16.
+        hs = hs.to(torch.bfloat16) * scale.reshape(-1, 1, 1).to(torch.bfloat16)
+    elif hs.dtype not in _TORCH_TO_STORE:
+        raise ImportFormatError(f"{path}: hidden_states is {hs.dtype} without {_SCALES}")
+    kinds = ["aux"] * (hs.shape[1] - 1) + ["pre_norm"]
+    return OfflineFile(path.name, index, hs, tokens.long(), kinds, codes, scales)
+
+
+_SCALES = "hidden_states_scales"
+
+
+def _load_speculators_file(path: Path, index: int) -> _Sample:
+    offline = read_speculators_file(path, index)
+    hs = offline.states
     length, slots, width = hs.shape
     return _Sample(
         name=path.name,
@@ -123,7 +168,7 @@ def _load_speculators_file(path: Path, index: int) -> _Sample:
         # The trainer (ArrowDataset + shift_batch) feeds fc the aux slots of rows 0..T-2.
         fc_in=hs[: max(length - 1, 0), :-1].reshape(-1, (slots - 1) * width),
         bank=hs.reshape(length, slots * width),
-        tokens=tokens.long(),
+        tokens=offline.tokens,
         fc_rows=max(length - 1, 0),
     )
 
@@ -231,6 +276,38 @@ def _load_specforge_file(path: Path, index: int) -> _Sample:
                                     f"match aux_hidden_state {tuple(aux.shape)} {aux.dtype}")
         bank = torch.cat([aux, last], dim=-1)
     return _Sample(name=path.name, seq=index, fc_in=aux, bank=bank, tokens=ids.long(), fc_rows=aux.shape[0])
+
+
+def read_specforge_file(path: Path, index: int = 0, num_aux: int = 3) -> OfflineFile:
+    """One SpecForge ``.ckpt`` file as an :class:`OfflineFile`: the ``num_aux`` aux slots of
+    ``aux_hidden_state``, then ``hidden_state`` (the target's final norm output) when present."""
+    sample = _load_specforge_file(path, index)
+    width = sample.fc_in.shape[-1] // num_aux if num_aux > 0 else 0
+    if width <= 0 or sample.fc_in.shape[-1] % num_aux:
+        raise ImportFormatError(f"{path}: aux_hidden_state rows of {sample.fc_in.shape[-1]} values do not split "
+                                f"into {num_aux} aux states")
+    slots = sample.bank.shape[-1] // width
+    kinds = ["aux"] * num_aux + ["post_norm"] * (slots - num_aux)
+    return OfflineFile(path.name, index, sample.bank.reshape(len(sample.tokens), slots, width), sample.tokens, kinds)
+
+
+def offline_files(src: Path) -> tuple[str, list[tuple[int, Path]]]:
+    """Which trainer wrote the offline files in ``src`` (``speculators`` or ``specforge``), and its files."""
+    if not src.exists():
+        raise UsageError(f"{src}: no such file or folder")
+    if src.is_dir() and any(f.is_dir() and any(_HS_FILE.match(p.name) for p in f.iterdir())
+                            for f in (src, src / "hidden_states") if f.exists()):
+        return "speculators", speculators_files(src)
+    try:
+        return "specforge", specforge_files(src)
+    except ImportFormatError:
+        raise ImportFormatError(f"{src}: neither speculators' hs_<i>.safetensors files (here or in hidden_states/) "
+                                f"nor SpecForge's .ckpt files; give a trace store or a trainer's offline folder") from None
+
+
+def read_offline_file(framework: str, path: Path, index: int) -> OfflineFile:
+    """One file of :func:`offline_files`, as its trainer reads it."""
+    return read_speculators_file(path, index) if framework == "speculators" else read_specforge_file(path, index)
 
 
 def import_specforge(
@@ -405,4 +482,5 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
         raise UsageError(f"--layer-ids: cannot read {text!r}; give comma-separated integers, e.g. 2,16,29") from exc
 
 
-__all__ = ["ImportResult", "import_specforge", "import_speculators", "load_specforge_file", "parse_layer_ids"]
+__all__ = ["ImportResult", "OfflineFile", "import_specforge", "import_speculators", "load_specforge_file", "offline_files",
+           "parse_layer_ids", "read_offline_file", "read_specforge_file", "read_speculators_file"]
