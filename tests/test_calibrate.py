@@ -103,7 +103,7 @@ def test_cli_errors_are_one_line_naming_the_file(tiny, tmp_path):
         (["calibrate", str(bare), "--model", str(folder)], "records no aux layers"),
         (["calibrate", str(bare), "--model", str(folder), "--layers", "2,6,40"], "outside the model"),
         (["calibrate", str(bare), "--model", str(tmp_path), "--layers", "2,6,10"], "no config.json"),
-        (["calibrate", str(bare), "--model", str(folder), "--dtype", "int4"], "--dtype"),
+        (["calibrate", str(bare), "--model", str(folder), "--server-dtype", "int4"], "--server-dtype 'int4'"),
     ]
     for out, (args, text) in zip(_cli_all([args for args, _text in cases]), cases, strict=True):
         assert out.returncode == 2, (args, out.stdout, out.stderr)

@@ -92,6 +92,14 @@ def test_every_group_is_a_command_group_with_its_commands_listed(path: tuple[str
     assert "Commands:" in _help(path)
 
 
+def test_the_docs_page_gives_every_commands_exit_codes() -> None:
+    page = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    table = page[page.index("## Exit codes"):]
+    listed = {name.strip() for row in re.findall(r"^\| ([a-z][^|]*?) \|", table, re.MULTILINE) if row != "command"
+              for name in row.split(",")}
+    assert listed == {" ".join(path) for path, _ in LEAVES}
+
+
 # ------------------------------------------------------------------------------------------ outputs
 @pytest.mark.parametrize(("path", "command"), LEAVES, ids=_ids)
 def test_every_report_output_is_a_path_named_json_markdown_or_html_and_takes_a_dash(
@@ -124,13 +132,16 @@ def test_compare_markdown_dash_goes_to_stdout_with_a_json_file_beside_it(tmp_pat
     assert not (Path.cwd() / "-").exists()
 
 
-def test_inspect_and_identify_json_dash_print_only_the_json(tmp_path: Path) -> None:
+def test_inspect_and_identify_json_dash_print_only_the_json(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
     shown = invoke_tracediff("inspect", TRAIN, "--json", "-")
     assert shown.returncode == 0, shown.stderr
     assert "fc_in" in json.loads(shown.stdout)["taps"]
     written = invoke_tracediff("inspect", TRAIN, "--json", tmp_path / "d.json")
     assert written.returncode == 0 and "fc_in" in written.stdout  # the text as without --json
     assert json.loads((tmp_path / "d.json").read_text()) == json.loads(shown.stdout)
+    assert invoke_tracediff("inspect", TRAIN, "--json", "./-").stdout == written.stdout  # a file named '-'
+    assert json.loads((tmp_path / "-").read_text()) == json.loads(shown.stdout)
     ident = run_tracediff("identify", BROKEN, "--bank", BANK, "--json", "-")
     assert ident.returncode in (0, 1), ident.stderr
     assert [s["verdict"] for s in json.loads(ident.stdout)["segments"]]

@@ -143,7 +143,7 @@ def compare(
         raise UsageError("--draft replays one store per side; compare several stores without --draft")
     runner = None
     if dask_target is not None:
-        from tracediff.compare.cluster import DaskRunner  # noqa: PLC0415
+        from tracediff.compare.stream.cluster import DaskRunner  # noqa: PLC0415
         from tracediff.store.location import current_storage_options  # noqa: PLC0415
 
         # Workers have no --storage-option of their own: the command's go with every task.
@@ -202,7 +202,7 @@ def compare(
 def identify(store: Path, bank: Path, tap: str | None, bank_tap: str | None, segment_size: int | None,
              json_path: Path | None) -> None:
     """Name the layer each segment of STORE comes from ("segment 0 is hidden_states[3]")."""
-    from tracediff.compare.identify import identify_segments, render_identification  # noqa: PLC0415
+    from tracediff.compare.plan.identify import identify_segments, render_identification  # noqa: PLC0415
 
     check_output_files(("--json", json_path))
     with stage_progress("identify", None) as prog:

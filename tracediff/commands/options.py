@@ -253,15 +253,21 @@ def stage_progress(command: str, flag: bool | None, **counting: Any) -> Any:
     return Progress(command, progress_mode(flag), **counting)
 
 
+def _output_path(ctx: click.Context, param: Any, value: str | None) -> Path | str | None:
+    # '-' stays the string: a Path would fold './-' (a file named '-') into '-' as well.
+    return value if value is None or value == "-" else Path(value)
+
+
 def output_option(flag: str, dest: str, what: str) -> Any:
-    """A report or result output: ``--json PATH`` (``--markdown``, ``--html``), ``-`` for stdout."""
-    return click.option(flag, dest, type=click.Path(path_type=Path, allow_dash=True), metavar="PATH",
+    """A report or result output: ``--json PATH`` (``--markdown``, ``--html``), ``-`` for stdout (the
+    string ``"-"``; every other value a Path, ``./-`` a file)."""
+    return click.option(flag, dest, type=click.Path(allow_dash=True), callback=_output_path, metavar="PATH",
                         help=f"{what} ('-': stdout, and the printed text goes to stderr).")
 
 
-def to_stdout(path: Path | None) -> bool:
+def to_stdout(path: Path | str | None) -> bool:
     """The output option said ``-``: the document goes to stdout."""
-    return path is not None and str(path) == "-"
+    return isinstance(path, str) and path == "-"
 
 
 def check_output_files(*outputs: tuple[str, Path | None]) -> None:

@@ -4,7 +4,7 @@ The "double benchmark" of accuracy tooling (Ascend's msprobe judges a candidate'
 to a trusted low-precision run's error against the same golden): a few sequences of a trainer's
 store are run again through the target model, cast to the server's compute dtype (bf16 by default)
 with the same weights, and their fc-input rows (the same layers, concatenated the same way) are
-appended to the store as tap :data:`tracediff.compare.noise.CALIBRATION_TAP`. ``compare`` then measures
+appended to the store as tap :data:`tracediff.compare.plan.noise.CALIBRATION_TAP`. ``compare`` then measures
 exactly how far a correct low-precision run drifts from the trainer's rows at every segment, and
 holds the server to that instead of an assumed budget (``plan.noise[j].source == "calibrated"``).
 
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tracediff.adapters.conventions import FINAL_NORM
-from tracediff.compare.noise import CALIBRATION_TAP, canonical_dtype
+from tracediff.compare.plan.noise import CALIBRATION_TAP, canonical_dtype
 from tracediff.errors import StoreExistsError, UsageError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -43,8 +43,8 @@ def _layers_of(store: Any, tap: str, layers: list[Any] | None) -> list[Any]:
             except (TypeError, ValueError):
                 raise UsageError(f"layers: {value!r} is neither an HF hidden_states index nor 'pre_norm'") from None
         return out
-    from tracediff.compare.metadata import side_aux_layers  # noqa: PLC0415
-    from tracediff.compare.plan import collect_meta  # noqa: PLC0415
+    from tracediff.compare.plan.decide import collect_meta  # noqa: PLC0415
+    from tracediff.compare.plan.metadata import side_aux_layers  # noqa: PLC0415
 
     aux = side_aux_layers(collect_meta(store, tap))
     if aux is None or aux.physical is None:
@@ -109,13 +109,13 @@ def calibrate(store: str | Path, model: Any, *, dtype: str = "bfloat16", sequenc
     it from with :func:`load_model`, loaded once the store is checked) cast to ``dtype``, the
     segments built from ``layers`` (HF hidden_states indices or "pre_norm"; default: the layers the
     store records). Returns what was written."""
-    from tracediff.compare.plan import stream_layout  # noqa: PLC0415
+    from tracediff.compare.plan.decide import stream_layout  # noqa: PLC0415
     from tracediff.record.recorder import Recorder  # noqa: PLC0415
     from tracediff.store import open_store  # noqa: PLC0415
 
     compute = canonical_dtype(str(dtype))
     if compute is None:
-        raise UsageError(f"--dtype {dtype!r}: choose bfloat16, float16 or float32")
+        raise UsageError(f"--server-dtype {dtype!r}: choose bfloat16, float16 or float32")
     if not isinstance(sequences, int) or sequences < 1:
         raise UsageError(f"--sequences {sequences!r}: must be a positive integer")
     with open_store(store) as st:
