@@ -41,7 +41,7 @@ def _layers_of(store: Any, tap: str, layers: list[Any] | None) -> list[Any]:
             try:
                 out.append(int(value))
             except (TypeError, ValueError):
-                raise UsageError(f"layers: {value!r} is neither an HF hidden_states index nor 'pre_norm'") from None
+                raise UsageError(f"--layers {value!r}: neither an HF hidden_states index nor 'pre_norm'") from None
         return out
     from tracediff.compare.plan.decide import collect_meta  # noqa: PLC0415
     from tracediff.compare.plan.metadata import side_aux_layers  # noqa: PLC0415
@@ -132,7 +132,7 @@ def calibrate(store: str | Path, model: Any, *, dtype: str = "bfloat16", sequenc
     depth = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     bad = [p for p in wanted if p != FINAL_NORM and (p < 0 or (depth is not None and p > depth))]
     if bad:
-        raise UsageError(f"layers {bad}: outside the model's hidden states 0..{depth} (num_hidden_layers {depth})")
+        raise UsageError(f"--layers {bad}: outside the model's hidden states 0..{depth} (num_hidden_layers {depth})")
     if layout.width % len(wanted):
         raise UsageError(f"{store}: tap {tap} is {layout.width} wide, not a multiple of {len(wanted)} layers {wanted}")
     size = layout.segment_size or layout.width // len(wanted)

@@ -216,15 +216,17 @@ class Recorder(CapturePath, WriterThread):
         self._give_up_at: float | None = None  # set by close(): no upload retry starts after it
         self._previous: PreviousStore | None = None  # a local store overwrite=True replaces
 
+        # (the processes of `tracediff record` append to the store it created: the message says both)
+        no_store = f"{self.path}: no trace store there to append to (append=True, or record's --append, adds to one)"
         if self.location.remote:
             if append:
                 if not store_exists(self.location):
-                    raise UsageError(f"{self.path}: append=True needs an existing trace store")
+                    raise UsageError(no_store)
             else:
                 create_store(self.location, role=role, meta=self.meta, source=self.source, overwrite=overwrite)
         elif append:
             if not (self.path / "zarr.json").is_file():
-                raise UsageError(f"{self.path}: append=True needs an existing trace store")
+                raise UsageError(no_store)
         else:
             if self.path.exists() and not overwrite:
                 raise StoreExistsError(f"{self.path}: already exists; pass overwrite=True (--overwrite) to replace it")
