@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +20,23 @@ from tracediff import __version__
 from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
 from tracediff.compare.align.pairing import check_token_pairing
 from tracediff.compare.align.rowpairs import RowPairs, content_keys, pair_rows
-from tracediff.compare.align.sequences import align_sequences
+from tracediff.compare.align.sequences import Alignment, align_sequences
 from tracediff.compare.findings.build import build_findings
-from tracediff.compare.findings.evidence import apply_preconditions, gather_evidence, pairing_of_rows, preconditions
-from tracediff.compare.findings.remedy import attach_next_steps
-from tracediff.compare.findings.subsets import (
-    agreeing_rows_tell_nothing,
-    describe_subset,
-    find_subset,
-    might_hold_subset,
-    subset_labels,
+from tracediff.compare.findings.evidence import (
+    Evidence,
+    apply_preconditions,
+    gather_evidence,
+    pairing_of_rows,
+    preconditions,
 )
+from tracediff.compare.findings.remedy import attach_next_steps
+from tracediff.compare.findings.segments import name_bank_layers
+from tracediff.compare.findings.subsets import localise_subsets
 from tracediff.compare.plan.decide import (
     CompareOptions,
+    Layout,
     SegmentPlan,
+    SegmentSizes,
     collect_meta,
     decide_segment_sizes,
     offset_search,
@@ -90,145 +94,270 @@ def _stage(opts: CompareOptions, name: str) -> None:
 
 
 def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Report:
+    """The stages in order: open both sides, align their rows, decide each side's segment size, read
+    the metadata, plan and stream (when the segments compare at all), assemble the report, draw its
+    findings."""
     if opts.bank and (isinstance(ref_store, StoreSet) or isinstance(cand_store, StoreSet)):
         raise UsageError("--bank names the layers of one store per side; compare several stores without --bank")
+    sides = _open_sides(ref_store, cand_store, opts)
+    notes = list(opts.extra_notes) + store_set_notes(ref_store, "reference") + store_set_notes(cand_store, "candidate")
+    aligned = _align(sides, opts)
+    notes += aligned.alignment.notes
+    sizes, evidence = _segment_sizes(sides, aligned.base_pairs, opts)
+    notes += list(sizes.notes)
+    meta = _read_metadata(sides)
+    notes += meta.notes
+    if sizes.comparable:
+        measured = _plan_and_stream(sides, aligned, sizes.reference, meta, evidence, opts, notes)
+    else:
+        measured = _Measured(aligned.take_base_pairs())
+    report = _assemble_report(sides, aligned.alignment, sizes, meta, measured, notes)
+    _draw_findings(report, sides, aligned.alignment, meta, measured, opts)
+    apply_preconditions(report, preconditions(evidence, report))
+    return report
+
+
+@dataclass
+class _Sides:
+    """Both sides opened: their stores, the taps compared, each tap's layout and row index."""
+
+    ref_store: Side_
+    cand_store: Side_
+    rtap: str
+    ctap: str
+    rl: Layout
+    cl: Layout
+    ref_index: RowIndex
+    cand_index: RowIndex
+
+
+def _open_sides(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> _Sides:
     rtap, ctap = pick_taps(ref_store, cand_store, opts)
     _stage(opts, "reading labels")
     rl, cl = stream_layout(ref_store, rtap), stream_layout(cand_store, ctap)
     ref_index, cand_index = _load_indexes(ref_store, rtap, cand_store, ctap)
-    notes = list(opts.extra_notes) + store_set_notes(ref_store, "reference") + store_set_notes(cand_store, "candidate")
+    return _Sides(ref_store, cand_store, rtap, ctap, rl, cl, ref_index, cand_index)
 
-    # -- sequences
+
+@dataclass
+class _Aligned:
+    """The sequences aligned and the row pairs at label offset 0 (handed over to the plan, which lets
+    them go once it has the pairs of the offset it keeps)."""
+
+    alignment: Alignment
+    base_pairs: RowPairs
+
+    def take_base_pairs(self) -> RowPairs:
+        pairs = self.base_pairs
+        del self.base_pairs  # (a later read is an error, not the pairs kept alive through the pass)
+        return pairs
+
+
+def _align(sides: _Sides, opts: CompareOptions) -> _Aligned:
     _stage(opts, "aligning sequences")
-    alignment = align_sequences(ref_index, cand_index)
-    notes += alignment.notes
+    alignment = align_sequences(sides.ref_index, sides.cand_index)
     base_pairs = pair_rows(alignment, 0)
     base_pairs.content_keys = content_keys(base_pairs, alignment)
     if len(base_pairs) == 0:
         raise CompareError(
-            f"zero aligned rows between {ref_store.path} ({rtap}) and {cand_store.path} ({ctap}): "
-            f"no candidate sequence shares tokens with a reference sequence; were both recorded on the same "
-            f"inputs (see `tracediff send`)?"
+            f"zero aligned rows between {sides.ref_store.path} ({sides.rtap}) and {sides.cand_store.path} "
+            f"({sides.ctap}): no candidate sequence shares tokens with a reference sequence; were both recorded "
+            f"on the same inputs (see `tracediff send`)?"
         )
+    prepare_kernel(len(base_pairs), sides.cand_index, sides.ref_index, lambda: _stage(opts, "loading compiled kernels"))
+    return _Aligned(alignment, base_pairs)
 
-    prepare_kernel(len(base_pairs), cand_index, ref_index, lambda: _stage(opts, "loading compiled kernels"))
 
-    # -- shapes first: each side's recorded segment size
+def _segment_sizes(sides: _Sides, base_pairs: RowPairs, opts: CompareOptions) -> tuple[SegmentSizes, Evidence]:
+    """Shapes first: each side's segment size (recorded, or read off a sample of the pairs), and the
+    evidence the conclusions will rest on."""
+
     def size_sample() -> tuple[np.ndarray, np.ndarray]:
         pick = sample_pairs(base_pairs, 256, opts.seed)
-        return read_rows(ref_index, base_pairs.reference[pick]), read_rows(cand_index, base_pairs.candidate[pick])
+        return read_rows(sides.ref_index, base_pairs.reference[pick]), read_rows(sides.cand_index, base_pairs.candidate[pick])
 
-    sizes = decide_segment_sizes(rl, cl, opts, size_sample)
-    notes += list(sizes.notes)
-    evidence = gather_evidence(ref_index, cand_index, rl, cl, sizes, size_sample)
+    sizes = decide_segment_sizes(sides.rl, sides.cl, opts, size_sample)
+    evidence = gather_evidence(sides.ref_index, sides.cand_index, sides.rl, sides.cl, sizes, size_sample)
+    return sizes, evidence
 
-    # -- metadata: config diff in one physical layer numbering
-    ref_meta, cand_meta = collect_meta(ref_store, rtap), collect_meta(cand_store, ctap)
+
+@dataclass
+class _Metadata:
+    """Each side's recorded metadata, its aux layers in one physical numbering, and the config diff."""
+
+    ref_meta: dict[str, Any]
+    cand_meta: dict[str, Any]
+    ref_aux: AuxLayers | None
+    cand_aux: AuxLayers | None
+    diff: Any
+    notes: list[str]
+
+
+def _read_metadata(sides: _Sides) -> _Metadata:
+    ref_meta, cand_meta = collect_meta(sides.ref_store, sides.rtap), collect_meta(sides.cand_store, sides.ctap)
     ref_aux, cand_aux = side_aux_layers(ref_meta), side_aux_layers(cand_meta)
     same_layers = bool(ref_aux and cand_aux and ref_aux.physical is not None and ref_aux.physical == cand_aux.physical)
     diff = config_diff(ref_meta, cand_meta, same_physical_layers=same_layers)
-    for aux in (ref_aux, cand_aux):
-        if aux is not None:
-            notes += aux.notes
+    notes = [n for aux in (ref_aux, cand_aux) if aux is not None for n in aux.notes]
+    return _Metadata(ref_meta, cand_meta, ref_aux, cand_aux, diff, notes)
 
+
+@dataclass
+class _Measured:
+    """What the plan and the pass made: the pairs compared (under the label offset kept), the segment
+    plan, the pass's numbers and the subsets of rows that differ. Only the pairs when the segments do
+    not compare."""
+
+    pairs: RowPairs
+    offset: int = 0
+    offset_scores: dict = field(default_factory=dict)
     segplan: SegmentPlan | None = None
-    subsets: dict = {}
-    pairs, offset, offset_scores = base_pairs, 0, {}
-    stream = StreamResult([], {}, {}, 0)
-    if sizes.comparable:
-        size = sizes.reference
-        # -- label offset, then the pairs every later stage uses
-        _stage(opts, "planning: label offset")
-        compute = decide_compute_dtype(ref_meta, cand_meta)
+    stream: StreamResult = field(default_factory=lambda: StreamResult([], {}, {}, 0))
+    subsets: dict = field(default_factory=dict)
 
-        def plan_sample(of: RowPairs, sample_notes: list[str]) -> tuple[np.ndarray, np.ndarray]:
-            pick = _plan_pick(of, cand_index, opts, sample_notes)
-            return in_parallel(lambda: read_rows(cand_index, of.candidate[pick]),
-                               lambda: read_rows(ref_index, of.reference[pick]))
 
-        def ahead_of_time() -> tuple[tuple[np.ndarray, np.ndarray], list[str]]:
-            ahead_notes: list[str] = []
-            c, r = plan_sample(base_pairs, ahead_notes)
-            for side in (c, r):  # remembered with the sample (segments._memo): the plan asks again
-                segment_scales(side, size, compute.dtype)
-            return (c, r), ahead_notes
+def _plan_and_stream(sides: _Sides, aligned: _Aligned, size: int, meta: _Metadata, evidence: Evidence,
+                     opts: CompareOptions, notes: list[str]) -> _Measured:
+    pairs, offset, offset_scores, segplan = _plan(sides, aligned, size, meta, evidence, opts, notes)
+    stream, subsets = _stream(sides, pairs, segplan, size, opts)
+    return _Measured(pairs, offset, offset_scores, segplan, stream, subsets)
 
-        # Offset 0's plan sample (the offset nearly always kept) is read, and its scales estimated, on
-        # the other core while the offset search runs; another offset reads its own afterwards. What
-        # the plan decides does not change: the same rows, the same numbers.
-        with ThreadPoolExecutor(1, thread_name_prefix="tracediff-plan") as ex:
-            ahead = ex.submit(ahead_of_time)
-            offset, offset_scores, pairs = offset_search(alignment, size, opts, base_pairs, compute.dtype)
-            if pairs is not base_pairs:
-                pairs.content_keys = content_keys(pairs, alignment)
-            # -- segment decisions on a sample
-            _stage(opts, "planning: segment map")
-            if pairs is base_pairs:
-                (c_sample, r_sample), ahead_notes = ahead.result()
-                notes += ahead_notes
-            else:
-                c_sample, r_sample = plan_sample(pairs, notes)
-        # The pairs are made: the candidate sequences' rows and, under another label offset, offset
-        # 0's pairs are let go.
-        alignment.let_go_of_rows()
-        del base_pairs
-        require_finite_rows([(ref_store, rtap, r_sample), (cand_store, ctap, c_sample)], size)
-        depths = _segment_depths(rl.width // size, ref_aux, cand_aux, ref_meta, cand_meta)
-        calibration = _calibration_rows(ref_store, rtap, ref_index, rl.width, compute.dtype, notes)
-        segplan = plan_segments(c_sample, r_sample, size, rl.dtype, cl.dtype, depths, seed=opts.seed, compute=compute,
-                                assumed_depth=num_layers(ref_meta) or num_layers(cand_meta), calibration=calibration)
-        del c_sample, r_sample, ahead  # (up to 2 x 100 MB at 3 x 4096: not held through the pass)
-        if not (ref_index.has_tokens and cand_index.has_tokens):
-            evidence.pairing = pairing_of_rows(pairs, ref_index, cand_index, segplan, min(opts.sample_rows, 2048), opts.seed + 2)
-        # -- the streaming pass
-        matched = [(d.candidate, d.reference) for d in segplan.decisions
-                   if d.reference is not None and d.duplicate_of is None]
-        # Same-slot pairs the plan left unmatched are measured too: their rows may be right on all
-        # but a subset (a bug on most decode rows can hide the match in the sample).
-        probes = _same_slot_probes(segplan, matched, rl.width // size, cl.width // size)
-        pass_pairs = matched + probes
-        scales = [(segplan.ref_scales.mean[j], segplan.ref_scales.scale[j]) for _, j in pass_pairs]
-        _stage(opts, "comparing rows")
-        if opts.progress_total is not None:
-            opts.progress_total(len(pairs))
-        stream = stream_metrics(pairs, ref_index, cand_index, pass_pairs, size, scales, progress=opts.progress,
-                                limits=pair_limits(segplan, pass_pairs), profiles=profile_requests(segplan),
-                                runner=opts.runner, block_bytes=opts.block_bytes)
-        matched_set = set(matched)
-        stream.metrics = [m for m in stream.metrics if (m.candidate, m.reference) in matched_set]
-        for m in stream.metrics:
-            n = segplan.noise[m.reference]
-            m.noise_source, m.expected_drift, m.limit_source = n.source, n.drift, n.limit_source
-            m.neighbour_distance = n.neighbour if n.neighbour is not None else float("nan")
-        _stage(opts, "localising")
-        subsets = localise_subsets(pass_pairs, pairs, ref_index, cand_index, stream, segplan, _labels_of(rl, size))
-        stream.profiles = with_subset_profiles(stream, subsets)
 
+def _plan(sides: _Sides, aligned: _Aligned, size: int, meta: _Metadata, evidence: Evidence, opts: CompareOptions,
+          notes: list[str]) -> tuple[RowPairs, int, dict, SegmentPlan]:
+    """The label offset, then the pairs every later stage uses, then the segment plan on a sample."""
+    ref_index, cand_index, alignment = sides.ref_index, sides.cand_index, aligned.alignment
+    base_pairs = aligned.take_base_pairs()
+    _stage(opts, "planning: label offset")
+    compute = decide_compute_dtype(meta.ref_meta, meta.cand_meta)
+
+    def plan_sample(of: RowPairs, sample_notes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        pick = _plan_pick(of, cand_index, opts, sample_notes)
+        return in_parallel(lambda: read_rows(cand_index, of.candidate[pick]),
+                           lambda: read_rows(ref_index, of.reference[pick]))
+
+    def ahead_of_time(of: RowPairs) -> tuple[tuple[np.ndarray, np.ndarray], list[str]]:
+        ahead_notes: list[str] = []
+        c, r = plan_sample(of, ahead_notes)
+        for side in (c, r):  # remembered with the sample (segments._memo): the plan asks again
+            segment_scales(side, size, compute.dtype)
+        return (c, r), ahead_notes
+
+    # Offset 0's plan sample (the offset nearly always kept) is read, and its scales estimated, on
+    # the other core while the offset search runs; another offset reads its own afterwards. What
+    # the plan decides does not change: the same rows, the same numbers.
+    with ThreadPoolExecutor(1, thread_name_prefix="tracediff-plan") as ex:
+        ahead = ex.submit(ahead_of_time, base_pairs)
+        offset, offset_scores, pairs = offset_search(alignment, size, opts, base_pairs, compute.dtype)
+        if pairs is not base_pairs:
+            pairs.content_keys = content_keys(pairs, alignment)
+        # -- segment decisions on a sample
+        _stage(opts, "planning: segment map")
+        if pairs is base_pairs:
+            (c_sample, r_sample), ahead_notes = ahead.result()
+            notes += ahead_notes
+        else:
+            c_sample, r_sample = plan_sample(pairs, notes)
+    # The pairs are made: the candidate sequences' rows and, under another label offset, offset
+    # 0's pairs are let go.
+    alignment.let_go_of_rows()
+    del base_pairs
+    rl, cl = sides.rl, sides.cl
+    require_finite_rows([(sides.ref_store, sides.rtap, r_sample), (sides.cand_store, sides.ctap, c_sample)], size)
+    depths = _segment_depths(rl.width // size, meta.ref_aux, meta.cand_aux, meta.ref_meta, meta.cand_meta)
+    calibration = _calibration_rows(sides.ref_store, sides.rtap, ref_index, rl.width, compute.dtype, notes)
+    segplan = plan_segments(c_sample, r_sample, size, rl.dtype, cl.dtype, depths, seed=opts.seed, compute=compute,
+                            assumed_depth=num_layers(meta.ref_meta) or num_layers(meta.cand_meta),
+                            calibration=calibration)
+    del c_sample, r_sample, ahead  # (up to 2 x 100 MB at 3 x 4096: not held through the pass)
+    if not (ref_index.has_tokens and cand_index.has_tokens):
+        evidence.pairing = pairing_of_rows(pairs, ref_index, cand_index, segplan, min(opts.sample_rows, 2048), opts.seed + 2)
+    return pairs, offset, offset_scores, segplan
+
+
+def _stream(sides: _Sides, pairs: RowPairs, segplan: SegmentPlan, size: int,
+            opts: CompareOptions) -> tuple[StreamResult, dict]:
+    """The streaming pass over every pair, then the subsets of rows that differ."""
+    ref_index, cand_index, rl = sides.ref_index, sides.cand_index, sides.rl
+    matched = [(d.candidate, d.reference) for d in segplan.decisions
+               if d.reference is not None and d.duplicate_of is None]
+    # Same-slot pairs the plan left unmatched are measured too: their rows may be right on all
+    # but a subset (a bug on most decode rows can hide the match in the sample).
+    probes = _same_slot_probes(segplan, matched, rl.width // size, sides.cl.width // size)
+    pass_pairs = matched + probes
+    scales = [(segplan.ref_scales.mean[j], segplan.ref_scales.scale[j]) for _, j in pass_pairs]
+    _stage(opts, "comparing rows")
+    if opts.progress_total is not None:
+        opts.progress_total(len(pairs))
+    stream = stream_metrics(pairs, ref_index, cand_index, pass_pairs, size, scales, progress=opts.progress,
+                            limits=pair_limits(segplan, pass_pairs), profiles=profile_requests(segplan),
+                            runner=opts.runner, block_bytes=opts.block_bytes)
+    matched_set = set(matched)
+    stream.metrics = [m for m in stream.metrics if (m.candidate, m.reference) in matched_set]
+    for m in stream.metrics:
+        n = segplan.noise[m.reference]
+        m.noise_source, m.expected_drift, m.limit_source = n.source, n.drift, n.limit_source
+        m.neighbour_distance = n.neighbour if n.neighbour is not None else float("nan")
+    _stage(opts, "localising")
+    subsets = localise_subsets(pass_pairs, pairs, ref_index, cand_index, stream, segplan, _labels_of(rl, size))
+    stream.profiles = with_subset_profiles(stream, subsets)
+    return stream, subsets
+
+
+def _assemble_report(sides: _Sides, alignment: Alignment, sizes: SegmentSizes, meta: _Metadata,
+                     measured: _Measured, notes: list[str]) -> Report:
+    """The report without its findings: both sides, the plan, the segment map, the matrices, the metrics."""
+    pairs, segplan, stream = measured.pairs, measured.segplan, measured.stream
+    ref_index, cand_index = sides.ref_index, sides.cand_index
     if pairs.replicas:
         names = stream_names(cand_index.streams)
         writers = sorted({names[int(k)] for k in np.unique(cand_index.stream_of(pairs.candidate))})
         notes.append(f"{pairs.replicas} aligned rows are held by more than one candidate writer group "
                      f"({', '.join(writers)}): tensor-parallel replicas (ranks, or stores of replicas), each compared with the reference")
-    if isinstance(ref_store, StoreSet):  # (single stores: reports unchanged)
+    if isinstance(sides.ref_store, StoreSet):  # (single stores: reports unchanged)
         notes += _reference_replica_notes(alignment, ref_index)
     pairing = check_token_pairing(pairs, ref_index, cand_index)
     if pairing.unknown:
         notes.append(f"draft input tokens (next_token_id) compared on {pairing.compared} aligned rows; "
                      f"{pairing.unknown} rows where a side does not know the next token are not compared")
-    rlabels = _labels_of(rl, sizes.reference)
-    clabels = _labels_of(cl, sizes.candidate)
+    rlabels = _labels_of(sides.rl, sizes.reference)
+    clabels = _labels_of(sides.cl, sizes.candidate)
+    plan = _plan_summary(sides, alignment, sizes, measured, pairing.to_dict(), notes)
+    reference = _side(sides.ref_store, sides.rtap, ref_index, sides.rl, sizes.reference, rlabels, meta.ref_meta, meta.ref_aux)
+    candidate = _side(sides.cand_store, sides.ctap, cand_index, sides.cl, sizes.candidate, clabels, meta.cand_meta,
+                      meta.cand_aux)
+    segment_map = ([_segment_match(d, segplan, rlabels, clabels) for d in segplan.decisions] if segplan else [])
+    return Report(
+        reference=reference,
+        candidate=candidate,
+        plan=plan,
+        segment_map=segment_map,
+        matrix=[[float(x) for x in row] for row in segplan.raw] if segplan else [],
+        metrics=stream.metrics,
+        findings=[],
+        config_diff=meta.diff,
+        tracediff_version=__version__,
+        matrix_standardised=[[float(x) for x in row] for row in segplan.standardised] if segplan else [],
+        position_profiles=stream.profiles,
+    )
+
+
+def _plan_summary(sides: _Sides, alignment: Alignment, sizes: SegmentSizes, measured: _Measured,
+                  token_pairing: dict[str, Any], notes: list[str]) -> Plan:
+    pairs, segplan = measured.pairs, measured.segplan
+    ref_index, cand_index = sides.ref_index, sides.cand_index
     deltas = alignment.delta_histogram()
-    plan = Plan(
-        tap_reference=rtap,
-        tap_candidate=ctap,
+    return Plan(
+        tap_reference=sides.rtap,
+        tap_candidate=sides.ctap,
         segment_size=sizes.reference if sizes.comparable else 0,
         segment_size_source=sizes.source,
         sequences_reference=len(alignment.ref_groups),
         sequences_candidate=len(alignment.cand_groups),
         sequences_aligned=alignment.aligned_sequences,
         sequence_deltas={str(k): v for k, v in deltas.items()},
-        label_offset=offset,
-        offset_scores=offset_scores,
+        label_offset=measured.offset,
+        offset_scores=measured.offset_scores,
         pairs=len(pairs),
         candidate_rows_unaligned=pairs.unaligned,
         candidate_rows_duplicate=pairs.duplicates,
@@ -251,58 +380,49 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
         drift_limits=[math.sqrt(x) for x in segplan.limits] if segplan else [],
         reference_segment_size=sizes.reference,
         candidate_segment_size=sizes.candidate,
-        token_pairing=pairing.to_dict(),
+        token_pairing=token_pairing,
     )
-    sides = []
-    for store, tap, index, layout, size_, labels, meta, aux in (
-        (ref_store, rtap, ref_index, rl, sizes.reference, rlabels, ref_meta, ref_aux),
-        (cand_store, ctap, cand_index, cl, sizes.candidate, clabels, cand_meta, cand_aux),
-    ):
-        sides.append(
-            Side(
-                path=str(store.path),
-                tap=tap,
-                role=str(store.source.get("role", "")),
-                rows=len(index),
-                valid_rows=int(index.valid.sum()),
-                writers=stream_names(index.streams),
-                width=layout.width,
-                dtype=layout.dtype,
-                segment_size=size_,
-                segments=layout.width // size_,
-                segment_labels=list(labels),
-                sequences=len(index.group_keys),
-                meta={**meta, "stores": store.names} if isinstance(store, StoreSet) else meta,
-                aux_layer_config=aux_config(meta),
-                aux_layers=aux.to_dict() if aux is not None else None,
-                recorded_by=recorded_by(store),
-            )
-        )
-    segment_map = ([_segment_match(d, segplan, rlabels, clabels) for d in segplan.decisions] if segplan else [])
-    report = Report(
-        reference=sides[0],
-        candidate=sides[1],
-        plan=plan,
-        segment_map=segment_map,
-        matrix=[[float(x) for x in row] for row in segplan.raw] if segplan else [],
-        metrics=stream.metrics,
-        findings=[],
-        config_diff=diff,
-        tracediff_version=__version__,
-        matrix_standardised=[[float(x) for x in row] for row in segplan.standardised] if segplan else [],
-        position_profiles=stream.profiles,
+
+
+def _side(store: Side_, tap: str, index: RowIndex, layout: Layout, size: int, labels: list[str], meta: dict[str, Any],
+          aux: AuxLayers | None) -> Side:
+    return Side(
+        path=str(store.path),
+        tap=tap,
+        role=str(store.source.get("role", "")),
+        rows=len(index),
+        valid_rows=int(index.valid.sum()),
+        writers=stream_names(index.streams),
+        width=layout.width,
+        dtype=layout.dtype,
+        segment_size=size,
+        segments=layout.width // size,
+        segment_labels=list(labels),
+        sequences=len(index.group_keys),
+        meta={**meta, "stores": store.names} if isinstance(store, StoreSet) else meta,
+        aux_layer_config=aux_config(meta),
+        aux_layers=aux.to_dict() if aux is not None else None,
+        recorded_by=recorded_by(store),
     )
+
+
+def _draw_findings(report: Report, sides: _Sides, alignment: Alignment, meta: _Metadata, measured: _Measured,
+                   opts: CompareOptions) -> None:
+    """The findings, in the report's order: the bank's layer names, the recorded drafts' vocabulary
+    problems, a recording compared with itself or the roles swapped first, the next steps."""
+    ref_store, cand_store, segplan = sides.ref_store, sides.cand_store, measured.segplan
     if opts.bank and segplan:
         _stage(opts, "naming layers (bank)")
     bank = _identify_with_bank(ref_store, cand_store, report, opts) if opts.bank and segplan else None
     _stage(opts, "findings")
-    report.findings = build_findings(report, alignment, pairs, segplan, stream, ref_aux, cand_aux, bank, subsets)
-    for side, meta in (("candidate", cand_meta), ("reference", ref_meta)):
-        for p in recorded_d2t_problems(meta, side):
+    report.findings = build_findings(report, alignment, measured.pairs, segplan, measured.stream, meta.ref_aux,
+                                     meta.cand_aux, bank, measured.subsets)
+    for side, side_meta in (("candidate", meta.cand_meta), ("reference", meta.ref_meta)):
+        for p in recorded_d2t_problems(side_meta, side):
             report.findings.append(Finding("draft_vocabulary", p["severity"], p["message"][0].upper() + p["message"][1:]
                                            + ".", {k: v for k, v in p.items() if k not in ("severity", "message")}))
     if bank is not None:
-        _name_layers(report, bank, opts)
+        name_bank_layers(report, bank, opts.bank)
     same = same_recording_of(ref_store, cand_store)
     if same is not None:
         what = ("the same store" if same == "same store"
@@ -316,8 +436,6 @@ def _compare(ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> Repor
     if swapped is not None:
         report.findings.insert(0, swapped)
     attach_next_steps(report)
-    apply_preconditions(report, preconditions(evidence, report))
-    return report
 
 
 Side_ = TraceStore | StoreSet
@@ -380,32 +498,6 @@ def _same_slot_probes(segplan: SegmentPlan, matched: list[tuple[int, int]], kr: 
     taken_r = {j for _, j in matched}
     return [(i, i) for i in range(min(kr, kc)) if i not in taken_c and i not in taken_r
             and i not in segplan.dead_candidate and i not in segplan.dead_reference]
-
-
-def localise_subsets(pass_pairs: list[tuple[int, int]], pairs: Any, ref_index: RowIndex, cand_index: RowIndex,
-                     stream: StreamResult, segplan: SegmentPlan, rlabels: list[str]) -> dict:
-    """Per segment pair whose off rows form a label group: (Subset, SubsetContent)."""
-    out: dict = {}
-    dims = None
-    for i, j in pass_pairs:
-        errors = stream.row_errors.get((i, j))
-        if errors is None:
-            continue
-        threshold = math.sqrt(segplan.limits[j])
-        if not might_hold_subset(errors, threshold):
-            continue
-        if dims is None:  # labels per aligned row, only for a pair with off rows to explain
-            dims = subset_labels(pairs, cand_index)
-        subset = find_subset(dims, cand_index, errors, threshold)
-        if subset is None:
-            continue
-        if agreeing_rows_tell_nothing(j, subset.members, pairs, ref_index, segplan.ref_scales, segplan.limits,
-                                      segplan.size) is not None:
-            continue  # the pair agrees only where every layer does: the whole slot is the finding
-        content = describe_subset(i, j, subset.members, pairs, ref_index, cand_index, segplan.ref_scales,
-                                  segplan.limits, segplan.size, rlabels)
-        out[(i, j)] = (subset, content)
-    return out
 
 
 def _segment_depths(kr: int, ref_aux: AuxLayers | None, cand_aux: AuxLayers | None, ref_meta: dict[str, Any],
@@ -494,49 +586,6 @@ def _identify_with_bank(ref_store: TraceStore, cand_store: TraceStore, report: R
     ref_id = identify_segments(ref_store.path, opts.bank or "", tap=report.plan.tap_reference, segment_size=size)
     cand_id = identify_segments(cand_store.path, opts.bank or "", tap=report.plan.tap_candidate, segment_size=size)
     return ref_id, cand_id
-
-
-def _name_layers(report: Report, bank: Any, opts: CompareOptions) -> None:
-    """With a bank: say which layer each segment is, inside the segment map and the findings."""
-    ref_id, cand_id = bank
-
-    def name(ident: Any, i: int) -> str:
-        seg = ident.segments[i]
-        return seg.best.text if seg.best is not None and seg.verdict in ("match", "scaled") else "no layer of the bank"
-
-    for m in report.segment_map:
-        m.bank_layer = name(cand_id, m.candidate)
-    for f in report.findings:
-        if f.kind == "segment_extra":
-            i = f.evidence["candidate_segment"]
-            f.message = f.message.replace("; use --bank to name its layer.", ".")
-            f.message += f" Candidate segment {i} is {name(cand_id, i)}; the reference never used it."
-            f.evidence["bank_layer"] = name(cand_id, i)
-        elif f.kind == "segment_missing":
-            j = f.evidence["reference_segment"]
-            f.message += f" Reference segment {j} is {name(ref_id, j)}."
-            f.evidence["bank_layer"] = name(ref_id, j)
-        elif f.kind == "segment_value" and f.evidence.get("relation") == "other" and not f.evidence.get("explained_by"):
-            _name_wrong_layer(f, name(cand_id, f.evidence["candidate_segment"]), name(ref_id, f.evidence["reference_segment"]))
-    for side, ident in (("reference", ref_id), ("candidate", cand_id)):
-        layers = ", ".join(name(ident, i) for i in range(len(ident.segments)))
-        report.plan.notes.append(f"bank {opts.bank}: {side} segments are {layers}")
-        if ident.suggestions:
-            shown = "; ".join(f"{k} = {v}" for k, v in ident.suggestions.items())
-            report.plan.notes.append(f"{side} in config terms: {shown}")
-
-
-def _name_wrong_layer(f: Finding, fed: str, trained: str) -> None:
-    """A slot the bank names on both sides, differently: that is the root cause, in its words."""
-    f.evidence["bank_layer"], f.evidence["reference_bank_layer"] = fed, trained
-    unnamed = "no layer of the bank"
-    if fed == trained or unnamed in (fed, trained):
-        return
-    who = f.summary.split(" holds other data")[0] if " holds other data" in f.summary else "the candidate"
-    f.summary = f"{who} is {fed}, where the draft was trained on {trained}"
-    f.message = f.message.replace(
-        "probably a neighbouring layer, or another context.",
-        f"the bank names both: the server feeds {fed} where the draft was trained on {trained}.")
 
 
 def _segment_match(d: SegmentDecision, segplan: SegmentPlan, rlabels: list[str], clabels: list[str]) -> SegmentMatch:

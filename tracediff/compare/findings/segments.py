@@ -386,3 +386,46 @@ def _layer_config_findings(report: Report, segplan: SegmentPlan, ref_aux: AuxLay
               "decide from the data.", evidence,
             f"slot {j} is configured for layer {rtext} on the reference and {ctext} on the candidate"))
     return out
+
+
+def name_bank_layers(report: Report, bank: Any, bank_path: Any) -> None:
+    """With a bank: say which layer each segment is, inside the segment map and the findings."""
+    ref_id, cand_id = bank
+
+    def name(ident: Any, i: int) -> str:
+        seg = ident.segments[i]
+        return seg.best.text if seg.best is not None and seg.verdict in ("match", "scaled") else "no layer of the bank"
+
+    for m in report.segment_map:
+        m.bank_layer = name(cand_id, m.candidate)
+    for f in report.findings:
+        if f.kind == "segment_extra":
+            i = f.evidence["candidate_segment"]
+            f.message = f.message.replace("; use --bank to name its layer.", ".")
+            f.message += f" Candidate segment {i} is {name(cand_id, i)}; the reference never used it."
+            f.evidence["bank_layer"] = name(cand_id, i)
+        elif f.kind == "segment_missing":
+            j = f.evidence["reference_segment"]
+            f.message += f" Reference segment {j} is {name(ref_id, j)}."
+            f.evidence["bank_layer"] = name(ref_id, j)
+        elif f.kind == "segment_value" and f.evidence.get("relation") == "other" and not f.evidence.get("explained_by"):
+            _name_wrong_layer(f, name(cand_id, f.evidence["candidate_segment"]), name(ref_id, f.evidence["reference_segment"]))
+    for side, ident in (("reference", ref_id), ("candidate", cand_id)):
+        layers = ", ".join(name(ident, i) for i in range(len(ident.segments)))
+        report.plan.notes.append(f"bank {bank_path}: {side} segments are {layers}")
+        if ident.suggestions:
+            shown = "; ".join(f"{k} = {v}" for k, v in ident.suggestions.items())
+            report.plan.notes.append(f"{side} in config terms: {shown}")
+
+
+def _name_wrong_layer(f: Finding, fed: str, trained: str) -> None:
+    """A slot the bank names on both sides, differently: that is the root cause, in its words."""
+    f.evidence["bank_layer"], f.evidence["reference_bank_layer"] = fed, trained
+    unnamed = "no layer of the bank"
+    if fed == trained or unnamed in (fed, trained):
+        return
+    who = f.summary.split(" holds other data")[0] if " holds other data" in f.summary else "the candidate"
+    f.summary = f"{who} is {fed}, where the draft was trained on {trained}"
+    f.message = f.message.replace(
+        "probably a neighbouring layer, or another context.",
+        f"the bank names both: the server feeds {fed} where the draft was trained on {trained}.")

@@ -14,15 +14,17 @@ same step, or the right layer at a neighbouring position.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from tracediff.compare.align.rowpairs import RowPairs
-from tracediff.compare.plan.decide import read_rows
+from tracediff.compare.plan.decide import SegmentPlan, read_rows
 from tracediff.compare.plan.segments import SegmentScales, relative_error, split
 from tracediff.compare.rows.index import RowIndex, stream_names
+from tracediff.compare.stream.metrics import StreamResult
 from tracediff.store import PHASES
 
 #: A label group must hold this share of the off rows, and this share of it must be off.
@@ -317,3 +319,29 @@ def _other_rows(pick: np.ndarray, pairs: RowPairs, reference: RowIndex, candidat
 
 __all__ = ["Dimension", "Subset", "SubsetContent", "describe_subset", "find_subset", "might_hold_subset",
            "subset_labels"]
+
+
+def localise_subsets(pass_pairs: list[tuple[int, int]], pairs: Any, ref_index: RowIndex, cand_index: RowIndex,
+                     stream: StreamResult, segplan: SegmentPlan, rlabels: list[str]) -> dict:
+    """Per segment pair whose off rows form a label group: (Subset, SubsetContent)."""
+    out: dict = {}
+    dims = None
+    for i, j in pass_pairs:
+        errors = stream.row_errors.get((i, j))
+        if errors is None:
+            continue
+        threshold = math.sqrt(segplan.limits[j])
+        if not might_hold_subset(errors, threshold):
+            continue
+        if dims is None:  # labels per aligned row, only for a pair with off rows to explain
+            dims = subset_labels(pairs, cand_index)
+        subset = find_subset(dims, cand_index, errors, threshold)
+        if subset is None:
+            continue
+        if agreeing_rows_tell_nothing(j, subset.members, pairs, ref_index, segplan.ref_scales, segplan.limits,
+                                      segplan.size) is not None:
+            continue  # the pair agrees only where every layer does: the whole slot is the finding
+        content = describe_subset(i, j, subset.members, pairs, ref_index, cand_index, segplan.ref_scales,
+                                  segplan.limits, segplan.size, rlabels)
+        out[(i, j)] = (subset, content)
+    return out
