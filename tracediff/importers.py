@@ -72,6 +72,7 @@ class _Sample:
     bank: torch.Tensor  # [T, n*H]
     tokens: torch.Tensor  # [T] int64
     fc_rows: int  # the first fc_rows positions are fed to fc
+    quantised: str | None = None  # the FP8 format the file stored its values in (read back as bf16)
 
 
 # --------------------------------------------------------------------------------------- speculators
@@ -170,7 +171,19 @@ def _load_speculators_file(path: Path, index: int) -> _Sample:
         bank=hs.reshape(length, slots * width),
         tokens=offline.tokens,
         fc_rows=max(length - 1, 0),
+        quantised=None if offline.codes is None else str(offline.codes.dtype).removeprefix("torch."),
     )
+
+
+def _quantisation_meta(first: _Sample) -> dict[str, Any]:
+    """``storage_quantisation`` when the files stored FP8 values: compare's noise model then allows
+    that storage's rounding on this side (tracediff.compare.plan.storage)."""
+    if first.quantised is None:
+        return {}
+    return {"storage_quantisation": {
+        "dtype": first.quantised, "scales": "one float32 scale per token (hidden_states_scales [T, 1, 1], absmax / max)",
+        "read_as": "bfloat16: hidden_states.to(bf16) * scales.to(bf16), as hs_connectors' FP8Transfer hands them to "
+                   "the trainer", "written_by": "hs_connectors FP8HiddenStatesConnector (quantize_tensor_to_fp8)"}}
 
 
 def import_speculators(
@@ -200,6 +213,7 @@ def import_speculators(
                               "folder": str(src.resolve()), "files": len(files)},
             "hidden_size": width,
             "aux_layer_ids": aux,
+            **_quantisation_meta(first),
             "positions": {
                 "position_offset": 1,
                 "stored": "the true position p of the hidden state (its token is x_p)",
@@ -400,10 +414,11 @@ def _write(
         sample: _Sample | None = first
         while sample is not None:
             if sample.bank.shape[-1] != bank_width or sample.fc_in.shape[-1] != fc_width or \
-                    _TORCH_TO_STORE.get(sample.fc_in.dtype) != dtype:
+                    _TORCH_TO_STORE.get(sample.fc_in.dtype) != dtype or sample.quantised != first.quantised:
                 raise ImportFormatError(
                     f"{sample.name}: rows of {sample.fc_in.shape[-1]} / {sample.bank.shape[-1]} {sample.fc_in.dtype} "
-                    f"values after {first.name}'s {fc_width} / {bank_width} {first.fc_in.dtype}: the files come from "
+                    f"values (stored {sample.quantised or 'unquantised'}) after {first.name}'s {fc_width} / {bank_width} "
+                    f"{first.fc_in.dtype} (stored {first.quantised or 'unquantised'}): the files come from "
                     f"two different models or settings; import them separately"
                 )
             for tap, values, rows in (("fc_in", sample.fc_in, sample.fc_rows), ("bank", sample.bank, len(sample.tokens))):

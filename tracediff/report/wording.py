@@ -270,7 +270,9 @@ def _compute_text(p: Any) -> str:
         value = c.get(name)
         return f"{name} {value} ({fields.get(name, '')})" if value else f"{name} not recorded (counts as bfloat16)"
     how = "recorded" if c.get("source") == "recorded" else "assumed"
-    return f"{c.get('dtype')} ({how}: {side('reference')}, {side('candidate')}); never the storage dtype"
+    stored = "".join(f"; the {s}'s rows were stored as {fmt} (its rounding is storage noise, in the noise floor)"
+                     for s, fmt in (c.get("storage") or {}).items())
+    return f"{c.get('dtype')} ({how}: {side('reference')}, {side('candidate')}); never the storage dtype{stored}"
 
 
 def _noise_text(p: Any) -> str:
@@ -287,6 +289,9 @@ def _noise_text(p: Any) -> str:
         parts.append(f"segment {n['reference']} ({depth}): drift {fmt_num(n['drift'], 3)} ({n['source']}), budget "
                      f"{fmt_num(n['budget'], 3)}, other data beyond {fmt_num(n['limit'], 3)} ({limit}{nb})"
                      + ("" if n.get("separable", True) else "; cannot separate numerics from a neighbouring layer"))
+    stored = next((n.get("storage_dtype") for n in p.noise if n.get("storage_dtype")), None)
+    if stored:
+        parts.append(f"storage rounding of {stored} (per-token scales) simulated in each budget")
     cal = p.calibration
     head = (f"calibrated on {cal['rows']} rows of {cal['sequences']} sequences ({cal['tap']}, "
             f"{cal.get('compute_dtype') or 'dtype not recorded'}); " if cal else "")

@@ -477,13 +477,15 @@ def plan_segments(cand: np.ndarray, ref: np.ndarray, size: int, dtype_ref: str, 
     the measured drift of calibration rows, per reference segment.
     """
     compute = compute or decide_compute_dtype({}, {})
+    # A side stored quantised (an FP8 reference): its rounding is storage noise, simulated on the sample.
+    quantised = next(iter(compute.storage.values()), None)
     c, r = cand, ref  # non-finite segments of a row are left out pair by pair, never whole rows
     # Independent numpy work, on both cores: each answer is the same whichever thread computes it.
     cs, rs = in_parallel(lambda: segment_scales(c, size, compute.dtype), lambda: segment_scales(r, size, compute.dtype))
     # (The longest first: the noise floor draws its random numbers and takes relative errors besides
     # its matrix; the raw cosines skip the scales. Both cores then finish together.)
     floor, std, baseline, raw = in_parallel(
-        lambda: noise_floor(r, size, dtype_ref, dtype_cand, rs, seed=seed),
+        lambda: noise_floor(r, size, dtype_ref, dtype_cand, rs, seed=seed, quantised=quantised),
         lambda: standardised_cosine_matrix(c, r, cs, rs),
         lambda: mismatched_rows_matrix(c, r, cs, rs),
         lambda: segment_cosine_matrix(cand, ref, size),
@@ -497,6 +499,7 @@ def plan_segments(cand: np.ndarray, ref: np.ndarray, size: int, dtype_ref: str, 
     noise = segment_noise(floors, depth, compute.dtype, measured)
     for n, d in zip(noise, known, strict=True):
         n.depth = d
+        n.storage_dtype = ", ".join(f"{fmt} on the {side}" for side, fmt in compute.storage.items()) or None
     budgets = [n.budget**2 for n in noise]
     decisions = match_segments(std, baseline, floor.distance)
     c3, r3 = split(c, size), split(r, size)

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tracediff.compare.plan.segments import MANTISSA_BITS
+from tracediff.compare.plan.storage import recorded_storage
 
 #: Expected drift of a correct run, in units of the compute dtype's rounding (half an ulp) times
 #: sqrt(depth). Measured (docs/noise-model.md): 1.8-2.0 for a bf16 engine against an fp32 trainer at
@@ -102,12 +103,16 @@ class ComputeDtype:
     candidate: str | None
     source: str  # "recorded" | "assumed"
     fields: dict[str, str] = field(default_factory=dict)
+    #: Sides whose rows were stored quantised (side -> format, e.g. float8_e4m3fn): their rounding is
+    #: storage noise the noise floor simulates (:mod:`tracediff.compare.plan.storage`), not drift.
+    storage: dict[str, str] = field(default_factory=dict)
 
     def describe(self) -> str:
         def one(side: str, value: str | None) -> str:
             return f"{side} {value} ({self.fields[side]})" if value else f"{side} not recorded"
+        stored = "".join(f"; the {side}'s rows were stored as {fmt}" for side, fmt in self.storage.items())
         return (f"{self.dtype} ({'recorded' if self.source == 'recorded' else 'assumed'}: "
-                f"{one('reference', self.reference)}, {one('candidate', self.candidate)})")
+                f"{one('reference', self.reference)}, {one('candidate', self.candidate)}){stored}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,7 +127,9 @@ def decide_compute_dtype(ref_meta: dict[str, Any], cand_meta: dict[str, Any]) ->
     dtypes = known + (["bfloat16"] if len(known) < 2 else [])
     coarse = min(dtypes, key=lambda d: MANTISSA_BITS.get(d, 23))
     fields = {k: v for k, v in (("reference", rf), ("candidate", cf)) if v}
-    return ComputeDtype(coarse, r, c, "recorded" if len(known) == 2 else "assumed", fields)
+    storage = {side: fmt for side, fmt in (("reference", recorded_storage(ref_meta)),
+                                           ("candidate", recorded_storage(cand_meta))) if fmt}
+    return ComputeDtype(coarse, r, c, "recorded" if len(known) == 2 else "assumed", fields, storage)
 
 
 def rounding_unit(dtype: str) -> float:
@@ -151,6 +158,7 @@ class SegmentNoise:
     neighbour_from: list[int] | None = None  # the two reference segments it was estimated from
     consistent: float | None = None  # the drift the other segments show at this depth (as the limit used it)
     calibration_rows: int = 0
+    storage_dtype: str | None = None  # quantised storage in ``storage`` (e.g. "float8_e4m3fn on the reference")
 
     @property
     def separable(self) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from tracediff.compare.plan.storage import round_trip
 from tracediff.compare.rows.kernels import dot, norms
 
 # A pair whose distance is below this fraction of its runner-up's is the same tensor up to numerics;
@@ -381,14 +382,17 @@ class NoiseFloor:
 
 
 def noise_floor(ref: np.ndarray, size: int, dtype_ref: str, dtype_cand: str, scales: SegmentScales,
-                seed: int = 0) -> NoiseFloor:
+                seed: int = 0, quantised: str | None = None) -> NoiseFloor:
     """Measured, not assumed: the sample rows are perturbed by a relative rounding error of each
-    dtype's half-ulp (uniform), and the distance is measured the way matching measures it."""
+    dtype's half-ulp (uniform), and the distance is measured the way matching measures it. With
+    ``quantised`` (a side's rows were stored in that FP8 format before being widened to its dtype),
+    the rows are first rounded as that storage does (:func:`tracediff.compare.plan.storage.round_trip`)."""
     x = ref[:512]
     if x.shape[0] == 0:
         return NoiseFloor(0.0, 0.0, tuple(0.0 for _ in range(ref.shape[1] // size)))
     rel = np.float32(sum(2.0 ** -(MANTISSA_BITS.get(dt, 23) + 1) for dt in (dtype_ref, dtype_cand)))
-    noisy = frozen(x * (1 + (_uniform(x.shape, seed) * 2 - 1) * rel))
+    base = x if quantised is None else round_trip(x, quantised)
+    noisy = frozen(base * (1 + (_uniform(x.shape, seed) * 2 - 1) * rel))
     m = standardised_cosine_matrix(noisy, x, scales, scales)
     errors = [relative_error(split(noisy, size)[:, j], split(x, size)[:, j], scales.mean[j], scales.scale[j])
               for j in range(x.shape[1] // size)]
