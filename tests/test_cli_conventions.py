@@ -148,6 +148,21 @@ def test_inspect_and_identify_json_dash_print_only_the_json(tmp_path: Path, monk
     assert ident.stderr.strip(), "identify's table goes to stderr"
 
 
+def test_send_json_dash_is_what_was_sent_on_stdout_and_the_summary_on_stderr() -> None:
+    from test_send import FakeServer  # noqa: PLC0415
+
+    server = FakeServer()
+    server.vocab_size = None
+    try:
+        result = run_tracediff("send", TRAIN, "--url", server.url, "--no-progress", "--json", "-")
+    finally:
+        server.stop()
+    assert result.returncode == 0, result.stderr
+    sent = json.loads(result.stdout)
+    assert sent["trace"] == str(TRAIN) and len(sent["responses"]) == 6
+    assert result.stderr.startswith("sent 6 of 6 sequences"), result.stderr
+
+
 def test_two_outputs_to_stdout_are_refused_before_anything_is_read(tmp_path: Path) -> None:
     _one_line_error(invoke_tracediff("compare", tmp_path / "none.zarr", BROKEN, "--json", "-", "--html", "-"),
                     "--json - and --html -: one output at most goes to stdout")
