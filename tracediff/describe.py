@@ -43,6 +43,8 @@ def describe_stream(stream: TraceStream) -> dict[str, Any]:
         "dropped_rows": commit.get("dropped_rows", 0),
         "dropped_batches": commit.get("dropped_batches", 0),
         "skipped_rows": commit.get("skipped_rows", 0),
+        # The light lint record ran as it wrote (tracediff.lint.light): all-zero rows per segment.
+        "row_checks": stream.attrs.get("row_checks") if isinstance(stream.attrs.get("row_checks"), dict) else None,
     }
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from tracediff.errors import ImportFormatError, TracediffError, UsageError, first_line
+from tracediff.lint.light import zero_row_warnings, zero_rows
 from tracediff.store import (
     PHASES,
     TraceWriter,
@@ -56,10 +57,13 @@ class ImportResult:
     store: Path
     files: int
     rows: dict[str, int] = field(default_factory=dict)
+    #: The light lint of the rows written (tracediff.lint.light): one sentence per slot with all-zero rows.
+    warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         taps = ", ".join(f"{tap} {rows} rows" for tap, rows in self.rows.items())
-        return f"imported {self.files} files into {self.store}: {taps}"
+        return f"imported {self.files} files into {self.store}: {taps}" + "".join(
+            f"\ntracediff: warning: {w}" for w in self.warnings)
 
 
 @dataclass
@@ -402,6 +406,7 @@ def _write(
     create_store(dest, role="trainer", meta=meta, source=source, overwrite=True)
     result = ImportResult(final, 0)
     writers: dict[str, TraceWriter] = {}
+    zeros = [0] * slots
     try:
         for tap, tap_width, labels, what in (
             ("fc_in", fc_width, aux_labels, "the aux hidden states the trainer feeds fc"),
@@ -422,13 +427,18 @@ def _write(
                     f"two different models or settings; import them separately"
                 )
             for tap, values, rows in (("fc_in", sample.fc_in, sample.fc_rows), ("bank", sample.bank, len(sample.tokens))):
-                writers[tap].append(_store_values(values), _labels(sample, rows))
+                stored = _store_values(values)
+                if tap == "bank":  # every slot of every position: the light lint of what was imported
+                    zeros = [a + b for a, b in zip(zeros, zero_rows(stored, width), strict=True)]
+                    writers[tap].note_attr("row_checks", {"rows": result.rows.get(tap, 0) + rows, "zero_rows": zeros})
+                writers[tap].append(stored, _labels(sample, rows))
                 result.rows[tap] = result.rows.get(tap, 0) + rows
             result.files += 1
             sample = next(samples, None)
         for writer in writers.values():
             writer.close()
         replace_store(dest, final)
+        result.warnings = zero_row_warnings("bank", zeros, result.rows.get("bank", 0), bank_labels)
     except (TracediffError, OSError) as exc:
         shutil.rmtree(dest, ignore_errors=True)
         if isinstance(exc, TracediffError):

@@ -464,7 +464,14 @@ def _record_summary(desc: dict[str, Any], returncode: int) -> str:
                 f"{w['batches']} batches, dropped {w['dropped_rows']}, skipped {w['skipped_rows']}, {w['status']}"
             )
     from tracediff.describe import labelling_lines  # noqa: PLC0415
+    from tracediff.lint.light import zero_row_warnings  # noqa: PLC0415
 
+    for tap, info in desc["taps"].items():
+        for w in info["writers"]:
+            checks = w.get("row_checks") or {}
+            if isinstance(checks.get("zero_rows"), list):
+                lines += [f"tracediff: warning: {text}" for text in zero_row_warnings(
+                    f"{tap}/{w['writer']}", checks["zero_rows"], int(checks.get("rows") or 0), w.get("segment_labels"))]
     notes, no_tokens = labelling_lines(desc)
     lines += [f"tracediff:   {note}" for note in notes]
     lines += [f"tracediff: warning: {line}" for line in no_tokens]

@@ -194,6 +194,7 @@ class Recorder(CapturePath, WriterThread):
         self._taps: dict[str, TapState] = {}
         self._handles: list[Any] = []
         self._writers: dict[str, TraceWriter] = {}
+        self._row_checks: dict[str, dict[str, Any]] = {}  # tap -> the light lint of its rows (writing.py)
         self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=max_queue_batches)
         self._queued_bytes = 0
         self._enqueued = 0  # batches put on the queue / taken off it and written (or dropped): flush()

@@ -139,8 +139,23 @@ class WriterThread:
         rows = array.shape[0]
         labels = {k: (np.broadcast_to(np.asarray(v), (rows,)) if np.ndim(v) == 0 else v) for k, v in labels.items()}
         self._sync_counts(writer, item.tap)
+        self._check_rows(item.tap, writer, array)
         writer.append(array, labels)
         self._account(item.tap, COMMITTED, rows)
+
+    def _check_rows(self, tap: str, writer: TraceWriter, array: np.ndarray) -> None:
+        """The light lint (:mod:`tracediff.lint.light`): all-zero rows per segment, counted as the
+        batches are written, kept in the writer group's ``row_checks`` (committed with the batch)."""
+        from tracediff.lint.light import zero_rows  # noqa: PLC0415
+
+        size = self._taps[tap].segment_size or (self._segment_layout(self._taps[tap])[0])
+        counts = zero_rows(array, size)
+        checks = self._row_checks.setdefault(tap, {"rows": 0, "zero_rows": [0] * len(counts)})
+        if len(checks["zero_rows"]) != len(counts):
+            return
+        checks["rows"] += int(array.shape[0])
+        checks["zero_rows"] = [a + b for a, b in zip(checks["zero_rows"], counts, strict=True)]
+        writer.note_attr("row_checks", checks)
 
     def _sync_counts(self, writer: TraceWriter, tap: str) -> None:
         state = self._taps[tap]

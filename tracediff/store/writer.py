@@ -329,6 +329,11 @@ class TraceWriter:
         return True
 
     # -- attributes / commit record -------------------------------------------------------------
+    def note_attr(self, name: str, value: Any) -> None:
+        """Set a writer-group attribute (JSON) that the next commit record writes with it, e.g. the
+        recorder's running row checks (``row_checks``)."""
+        self._extra_attrs[name] = jsonable(value)
+
     def _attrs(self) -> dict[str, Any]:
         attrs = dict(self._extra_attrs)
         attrs.update(
