@@ -244,7 +244,12 @@ def pass_plan(pairs: RowPairs, reference: RowIndex, candidate: RowIndex, matches
 
 class _Pass:
     """The per-block work of :func:`stream_metrics`: a function of (plan, the block's rows) alone,
-    run by threads of this process or by tasks of a cluster (:mod:`tracediff.compare.stream.cluster`)."""
+    run by threads of this process or by tasks of a cluster (:mod:`tracediff.compare.stream.cluster`).
+
+    A block (:meth:`block_metrics`) is read and measured by parts where it can (:meth:`_read_and_measure`),
+    else read whole, or in slices the raw buffers hold (:meth:`_in_slices`); then :meth:`_block`:
+    the norms (:meth:`_norms`), which values are finite (:meth:`_finite`), the pairs' metrics
+    (:meth:`_pair_metrics`) and the profiles' per-position sums (:meth:`_profile_sums`)."""
 
     def __init__(self, plan: PassPlan, reference: Sequence[TraceStream], candidate: Sequence[TraceStream]) -> None:
         self.plan = plan
@@ -364,14 +369,40 @@ class _Pass:
 
     def _block(self, w: _Buffers, spec: BlockSpec, measured: bool) -> BlockResult:
         """The block's results; ``measured``: its rows were read and measured by parts already, else
-        (at most ``raw_block`` rows) it reads them whole here."""
+        (at most ``raw_block`` rows) it reads them whole here. In order: each segment's norms and, per
+        pair, the norms of the difference; which values are finite; per pair and row the metrics
+        (closed forms of the norms); per profile the per-position sums."""
         start, stop = spec.start, spec.stop
-        m, size, kc, kr = stop - start, self.size, self.kc, self.kr
-        # The norms of every segment and, per matched pair, of the difference: one fused loop that
-        # reads each stored value once (tracediff.compare.rows.kernels), where it runs, on wide rows as
-        # they are read; else (and for the profiles) numpy kernels a sub-block at a time (its float32
-        # rows stay in cache). Rows measured as read are read again only where a row needs its values
-        # (non-finite or extreme norms: rare), those rows alone.
+        m = stop - start
+        read = self._norms(w, spec, measured)
+        xc, xr = w.xc[:m], w.xr[:m]
+        # A segment with a non-finite value has a non-finite norm; a non-finite norm may also be an
+        # overflow of finite values: only those rows are checked value by value.
+        fin_c = self._finite(w, spec, read, 0, xc)
+        fin_r = self._finite(w, spec, read, 1, xr)
+        # (A finite block, nearly all, skips the strided column sums of its [rows, segments] flags.)
+        all_c, all_r = bool(fin_c.all()), bool(fin_r.all())
+        bad_c = np.zeros(self.kc, dtype=np.intp) if all_c else (~fin_c).sum(axis=0)
+        bad_r = np.zeros(self.kr, dtype=np.intp) if all_r else (~fin_r).sum(axis=0)
+        row_metrics, sq_err, sq_ref, std_num, std_den = self._pair_metrics(w, spec, read, xc, xr, fin_c, fin_r)
+        profile_sums, profile_den = self._profile_sums(w, m, spec.buckets, xc, xr, fin_c, fin_r)
+        return BlockResult(
+            bad_c, bad_r,
+            {int(s): start + int(np.argmax(~fin_c[:, s])) for s in np.flatnonzero(bad_c)},
+            {int(s): start + int(np.argmax(~fin_r[:, s])) for s in np.flatnonzero(bad_r)},
+            bad_c[self.seg_c] if all_c else (~fin_c[:, self.seg_c]).sum(axis=0),
+            bad_r[self.seg_r] if all_r else (~fin_r[:, self.seg_r]).sum(axis=0), sq_err, sq_ref,
+            std_num, std_den, profile_sums, profile_den, spec.number, start, stop, row_metrics,
+        )
+
+    def _norms(self, w: _Buffers, spec: BlockSpec, measured: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Into the buffers: the norms of every segment and, per matched pair, of the difference (and
+        the profiles' norms). One fused loop that reads each stored value once
+        (tracediff.compare.rows.kernels), where it runs, on wide rows as they are read; else (and for
+        the profiles) numpy kernels a sub-block at a time (its float32 rows stay in cache). Returns
+        the block's rows where it read them whole here (empty where they were measured as read: those
+        are read again only where a row needs its values, non-finite or extreme norms, rare)."""
+        m, size = spec.stop - spec.start, self.size
         read: list[tuple[np.ndarray, np.ndarray]] = []
         fused = measured
         if not measured:
@@ -404,19 +435,17 @@ class _Pass:
                     mul(d, cinv, out=d)
                     norms(d, zc)
                     dot(d, d2, zd)
-        xc, xr = w.xc[:m], w.xr[:m]
-        # A segment with a non-finite value has a non-finite norm; a non-finite norm may also be an
-        # overflow of finite values: only those rows are checked value by value.
-        fin_c = self._finite(w, spec, read, 0, xc)
-        fin_r = self._finite(w, spec, read, 1, xr)
-        # (A finite block, nearly all, skips the strided column sums of its [rows, segments] flags.)
-        all_c, all_r = bool(fin_c.all()), bool(fin_r.all())
-        bad_c = np.zeros(kc, dtype=np.intp) if all_c else (~fin_c).sum(axis=0)
-        bad_r = np.zeros(kr, dtype=np.intp) if all_r else (~fin_r).sum(axis=0)
-        # Per pair (columns), per row: closed forms of the norms. 1 - cos = (|d|^2 - (|a|-|b|)^2) /
-        # (2|a||b|) stays exact near cos = 1. Rows of any other size (tiny, huge or overflowing
-        # norms) take the per-element formulas on their values. Compiled (one loop, the same
-        # bits) where the pass uses the compiled kernels, else numpy's expressions.
+        return read
+
+    def _pair_metrics(self, w: _Buffers, spec: BlockSpec, read: list, xc: np.ndarray, xr: np.ndarray,
+                      fin_c: np.ndarray, fin_r: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Per pair (columns), per row: closed forms of the norms. 1 - cos = (|d|^2 - (|a|-|b|)^2) /
+        (2|a||b|) stays exact near cos = 1. Rows of any other size (tiny, huge or overflowing norms)
+        take the per-element formulas on their values. Compiled (one loop, the same bits) where the
+        pass uses the compiled kernels, else numpy's expressions. Returns the per-row metrics
+        [5, rows, pairs] and per pair the sums of squared errors, of squared reference norms, and the
+        standardised error's numerator and denominator."""
+        m, size, kc, kr = spec.stop - spec.start, self.size, self.kc, self.kr
         compiled = fused_kernel() if self.plan.fused else None
         if compiled is not None:
             row_metrics = np.empty((5, m, len(self.matches)), dtype=np.float32)
@@ -443,15 +472,7 @@ class _Pass:
             row_metrics = np.empty((5, m, len(self.matches)), dtype=np.float32)
             row_metrics[0], row_metrics[1], row_metrics[2], row_metrics[3] = cos, ratio, rel, max_abs
             row_metrics[4] = std_metric
-        profile_sums, profile_den = self._profile_sums(w, m, spec.buckets, xc, xr, fin_c, fin_r)
-        return BlockResult(
-            bad_c, bad_r,
-            {int(s): start + int(np.argmax(~fin_c[:, s])) for s in np.flatnonzero(bad_c)},
-            {int(s): start + int(np.argmax(~fin_r[:, s])) for s in np.flatnonzero(bad_r)},
-            bad_c[self.seg_c] if all_c else (~fin_c[:, self.seg_c]).sum(axis=0),
-            bad_r[self.seg_r] if all_r else (~fin_r[:, self.seg_r]).sum(axis=0), sq_err, sq_ref,
-            std_num, std_den, profile_sums, profile_den, spec.number, start, stop, row_metrics,
-        )
+        return row_metrics, sq_err, sq_ref, std_num, std_den
 
     def _profile_sums(self, w: _Buffers, m: int, index: np.ndarray, xc: np.ndarray, xr: np.ndarray,
                       fin_c: np.ndarray, fin_r: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
