@@ -55,7 +55,8 @@ COMMON = textwrap.dedent(
 
 
     def run(draft):
-        order = SEQS if ORDER == "same" else SEQS[::-1]
+        # partly: the first six in the same order, the last four each moved one place on
+        order = {"same": SEQS, "reversed": SEQS[::-1], "partly": SEQS[:6] + SEQS[7:] + SEQS[6:7]}[ORDER]
         with torch.no_grad():
             for ids in order:
                 t = torch.tensor([ids])
@@ -134,6 +135,27 @@ def test_the_same_pair_recorded_with_token_ids_names_the_single_root_cause(train
     assert report["preconditions"][0] == {**report["preconditions"][0], "name": "token_ids", "status": "met"}
     assert [c["kind"] for c in report["causes"]] == ["segment_value"]
     assert report["causes"][0]["summary"].startswith("candidate segment 2")
+
+
+@pytest.mark.parametrize("layers", ["0,3,6", "0,3,7"])
+def test_rows_without_token_ids_paired_right_for_some_sequences_only_cannot_tell_and_name_the_others(
+        trainer, workdir, layers):
+    arch, train = trainer
+    server = _record(workdir, f"server-partly-{arch}-{layers}.zarr", "server.py", arch, "64", layers, "partly",
+                     "embeds", "--segment-size", "64")
+    code, lines, report = _compare(workdir, train, server)
+    assert code == 2 and lines[0].startswith("tracediff compare: CANNOT TELL"), "\n".join(lines)
+    gate = {p["name"]: p for p in report["preconditions"]}["token_ids"]
+    assert gate["status"] == "unmet"
+    per_sequence = gate["evidence"]["pairing"]["sequences"]
+    assert gate["evidence"]["pairing"]["holds"]  # overall, the pairing looks right: six of ten sequences are
+    assert per_sequence["paired_right"] == 6 and len(per_sequence["mispaired"]) == 4, per_sequence
+    head, text = " ".join(" ".join(lines[:4]).split()), " ".join(" ".join(lines).split())
+    assert "4 sequences were paired with other inputs' rows" in head
+    assert "record the candidate with its token ids" in head
+    assert "for 6 of 10 sequences checked" in text and "candidate sequence keys 6, 7, 8, 9" in text
+    assert [f["kind"] for f in report["findings"] if f["severity"] == "error"] == ["cannot_tell"]
+    assert report["fix"] is None and {m["status"] for m in report["segment_map"]} == {"undecided"}
 
 
 @pytest.mark.parametrize("layers, verdict", [("0,3,6", "match"), ("0,3,7", "mismatch")])

@@ -49,6 +49,7 @@ class PairingEvidence:
     shuffled: list[list[float]]  # ... on the same rows re-paired within their position
     threshold: float  # the z the best pair needs
     best: tuple[int, int] | None
+    sequences: SequencePairing | None = None  # where the pairing holds overall: sequence by sequence
 
     @property
     def holds(self) -> bool:
@@ -57,18 +58,78 @@ class PairingEvidence:
         i, j = self.best
         return self.z[i][j] >= self.threshold
 
+    @property
+    def holds_for_every_sequence(self) -> bool:
+        return self.holds and (self.sequences is None or not self.sequences.mispaired)
+
     def to_dict(self) -> dict[str, Any]:
         return {"rows": self.rows, "z": self.z, "paired_cosine": self.paired, "shuffled_cosine": self.shuffled,
-                "threshold": self.threshold, "best": list(self.best) if self.best else None, "holds": self.holds}
+                "threshold": self.threshold, "best": list(self.best) if self.best else None, "holds": self.holds,
+                "sequences": self.sequences.to_dict() if self.sequences is not None else None}
+
+
+@dataclass
+class SequencePairing:
+    """The pairing check sequence by sequence, on the best segment pair: a sequence whose paired rows
+    look like rows of other inputs (their closeness no higher than other sequences' rows at the same
+    positions, and far below that of the sequences whose pairing holds) was paired with another
+    sequence: the two runs processed some sequences in another order. Sequences with too few sampled
+    rows to tell either way are counted as undecided."""
+
+    checked: int  # sequences with at least two sampled rows
+    paired_right: list[Any]  # sequence keys (the candidate's) whose rows agree with the pairing
+    mispaired: list[Any]  # ... whose rows were paired with another input's
+    undecided: int
+    threshold: float  # the z each of the two tests needs (Bonferroni over the sequences checked)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"checked": self.checked, "paired_right": len(self.paired_right), "mispaired": self.mispaired,
+                "undecided": self.undecided, "threshold": self.threshold}
+
+
+def sequence_pairing(diff: np.ndarray, seqs: np.ndarray) -> SequencePairing:
+    """``diff``: per sampled row, the best segment pair's standardised cosine on its own paired row
+    minus that on another sequence's row at the same position; ``seqs``: each row's sequence key.
+    A sequence is mispaired when its mean difference is both not above zero (what rows of other
+    inputs give) and below the mean of the rows whose pairing holds, each by the Bonferroni z; the
+    spread of a sequence's mean is its own rows' spread, never less than the spread pooled over all
+    sequences (rows paired with other inputs scatter more than rows paired right), so a sequence
+    needs enough sampled rows for either call."""
+    keys, inverse, counts = np.unique(seqs, return_inverse=True, return_counts=True)
+    sums = np.bincount(inverse, weights=diff, minlength=keys.size)
+    means = sums / np.maximum(counts, 1)
+    resid = diff - means[inverse]
+    many = counts >= 2
+    dof = int(counts[many].sum() - many.sum())
+    if dof < 2 or not many.any():
+        return SequencePairing(0, [], [], int(keys.size), math.inf)
+    pooled = math.sqrt(float(np.sum(resid[many[inverse]] ** 2)) / dof)
+    own = np.sqrt(np.bincount(inverse, weights=resid**2, minlength=keys.size) / np.maximum(counts - 1, 1))
+    threshold = NormalDist().inv_cdf(1.0 - PAIRING_FALSE_ALARM / int(many.sum()))
+    se = np.maximum(own, pooled) / np.sqrt(np.maximum(counts, 1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        above_zero = np.where(se > 0, means / se, np.inf * np.sign(means))
+    right = many & (above_zero >= threshold)
+    if not right.any():
+        return SequencePairing(int(many.sum()), [], [], int(many.sum()), threshold)
+    typical = float(diff[right[inverse]].mean())  # what a rightly paired row gives
+    with np.errstate(invalid="ignore", divide="ignore"):
+        below_typical = np.where(se > 0, (typical - means) / se, np.inf * np.sign(typical - means))
+    wrong = many & ~right & (above_zero < threshold) & (below_typical >= threshold)
+    as_keys = lambda mask: [k.item() if hasattr(k, "item") else k for k in keys[mask]]  # noqa: E731
+    return SequencePairing(int(many.sum()), as_keys(right), as_keys(wrong), int((many & ~right & ~wrong).sum()),
+                           threshold)
 
 
 def pairing_evidence(cand: np.ndarray, ref: np.ndarray, positions: np.ndarray, size: int,
-                     cand_scales: Any, ref_scales: Any) -> PairingEvidence:
+                     cand_scales: Any, ref_scales: Any, seqs: np.ndarray | None = None) -> PairingEvidence:
     """Do the paired rows ([n, Wc], [n, Wr] float32, paired row by row, at ``positions``) hold the
     same inputs? Each row is also paired with the reference row of another pair at the same position
     (rows at one position differ only in their content: the first position of every sequence, alike
     across sequences in a trained model, then counts for nothing); a pairing that is right makes at
-    least one segment pair far closer on its own rows than on those."""
+    least one segment pair far closer on its own rows than on those. With ``seqs`` (each pair's
+    sequence key), a pairing that holds overall is also checked sequence by sequence
+    (:func:`sequence_pairing`)."""
     n = cand.shape[0]
     kc, kr = cand.shape[1] // size, ref.shape[1] // size
     shuffle = _same_position_derangement(positions)
@@ -82,6 +143,7 @@ def pairing_evidence(cand: np.ndarray, ref: np.ndarray, positions: np.ndarray, s
     z = np.full((kc, kr), np.nan)
     paired = np.full((kc, kr), np.nan)
     shuffled = np.full((kc, kr), np.nan)
+    diffs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
     for i in range(kc):
         for j in range(kr):
             a = np.einsum("nd,nd->n", zc[:, i], zr_own[:, j])
@@ -90,6 +152,7 @@ def pairing_evidence(cand: np.ndarray, ref: np.ndarray, positions: np.ndarray, s
             if ok.sum() < 2:
                 continue
             diff = a[ok] - s[ok]
+            diffs[i, j] = diff, ok
             sd = float(diff.std(ddof=1))
             paired[i, j], shuffled[i, j] = float(a[ok].mean()), float(s[ok].mean())
             z[i, j] = float(diff.mean()) / (sd / math.sqrt(diff.size)) if sd > 0 else (
@@ -101,7 +164,11 @@ def pairing_evidence(cand: np.ndarray, ref: np.ndarray, positions: np.ndarray, s
         i, j = np.unravel_index(int(np.argmax(flat)), flat.shape)
         best = (int(i), int(j))
     as_list = lambda m: [[float(x) for x in row] for row in m]  # noqa: E731
-    return PairingEvidence(int(keep.size), as_list(z), as_list(paired), as_list(shuffled), threshold, best)
+    evidence = PairingEvidence(int(keep.size), as_list(z), as_list(paired), as_list(shuffled), threshold, best)
+    if seqs is not None and evidence.holds and best in diffs:
+        diff, ok = diffs[best]
+        evidence.sequences = sequence_pairing(diff, np.asarray(seqs)[keep][ok])
+    return evidence
 
 
 def _same_position_derangement(positions: np.ndarray) -> np.ndarray:
@@ -159,7 +226,14 @@ def pairing_of_rows(pairs: Any, ref_index: Any, cand_index: Any, segplan: Any, r
     c_rows, r_rows = in_parallel(lambda: read_rows(cand_index, pairs.candidate[pick]),
                                  lambda: read_rows(ref_index, pairs.reference[pick]))
     positions = np.asarray(cand_index.position[pairs.candidate[pick]], dtype=np.int64)
-    return pairing_evidence(c_rows, r_rows, positions, segplan.size, segplan.cand_scales, segplan.ref_scales)
+    groups = np.asarray(cand_index.group[pairs.candidate[pick]], dtype=np.int64)
+    evidence = pairing_evidence(c_rows, r_rows, positions, segplan.size, segplan.cand_scales, segplan.ref_scales,
+                                groups)
+    if evidence.sequences is not None:  # dense group ids -> the sequence keys a user can look up
+        named = cand_index.group_keys
+        evidence.sequences.paired_right = [named[g] for g in evidence.sequences.paired_right]
+        evidence.sequences.mispaired = [named[g] for g in evidence.sequences.mispaired]
+    return evidence
 
 
 # ------------------------------------------------------------------------------------ preconditions
@@ -196,6 +270,8 @@ def _token_ids(ev: Evidence) -> Precondition:
     evidence: dict[str, Any] = {"sides_without_token_ids": missing}
     if p is not None:
         evidence["pairing"] = p.to_dict()
+    if p is not None and p.holds and not p.holds_for_every_sequence:
+        return _some_sequences_mispaired(who, record, needs, evidence, p)
     if p is not None and p.holds:
         i, j = p.best  # type: ignore[misc]
         return Precondition(
@@ -213,6 +289,22 @@ def _token_ids(ev: Evidence) -> Precondition:
         f"that pairing is wrong ({why}): the two runs did not process the same sequences in the same order, and "
         f"which layers each side feeds cannot be decided from these pairs",
         record, needs, evidence, f"the {who} rows carry no token ids and were paired with other inputs' rows")
+
+
+def _some_sequences_mispaired(who: str, record: str, needs: list[str], evidence: dict[str, Any],
+                              p: PairingEvidence) -> Precondition:
+    seq = p.sequences
+    assert seq is not None
+    shown = ", ".join(str(k) for k in seq.mispaired[:8]) + (", ..." if len(seq.mispaired) > 8 else "")
+    return Precondition(
+        "token_ids", "unmet",
+        f"the {who} rows carry no token ids, so rows were paired by sequence key and position; the values agree "
+        f"with that pairing for {len(seq.paired_right)} of {seq.checked} sequences checked, but the rows of "
+        f"{len(seq.mispaired)} (candidate sequence keys {shown}) look like other inputs' rows: the two runs did not "
+        f"process every sequence in the same order, and a difference found on those rows would be a pairing "
+        f"artefact, not a wiring bug",
+        record, needs, evidence,
+        f"the {who} rows carry no token ids and {len(seq.mispaired)} sequences were paired with other inputs' rows")
 
 
 def _record_tokens_hint(missing: list[str]) -> str:
