@@ -47,6 +47,10 @@ from tracediff.errors import TracediffError, UsageError
                       "--convention says; stored as meta aux_layers so compare knows them."),
     click.option("--convention", type=click.Choice(["hf", "capture", "vllm", "sglang", "sglang_deepseek"]),
                  help="Numbering of the --aux-layers ids (default hf: HF hidden_states indices; docs/format.md)."),
+    click.option("--row-model", "row_model", type=click.Choice(["eagle3", "mtp", "mtp-post-norm"]),
+                 help="What each slot of a tapped row holds (docs/row-models.md): mtp = cat(enorm(embed(next token)), "
+                      "hnorm(last hidden state before the final norm)), mtp-post-norm = the same after it, eagle3 = "
+                      "the --aux-layers hidden states. Default: EAGLE-3 of the recorded aux layers."),
     click.option("--role", default="", help="What this recording is (trainer, server, bank...)."),
     click.option("--all-ranks", is_flag=True,
                  help="Record every tensor-parallel rank (sglang: default is attention-TP rank 0 only)."),
@@ -100,6 +104,7 @@ def record(
     segment_labels: str | None,
     aux_layers: str | None,
     convention: str | None,
+    row_model: str | None,
     role: str,
     overwrite: bool,
     join: bool,
@@ -162,6 +167,7 @@ def record(
         raise UsageError(f"--segment-size must be positive, got {segment_size}")
     labels_list = [x.strip() for x in segment_labels.split(",")] if segment_labels else None
     aux_meta, labels_list = _aux_layers_meta(aux_layers, convention, labels_list)
+    model = _row_model(row_model, aux_meta)
     if chunk_rows <= 0:
         raise UsageError(f"--chunk-rows must be positive, got {chunk_rows}")
     if not 0 <= retry_seconds < float("inf"):
@@ -196,6 +202,7 @@ def record(
         "labels_from": list(labels_from),
         "segment_size": segment_size,
         "segment_labels": labels_list,
+        "row_model": model,
         "limits": limits.as_dict(),
         "on_full": on_full,
         "max_queue_bytes": queue_limit,
@@ -330,6 +337,22 @@ def _settle_previous(previous: Any, output: Path) -> None:
 
 
 _HS_LABEL = re.compile(r"^hs(\d+)$")
+
+
+def _row_model(name: str | None, aux_meta: dict[str, Any]) -> dict[str, Any] | None:
+    """--row-model as the stored JSON (eagle3: the --aux-layers in the physical numbering), or None."""
+    if name is None:
+        return None
+    from tracediff.adapters.conventions import FINAL_NORM, convention, to_physical  # noqa: PLC0415
+    from tracediff.store.row_model import from_cli  # noqa: PLC0415
+
+    layers = None
+    aux = aux_meta.get("aux_layers")
+    if aux:
+        conv = convention(aux["convention"])
+        assert conv is not None  # (checked by _aux_layers_meta)
+        layers = [p if p == FINAL_NORM else int(p) for p in to_physical(list(aux["ids"]), conv)]
+    return from_cli(name, layers).to_json()
 
 
 def _aux_layers_meta(ids_text: str | None, convention_name: str | None, labels: list[str] | None

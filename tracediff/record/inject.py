@@ -91,6 +91,7 @@ class _Context:
                 storage_options=cfg.get("storage_options"),  # record -o URL --storage-option ...
                 on_close=lambda rec: _note_for_record("recorder", rec.outcome()),
                 ledger=_ledger(),
+                row_model=cfg.get("row_model"),  # record --row-model: every tap that declares none
                 **({"retry_seconds": float(cfg["retry_seconds"])} if cfg.get("retry_seconds") is not None else {}),
             )
             for spec in self.specs:

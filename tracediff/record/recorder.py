@@ -49,6 +49,8 @@ from tracediff.store.remote_writer import (
     default_writer_name,
     store_exists,
 )
+from tracediff.store.row_model import RowModel
+from tracediff.store.row_model import from_json as row_model_from_json
 
 log = logging.getLogger("tracediff")
 
@@ -158,6 +160,7 @@ class Recorder(CapturePath, WriterThread):
         on_close: Callable[[Recorder], None] | None = None,
         retry_seconds: float = DEFAULT_RETRY_SECONDS,
         ledger: Ledger | None = None,
+        row_model: RowModel | Mapping[str, Any] | None = None,
     ) -> None:
         if on_full not in ("drop", "block"):
             raise UsageError(f"on_full must be 'drop' or 'block', got {on_full!r}")
@@ -174,6 +177,8 @@ class Recorder(CapturePath, WriterThread):
         self.location = Location.of(path, None if storage_options is None else dict(storage_options))
         self.path: Any = self.location if self.location.remote else Path(self.location.local)
         self.role = role
+        # The row model of taps that declare none (record --row-model); checked before any I/O.
+        self.row_model: RowModel | None = None if row_model is None else row_model_from_json(row_model)
         self.limits = limits or Limits()
         self.on_full = on_full
         self.block_timeout = float(block_timeout)
@@ -263,9 +268,11 @@ class Recorder(CapturePath, WriterThread):
         *,
         segment_size: int | None = None,
         segment_labels: Iterable[str] | None = None,
+        row_model: RowModel | Mapping[str, Any] | None = None,
         **attrs: Any,
     ) -> TapState:
-        """Declare a tap (its segment layout and any attributes to store with it)."""
+        """Declare a tap (its segment layout, its row model (:mod:`tracediff.store.row_model`: what each
+        slot of a row holds, stored as the writer group's ``row_model``) and any attributes to store with it)."""
         if not isinstance(name, str) or not name or "/" in name or name.startswith((".", "_")):
             raise UsageError(f"invalid tap name {name!r}: use letters, digits, '_' and '-'")
         if segment_size is not None and (not isinstance(segment_size, int) or segment_size <= 0):
@@ -278,6 +285,8 @@ class Recorder(CapturePath, WriterThread):
             state.segment_size = segment_size
         if segment_labels is not None:
             state.segment_labels = [str(x) for x in segment_labels]
+        if row_model is not None:
+            state.attrs["row_model"] = row_model_from_json(row_model).to_json()
         state.attrs.update(attrs)
         return state
 
@@ -292,10 +301,12 @@ class Recorder(CapturePath, WriterThread):
         segment_labels: Iterable[str] | None = None,
         labels: LabelProvider | None = None,
         module_path: str | None = None,
+        row_model: RowModel | Mapping[str, Any] | None = None,
     ) -> TapState:
         """Hook ``module``: ``capture='input'`` takes its input (positional ``arg`` index or keyword
         name), ``'output'`` its output (first tensor of a tuple). ``labels`` is an optional provider
-        ``(module, args, kwargs, tensor) -> dict`` of row labels read from the forward's arguments."""
+        ``(module, args, kwargs, tensor) -> dict`` of row labels read from the forward's arguments.
+        ``row_model``: what each slot of a row holds (e.g. ``tracediff.store.row_model.mtp()``)."""
         if capture not in ("input", "output"):
             raise UsageError(f"tap {name!r}: capture must be 'input' or 'output', got {capture!r}")
         if not isinstance(module, torch.nn.Module):
@@ -304,6 +315,7 @@ class Recorder(CapturePath, WriterThread):
             name,
             segment_size=segment_size,
             segment_labels=segment_labels,
+            row_model=row_model,
             module=module_path or type(module).__qualname__,
             module_class=f"{type(module).__module__}.{type(module).__qualname__}",
             capture=capture,

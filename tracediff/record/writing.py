@@ -74,6 +74,12 @@ class WriterThread:
     def _open_writer(self, state: TapState, retry_seconds: float | None = None) -> TraceWriter:
         attrs = dict(state.attrs)
         segment_size, segment_labels = self._segment_layout(state)
+        row_model = self._row_model(state, segment_size)
+        if row_model is not None:
+            attrs["row_model"] = row_model
+            segment_size = segment_size or int(state.width or 0) // len(row_model["slots"])
+        else:
+            attrs.pop("row_model", None)
         attrs.update(
             {
                 "segment_size": segment_size,
@@ -99,6 +105,21 @@ class WriterThread:
         if self._ledger is not None:
             self._ledger.set_group(state.name, f"{state.name}/{writer.writer}")
         return writer
+
+    def _row_model(self, state: TapState, segment_size: int | None) -> dict[str, Any] | None:
+        """The tap's row model (its own, else the recorder's) if its slots fit the width the tap saw;
+        otherwise none, with one warning naming the tap and the field (as for the segment layout)."""
+        declared = state.attrs.get("row_model")
+        if declared is None and self.row_model is not None:
+            declared = self.row_model.to_json()
+        if declared is None:
+            return None
+        width, slots = int(state.width or 0), len(declared["slots"])
+        if (width // segment_size if segment_size else (slots if width % slots == 0 else -1)) != slots:
+            self._warn_tap(state, "row_model", f"tap {state.name!r}: field row_model names {slots} slots, which do "
+                           f"not fit the width {width}; the row model is not stored")
+            return None
+        return declared
 
     def _segment_layout(self, state: TapState) -> tuple[int | None, list[str] | None]:
         """The declared segment layout if it fits the width the tap really saw; otherwise none (one

@@ -35,6 +35,7 @@ from tracediff.store.format import (
     zarr_module,
 )
 from tracediff.store.location import Location, remote_error
+from tracediff.store.row_model import from_json as row_model_from_json
 from tracediff.store.stream import TraceStream
 from tracediff.store.validate import check_array_doc, group_attributes, is_int, json_type, short_repr
 
@@ -488,6 +489,18 @@ class TraceStore:
                 raise CorruptStoreError(
                     f"{meta_file}: field segment_labels names {len(labels)} segments but width {width} / segment_size "
                     f"{segment_size} makes {width // segment_size}; fix the attribute or record again"
+                )
+        row_model = attrs.get("row_model")
+        if row_model is not None:
+            try:
+                slots = len(row_model_from_json(row_model).slots)
+            except UsageError as exc:
+                raise CorruptStoreError(f"{meta_file}: field {exc}") from None
+            if (width // segment_size if segment_size is not None else slots) != slots or width % slots:
+                raise CorruptStoreError(
+                    f"{meta_file}: field row_model names {slots} slots but the width {width} holds "
+                    f"{width // segment_size if segment_size else 'another number of'} segments; fix the attribute "
+                    f"or record again"
                 )
         if self._remote is not None:  # every array's zarr.json and chunk listing in one round trip each
             arrays_at = [f"{key}/{name}" for name in ("values", *LABEL_FIELDS)]

@@ -19,6 +19,8 @@ from tracediff.errors import (
 from tracediff.store.files import ChunkFiles, open_chunk_file, open_plain_file, read_error
 from tracediff.store.format import LABEL_DTYPES, LABEL_FIELDS, MAX_CHUNK_BYTES, VALUE_DTYPES, decode_values
 from tracediff.store.location import remote_error
+from tracediff.store.row_model import RowModel
+from tracediff.store.row_model import from_json as row_model_from_json
 
 #: Chunks of a remote store that :meth:`TraceStream.read_chunk` fetches together: at most this
 #: many, and at most READ_AHEAD_BYTES of them.
@@ -100,6 +102,12 @@ class TraceStream:
     def segment_labels(self) -> list[str] | None:
         labels = self.attrs.get("segment_labels")
         return [str(x) for x in labels] if isinstance(labels, list) else None
+
+    @property
+    def row_model(self) -> RowModel | None:
+        """The stored row model (the reader checked it), None when the writer stored none."""
+        stored = self.attrs.get("row_model")
+        return None if stored is None else row_model_from_json(stored)
 
     @property
     def seq_names(self) -> dict[int, str]:
