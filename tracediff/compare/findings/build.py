@@ -27,13 +27,29 @@ def build_findings(
     bank: Any = None,
     subsets: dict | None = None,
 ) -> list[Finding]:
-    """Every finding of a compare. ``segplan`` is None when the segments could not be compared at
-    all (two hidden sizes): then only layout, sequence and config findings are made."""
+    """Every finding of a compare, root causes first: layout, sequences, insertions inside them,
+    labels, the segments (wiring and values), non-finite values, coverage, config. ``segplan`` is None
+    when the segments could not be compared at all (two hidden sizes): then only layout, sequence and
+    config findings are made."""
+    out = _layout_findings(report, segplan)
+    out += _sequence_findings(report, alignment, pairs)
+    out += _insertion_findings(alignment, pairs)
+    out += _label_findings(report)
+    if segplan is not None:
+        out += segment_findings(report, segplan, stream, ref_aux, cand_aux, bank,
+                                next((f for f in out if f.kind in ("sequence_prefix", "sequence_insertion")), None),
+                                subsets or {})
+    out += _nonfinite_findings(report, alignment, pairs, stream)
+    out += _coverage_findings(report, pairs)
+    out += _config_findings(report, ref_aux, cand_aux, out)
+    return out
+
+
+def _layout_findings(report: Report, segplan: SegmentPlan | None) -> list[Finding]:
+    """Rows of another width (another hidden size, or another number of hidden states) or dtype."""
     ref, cand, plan = report.reference, report.candidate, report.plan
     out: list[Finding] = []
     aux = {"reference": ref.aux_layer_config, "candidate": cand.aux_layer_config}
-
-    # -- layout
     if segplan is None:
         out.append(Finding(
             "shape", "error",
@@ -65,8 +81,14 @@ def build_findings(
             {"reference": ref.dtype, "candidate": cand.dtype, "noise_floor": plan.noise_floor,
              "numerics_budget": plan.numerics_budget},
         ))
+    return out
 
-    # -- sequences
+
+def _sequence_findings(report: Report, alignment: Alignment, pairs: RowPairs) -> list[Finding]:
+    """Candidate sequences that share no tokens with the reference, a prefix on either side, or a
+    constant position offset."""
+    plan = report.plan
+    out: list[Finding] = []
     unaligned_seqs = plan.sequences_candidate - plan.sequences_aligned
     if unaligned_seqs:
         out.append(Finding(
@@ -114,11 +136,14 @@ def build_findings(
                 f"and values; a constant position offset in the labels (e.g. speculators trains at p+1) is benign.",
                 {"delta": common, "sequences": sum(1 for v in eff.values() if v == common)},
             ))
+    return out
 
-    # -- insertions inside sequences
-    out += _insertion_findings(alignment, pairs)
 
-    # -- label offset
+def _label_findings(report: Report) -> list[Finding]:
+    """Rows labelled with another token: a label offset the plan chose, or the draft's input tokens
+    (next_token_id) paired differently."""
+    plan = report.plan
+    out: list[Finding] = []
     if plan.label_offset != 0:
         o = plan.label_offset
         late = o < 0
@@ -148,13 +173,13 @@ def build_findings(
              "examples": pairing["examples"], "pattern": pairing.get("pattern_evidence") or None},
             "the candidate feeds the draft another input token on some rows",
         ))
+    return out
 
-    if segplan is not None:
-        out += segment_findings(report, segplan, stream, ref_aux, cand_aux, bank,
-                                next((f for f in out if f.kind in ("sequence_prefix", "sequence_insertion")), None),
-                                subsets or {})
 
-    # -- non-finite values
+def _nonfinite_findings(report: Report, alignment: Alignment, pairs: RowPairs, stream: StreamResult) -> list[Finding]:
+    """Per side and segment, the aligned rows holding NaN or Inf (left out of the statistics)."""
+    ref, cand = report.reference, report.candidate
+    out: list[Finding] = []
     for side_name, side, nonfinite, index, rows in (
         ("candidate", cand, stream.nonfinite_candidate, alignment.candidate, pairs.candidate),
         ("reference", ref, stream.nonfinite_reference, alignment.reference, pairs.reference),
@@ -169,8 +194,13 @@ def build_findings(
                 {"side": side_name, "segment": seg, "rows": count, "first_row": where},
                 f"{side_name} segment {seg_name(side.segment_labels[seg], seg)} holds NaN or Inf",
             ))
+    return out
 
-    # -- coverage
+
+def _coverage_findings(report: Report, pairs: RowPairs) -> list[Finding]:
+    """How many rows were compared, and why the others were not."""
+    ref, plan = report.reference, report.plan
+    out: list[Finding] = []
     split = plan.sequences_split
     if (plan.reference_rows_uncovered > 0 or plan.candidate_rows_unaligned > 0 or plan.candidate_rows_invalid
             or any(split.values())):
@@ -195,9 +225,6 @@ def build_findings(
              "candidate_rows_invalid": plan.candidate_rows_invalid,
              "candidate_rows_trailing": trailing, "sequences_split": dict(split)},
         ))
-
-    # -- config
-    out += _config_findings(report, ref_aux, cand_aux, out)
     return out
 
 
