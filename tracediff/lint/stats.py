@@ -24,6 +24,8 @@ EXAMPLES = 5
 #: Log-spaced bins of |rms(x / w) - 1| (1e-6 .. 10), for the share of rows within any tolerance.
 _UNIT_BINS = np.concatenate([[0.0], np.logspace(-6, 1, 71), [np.inf]])
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+#: Values handled at a time inside one block (its uint64 hashing temporaries: 16 bytes a value).
+_STEP_VALUES = 1 << 20
 
 
 def _row_hash_keys(width: int) -> np.ndarray:
@@ -83,30 +85,66 @@ class SlotStats:
             self.names.update(names)
         self.rows += n
         self.group_rows[group] += n
-        finite = np.isfinite(values).all(axis=2)
-        hi, lo = values.max(axis=2), values.min(axis=2)
-        zero = finite & (hi == 0) & (lo == 0)
-        constant = finite & (hi == lo) & ~zero
-        good = finite & ~zero & ~constant
+        masks = np.empty((4, n, self.slots), dtype=bool)  # finite, zero, constant, good
+        hashes = np.empty((n, self.slots), dtype=np.uint64)
+        step = max(1, _STEP_VALUES // max(self.slots * self.width, 1))
+        for a in range(0, n, step):  # the temporaries of a step stay near _STEP_VALUES values
+            self._add_step(values[a : a + step], masks[:, a : a + step], hashes[a : a + step])
+        finite, zero, constant, good = masks
         for kind, mask in (("zero", zero), ("constant", constant), ("nonfinite", ~finite)):
             self._note(kind, mask, seq, position, group)
-        hashes = (values.view(np.uint32).astype(np.uint64) * self._keys).sum(axis=2, dtype=np.uint64)  # [n, S]
         self._samples(hashes, seq, position, token)
         self._duplicates(hashes, good, seq, position, token, group)
-        ms = np.einsum("nsh,nsh->ns", values, values, dtype=np.float64) / self.width
-        ms = np.where(good, ms, 0.0)
-        rms = np.sqrt(ms)
+
+    def _add_step(self, values: np.ndarray, masks: np.ndarray, hashes: np.ndarray) -> None:
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        # Two passes screen every row (its sum and its sum of squares); the exact tests run only on
+        # the rows they flag: a non-finite sum (any NaN or Inf), no energy (zeros, or values so small
+        # their squares underflow), or a variance within float32 rounding of zero (a constant row).
+        sq = np.einsum("nsh,nsh->ns", values, values).astype(np.float64)
+        total = values.sum(axis=2, dtype=np.float64)
+        mean = total / self.width
+        var = sq / self.width - mean**2
+        flagged = ~np.isfinite(sq) | ~np.isfinite(total) | (sq == 0) | (var <= 1e-6 * np.abs(sq / self.width))
+        finite = np.ones(flagged.shape, dtype=bool)
+        zero = np.zeros(flagged.shape, dtype=bool)
+        constant = np.zeros(flagged.shape, dtype=bool)
+        if flagged.any():
+            rows, slots = np.nonzero(flagged)
+            v = values[rows, slots]
+            f = np.isfinite(v).all(axis=1)
+            hi, lo = v.max(axis=1), v.min(axis=1)
+            finite[rows, slots] = f
+            zero[rows, slots] = f & (hi == 0) & (lo == 0)
+            constant[rows, slots] = f & (hi == lo) & ~((hi == 0) & (lo == 0))
+        good = finite & ~zero & ~constant
+        masks[0], masks[1], masks[2], masks[3] = finite, zero, constant, good
+        hashes[:] = self._hash(values)
+        clean = values if good.all() else np.where(good[:, :, None], values, np.float32(0))
+        ms = np.where(good, sq, 0.0) / self.width
         self.good += good.sum(axis=0)
-        self.rms_sum += rms.sum(axis=0)
+        self.rms_sum += np.sqrt(ms).sum(axis=0)
         self.rms_sq += ms.sum(axis=0)
-        clean = np.where(good[:, :, None], values, 0)
-        self.dim_sq += np.einsum("nsh,nsh->sh", clean, clean, dtype=np.float64)
+        self.dim_sq += np.einsum("nsh,nsh->sh", clean, clean).astype(np.float64)
         if self.norm_weight is not None:
             scaled = clean * self._inv_w
-            r = np.sqrt(np.einsum("nsh,nsh->ns", scaled, scaled, dtype=np.float64) * self._inv_n)
+            r = np.sqrt(np.einsum("nsh,nsh->ns", scaled, scaled).astype(np.float64) * self._inv_n)
             dev = np.abs(r - 1.0)
             for s in range(self.slots):
                 self.unit_hist[s] += np.histogram(dev[good[:, s], s], bins=_UNIT_BINS)[0]
+
+    def _hash(self, values: np.ndarray) -> np.ndarray:
+        """[n, slots] uint64: sum(word * key) mod 2^64 over each row's bytes read as 64-bit words (two
+        float32 values a word; an odd width's last value alone)."""
+        n, s, h = values.shape
+        bits = values.view(np.uint32)
+        if h % 2:
+            tail = bits[:, :, -1].astype(np.uint64) * self._keys[-1]
+            bits = np.ascontiguousarray(bits[:, :, :-1])
+        else:
+            tail = np.uint64(0)
+        words = bits.view(np.uint64)
+        return (words * self._keys[: words.shape[2]]).sum(axis=2, dtype=np.uint64) + tail
 
     def _note(self, kind: str, mask: np.ndarray, seq: np.ndarray, position: np.ndarray, group: str) -> None:
         hit = mask.sum(axis=0)
