@@ -330,3 +330,59 @@ def test_push_to_a_port_nothing_listens_on_prints_no_done_line_before_the_error(
     assert lines[-1].startswith("tracediff: error: s3://td-nobody/train.zarr: cannot be listed"), proc.stderr
     assert [x for x in lines if not x.startswith("tracediff push: ")] == [lines[-1]], proc.stderr
     assert proc.stdout == ""
+
+
+INTERRUPTIBLE = """
+import sys, time
+from pathlib import Path
+import torch
+
+class Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+head = Head()
+with torch.no_grad():
+    for step in range(3):
+        head(torch.full((64, 8), float(step)))
+Path(sys.argv[1]).write_text("recorded")
+try:
+    time.sleep(120)
+except KeyboardInterrupt:
+    Path(sys.argv[2]).write_text("interrupted")
+    raise
+"""
+
+
+def test_a_sigint_sent_to_records_pid_reaches_its_command_which_keeps_its_rows(tmp_path: Path) -> None:
+    """A supervisor's or a notebook's interrupt goes to `record`'s pid only (no terminal): record hands
+    it to the command, which stops, and the rows it recorded stay committed."""
+    (tmp_path / "head.py").write_text(INTERRUPTIBLE)
+    ready, interrupted, store = tmp_path / "ready", tmp_path / "interrupted", tmp_path / "it.zarr"
+    proc = subprocess.Popen([sys.executable, "-m", "tracediff", "record", "--tap", "Head.fc:input", "-o", str(store),
+                             "--", sys.executable, "head.py", str(ready), str(interrupted)],
+                            cwd=tmp_path, env=cli_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGINT)  # record's pid alone, as `kill -INT PID` does
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert interrupted.read_text() == "interrupted", err
+    # record exits with its command's code: Python's for an uncaught KeyboardInterrupt here
+    assert proc.returncode == 1 and "KeyboardInterrupt" in err, err
+    assert "tracediff: command exited with code 1;" in err
+    from tracediff.store import open_store  # noqa: PLC0415
+
+    with open_store(store) as opened:
+        assert opened.rows("fc_in") == 3 * 64

@@ -134,6 +134,9 @@ def run() -> None:
         import logging  # noqa: PLC0415
 
         logging.disable(logging.CRITICAL)
+        from tracediff.store.files import silence_abandoned_io  # noqa: PLC0415
+
+        silence_abandoned_io()
         if "tracediff.record.recorder" in sys.modules or "multiprocessing.resource_tracker" in sys.modules:
             # The recorder closes at exit; multiprocessing's finalizers release what a cluster that
             # was starting created (else its resource tracker warns of leaked semaphores). The

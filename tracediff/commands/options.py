@@ -193,6 +193,9 @@ class CommandGroup(click.Group):
             # Ctrl-C where the program's own handler is not installed (``main`` called by another
             # program): as tracediff.cli.run says it, not click's "Aborted!" and exit 1 ("mismatch").
             click.echo("tracediff: interrupted", err=True)
+            from tracediff.store.files import silence_abandoned_io  # noqa: PLC0415
+
+            silence_abandoned_io()
             ctx.exit(130)
 
 

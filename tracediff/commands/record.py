@@ -450,10 +450,24 @@ def _hooks_dir() -> str:
     return str(Path(tracediff.hooks.__file__).resolve().parent)
 
 
+def _terminal_interrupts_the_child() -> bool:
+    """Whether a SIGINT here came from the terminal's Ctrl-C, which the terminal also sent to the
+    child (record runs in the terminal's foreground process group, and so does its child)."""
+    for stream in (sys.stdin, sys.stderr, sys.stdout):
+        try:
+            if stream is not None and stream.isatty():
+                return os.tcgetpgrp(stream.fileno()) == os.getpgrp()
+        except (OSError, ValueError):
+            continue
+    return False
+
+
 def _run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
     """Run the child; forward SIGTERM/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 to it; return its exit code
-    (128+N when a signal N ended it). SIGINT from a terminal reaches the child directly (same
-    process group), so it is not forwarded twice."""
+    (128+N when a signal N ended it). SIGINT is forwarded too, except a terminal's Ctrl-C: that
+    one reaches the child directly (same foreground process group), and a second copy would cut
+    short the child's own cleanup (its recorder's last commit). A SIGINT sent to record's pid
+    alone (a supervisor, ``kill -INT``, a notebook's interrupt) reaches the child through record."""
     try:
         child = subprocess.Popen(command, env=env)
     except OSError as exc:
@@ -465,9 +479,13 @@ def _run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
         if child.poll() is None:
             child.send_signal(signum)
 
+    def interrupt(signum: int, frame: Any) -> None:
+        if not _terminal_interrupts_the_child():
+            forward(signum, frame)
+
     for sig in forwarded:
         previous[sig] = signal.signal(sig, forward)
-    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
     try:
         returncode = child.wait()
     finally:

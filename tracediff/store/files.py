@@ -130,3 +130,18 @@ class ChunkFiles:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at interpreter shutdown os may be gone already
             self.close()
+
+
+def silence_abandoned_io() -> None:
+    """An interrupted command leaves zarr's reads pending on zarr's own IO event loop; when the
+    interpreter ends, that loop's tasks are destroyed and asyncio would log "Task was destroyed but
+    it is pending!" after the command's one ``tracediff: interrupted`` line. Only zarr's loop is
+    quietened, and only once the command has been interrupted: the host program's logging is left
+    as it is (``main`` may run inside another program)."""
+    import sys  # noqa: PLC0415
+
+    sync = sys.modules.get("zarr.core.sync")
+    loop = getattr(sync, "loop", [None])[0] if sync is not None else None
+    if loop is not None:
+        with contextlib.suppress(Exception):  # a loop already closed: nothing left to log
+            loop.set_exception_handler(lambda _loop, _context: None)
