@@ -301,10 +301,12 @@ _SCAN_LIMIT = 64 << 20  # a report file is far smaller; bigger *.json files are 
 
 
 def report_schema_of(document: Any) -> str | None:
-    """``"compare"`` or ``"identify"`` when ``document`` is one of those reports by its top-level keys."""
+    """``"compare"``, ``"identify"`` or ``"lint"`` when ``document`` is one of those reports by its top-level keys."""
     if not isinstance(document, dict):
         return None
     keys = set(document)
+    if document.get("schema") == "tracediff.lint/1":
+        return "lint"
     if "findings" in keys and keys & {"plan", "segment_map", "schema_version", "verdict"}:
         return "compare"
     if "bank_tap" in keys or {"bank", "segments"} <= keys:

@@ -2,8 +2,9 @@
 
 ``compare`` describes the compare report: what ``tracediff compare --json``, ``tracediff replay --json``
 and ``compare --draft --json`` write (one document; ``replay`` is filled by the last two). ``identify``
-describes what ``tracediff identify --json`` writes. Objects are open (a minor version may add
-fields), required fields stay; the files are package data, read here without importing jsonschema.
+describes what ``tracediff identify --json`` writes, ``lint`` what ``tracediff lint --json`` writes
+(docs/lint.md). Objects are open (a minor version may add fields), required fields stay; the files are
+package data, read here without importing jsonschema.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 from importlib import resources
 from typing import Any
 
-SCHEMAS = {"compare": "compare-report.schema.json", "identify": "identify.schema.json"}
+SCHEMAS = {"compare": "compare-report.schema.json", "identify": "identify.schema.json", "lint": "lint.schema.json"}
 
 
 def load_schema(name: str) -> dict[str, Any]:
