@@ -65,6 +65,10 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     def other_depth(i: int, s: torch.Tensor) -> None:
         s[:, slots["hs4"]] = target.states[i]["hs6"].to(torch.bfloat16)
 
+    def nonfinite(i: int, s: torch.Tensor) -> None:
+        if i == 6:
+            s[3:5, slots["hs6"], 7] = float("nan")
+
     dup_states = [s.clone() for s in st]
     dup_tokens = [t.clone() for t in tok]
     dup_states[5], dup_tokens[5] = st[2].clone(), tok[2].flip(0).clone()  # sample 2's states, other tokens
@@ -73,15 +77,31 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "zero_slot": (_with(st, zero_slot), tok, "bf16"), "zero_rank": (_with(st, zero_rank), tok, "fp8"),
         "constant_slot": (_with(st, constant_slot), tok, "bf16"), "repeated_row": (_with(st, repeated_row), tok, "bf16"),
         "post_norm": (_with(st, post_norm), tok, "bf16"), "other_depth": (_with(st, other_depth), tok, "bf16"),
-        "duplicated": (dup_states, dup_tokens, "bf16"),
+        "duplicated": (dup_states, dup_tokens, "bf16"), "nonfinite": (_with(st, nonfinite), tok, "bf16"),
+        "fp8_bad_codes": (st, tok, "fp8"),
     }
     dirs = ld.write_speculators(sets, root / "speculators")
     _zero_one_scale(dirs["fp8_zero_scale"] / "hs_3.safetensors", token=5)
+    _bad_codes(dirs["fp8_bad_codes"] / "hs_1.safetensors")
     specforge = {"clean": ld.write_specforge(target, root / "specforge_clean")}
     edit = {i: {"aux_hidden_state": _zero_aux(target, i, slot=1)} for i in range(len(target.seqs))}
     specforge["zero_slot"] = ld.write_specforge(target, root / "specforge_zero", edit=edit)
     bank = ld.record_bank(target, root / "bank.zarr")
-    return {"root": root, "target": target, "speculators": dirs, "specforge": specforge, "bank": bank}
+    return {"root": root, "target": target, "speculators": dirs, "specforge": specforge, "bank": bank,
+            "bank_other": _narrow_bank(root / "bank_other.zarr")}
+
+
+def _narrow_bank(path: Path) -> Path:
+    """A bank of another model (hidden size 32): recorded with the hf adapter from a fresh tiny Llama."""
+    import tracediff
+    from tracediff.adapters import hf
+    from tracediff.testing.tiny_llama import build_tiny_llama, layer_states
+
+    tl = build_tiny_llama(hidden_size=32, num_layers=2, seed=1)
+    with tracediff.record(path, role="bank", handle_sigterm=False) as rec, torch.no_grad():
+        assert hf.attach(rec, tl.model)
+        layer_states(tl, torch.arange(6))
+    return path
 
 
 def _zero_aux(target: ld.TargetData, i: int, slot: int) -> torch.Tensor:
@@ -97,6 +117,18 @@ def _zero_one_scale(path: Path, token: int) -> None:
 
     data = load_file(str(path))
     data["hidden_states_scales"][token] = 0.0
+    save_file(data, str(path))
+
+
+def _bad_codes(path: Path) -> None:
+    """Token 2: a NaN code (0x7F); token 4: a third of its values at e4m3's largest magnitude (clipped)."""
+    from safetensors.torch import load_file, save_file
+
+    data = load_file(str(path))
+    codes = data["hidden_states"].view(torch.uint8).clone()
+    codes[2, 0, 0] = 0x7F
+    codes[4].view(-1)[::3] = 0x7E
+    data["hidden_states"] = codes.view(torch.float8_e4m3fn)
     save_file(data, str(path))
 
 
@@ -193,6 +225,31 @@ def test_a_zero_fp8_scale_is_named_with_its_token(data) -> None:
     assert sorted(f["slot"] for f in report["findings"] if f["kind"] == "zero_rows") == [0, 1, 2, 3]
 
 
+def test_non_finite_rows_are_named_with_their_sample_and_position(data) -> None:
+    code, text, report = _lint(data["speculators"]["nonfinite"], "--layer-ids", AUX)
+    assert code == 1
+    (bad,) = [f for f in report["findings"] if f["kind"] == "nonfinite_rows"]
+    assert bad["slot"] == 2 and bad["evidence"]["rows"] == 2
+    assert [(e["sample"], e["position"]) for e in bad["evidence"]["examples"]] == [("hs_6.safetensors", 3),
+                                                                                  ("hs_6.safetensors", 4)]
+
+
+def test_nan_codes_and_saturated_fp8_values_are_found(data) -> None:
+    code, text, report = _lint(data["speculators"]["fp8_bad_codes"])
+    assert code == 1
+    fp8 = {f["severity"]: f["message"] for f in report["findings"] if f["kind"] == "fp8_scales"}
+    assert "NaN codes" in fp8["error"] and "hs_1.safetensors position 2" in fp8["error"]
+    assert "448" in fp8["warning"] and "hs_1.safetensors position 4" in fp8["warning"]
+    assert report["fp8"]["nan_codes"] == 1 and report["fp8"]["saturated_tokens"] == 1
+
+
+def test_the_json_result_goes_to_stdout_with_a_dash(data) -> None:
+    result = invoke_tracediff("lint", data["speculators"]["clean"], "--json", "-")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["status"] == "clean"
+    assert result.stderr.startswith("tracediff lint: CLEAN")
+
+
 def test_a_zero_slot_in_specforge_cache_is_named(data) -> None:
     code, text, report = _lint(data["specforge"]["zero_slot"], "--layer-ids", "1,3,5")
     assert code == 1
@@ -267,13 +324,14 @@ def test_the_command_writes_text_json_and_html_and_exits_1_on_findings(data, tmp
     assert page.startswith("<!doctype html>") and "slot 1 (hs4)" in page
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "bad_target", "bad_layer_ids"])
+@pytest.mark.parametrize("case", ["missing", "empty", "bad_target", "bad_layer_ids", "bank_of_another_width"])
 def test_bad_input_is_one_line_and_exit_2(data, tmp_path, case) -> None:
     args: list[Any] = {
         "missing": [tmp_path / "nothing"],
         "empty": [tmp_path],
         "bad_target": [data["speculators"]["clean"], "--target", tmp_path],
         "bad_layer_ids": [data["speculators"]["clean"], "--layer-ids", "1,2"],
+        "bank_of_another_width": [data["specforge"]["clean"], "--bank", data["bank_other"]],
     }[case]
     result = invoke_tracediff("lint", *args)
     assert result.returncode == 2, (result.stdout, result.stderr)
