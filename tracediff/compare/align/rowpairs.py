@@ -91,23 +91,13 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
 
     Sequences with one hypothesis whose reference sequence has no gap in its positions (nearly all)
     are paired many at a time (:func:`_pair_batch`); the others, or every one with ``batched=False``
-    (the reference path, for tests), one by one. The same pairs, counts and notes either way.
+    (the reference path, for tests), one by one (:func:`_pair_sequence`). The same pairs, counts and
+    notes either way. Then :func:`_made_pairs` sets duplicates aside and puts the pairs in candidate
+    order.
     """
-    # Every sequence: each pair written at its candidate row (each pairs at most once) in one column
-    # as long as the candidate, -1 where unpaired, so the pairs come out in candidate order without a
-    # sort. A few sequences (the offset search): pairs written into two buffers as large as their
-    # rows. Either way no list of small arrays left behind in the allocator's heap, no concatenation.
     wanted = set(candidate_groups) if candidate_groups is not None else None
-    n_cand, n_ref = len(alignment.candidate), len(alignment.reference)
-    slot = np.full(n_cand, -1, dtype=index_dtype(n_ref)) if wanted is None else None
-    room = 0 if wanted is None else sum(alignment.cand_groups[k].size for k in wanted if k in alignment.cand_groups)
-    cand_buf = np.empty(room, dtype=index_dtype(n_cand))
-    ref_buf = np.empty(room, dtype=index_dtype(n_ref))
-    held = 0
-    unaligned = trailing = 0
-    insertions: list[dict] = []
-    prefix_rows: dict[int, np.ndarray] = {}
-    effective: dict[int, int] = {}
+    written = _Written.for_pairs(alignment, wanted)
+    tally = _Tally()
     # Sequences waiting to be paired together. Batches write disjoint candidate rows of ``slot``: they
     # run on the cores (numpy's gathers release the GIL), and their notes are merged in batch order
     # before any later sequence's, so the notes come out in the order one by one gives.
@@ -115,111 +105,177 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     batch_rows = 0
     running: list[Any] = []  # futures of the batches sent off, in order
     # Two threads at most: each batch holds ~a dozen temporaries of its rows (the alignment's peak).
+    every = written.slot is not None
     cpus = usable_cpus()
     pool = (ThreadPoolExecutor(min(2, cpus), thread_name_prefix="tracediff-pairs")
-            if slot is not None and batched and n_cand > _BATCH_ROWS and cpus > 1 else None)
+            if every and batched and len(alignment.candidate) > _BATCH_ROWS and cpus > 1 else None)
 
     def flush() -> None:
         nonlocal batch, batch_rows
         if batch:
+            slot = written.slot
             assert slot is not None
             if pool is not None:
                 running.append(pool.submit(_pair_batch, alignment, offset, batch, slot))
             else:
-                merge(_pair_batch(alignment, offset, batch, slot))
+                tally.merge(_pair_batch(alignment, offset, batch, slot))
             batch, batch_rows = [], 0
-
-    def merge(got: tuple[int, int, int, dict[int, int], dict[int, np.ndarray]]) -> None:
-        nonlocal unaligned, trailing, held
-        u, t, n, eff, prefix = got
-        unaligned, trailing, held = unaligned + u, trailing + t, held + n
-        effective.update(eff)
-        prefix_rows.update(prefix)
 
     def settle() -> None:
         """Every batch sent off paired, its notes merged (in order)."""
         flush()
         for future in running:
-            merge(future.result())
+            tally.merge(future.result())
         running.clear()
 
     try:
         for seq in alignment.sequences:
             if wanted is not None and seq.candidate_group not in wanted:
                 continue
-            if batched and slot is not None and len(seq.hypotheses) == 1:
-                cg = alignment.cand_groups[seq.candidate_group]
-                rg = alignment.ref_groups[seq.hypotheses[0][0]]
-                ends = end_positions(rg, alignment.reference)
-                if (ends is not None and ends[1] - ends[0] == rg.size - 1
-                        and abs(ends[0]) + abs(ends[1]) + abs(seq.hypotheses[0][1]) < _SAFE  # (int64 sums below)
-                        and end_positions(cg, alignment.candidate) is not None):
-                    batch.append((seq, ends))
-                    batch_rows += cg.size
-                    if batch_rows >= _BATCH_ROWS:
-                        flush()
-                    continue
-            settle()
-            g = alignment.cand_groups[seq.candidate_group].held()
-            if not seq.hypotheses:
-                unaligned += g.size
+            ends = _batch_ends(alignment, seq) if batched and every else None
+            if ends is not None:
+                batch.append((seq, ends))
+                batch_rows += alignment.cand_groups[seq.candidate_group].size
+                if batch_rows >= _BATCH_ROWS:
+                    flush()
                 continue
-            taken = np.zeros(g.size, dtype=bool)
-            row_delta = np.zeros(g.size, dtype=np.int64)
-            # Reference rows this candidate sequence already paired: each at most once, so a row past
-            # the end of the reference's sequence (a server that records one more position than the
-            # trainer kept) never re-pairs an earlier reference row under another delta.
-            used: dict[int, np.ndarray] = {}
-            primary = seq.hypotheses[0][0]
-            for h_i, (ref_key, delta, _votes) in enumerate(seq.hypotheses):
-                rg = alignment.ref_groups[ref_key].held()
-                free = ~taken
-                # Token consistency under this hypothesis (label positions, before the offset).
-                idx_c, at = _find_positions(rg.positions, _shifted(g.positions, delta, 0))
-                agree = at & (rg.tokens[idx_c] == g.tokens)
-                unknown = g.tokens < 0
-                ok = free & (agree | (unknown & (h_i == 0)) if alignment.by_tokens else free)
-                # The value pairing: shift by the label offset.
-                vidx_c, vat = _find_positions(rg.positions, _shifted(g.positions, delta, offset))
-                seen = used.setdefault(ref_key, np.zeros(rg.size, dtype=bool))
-                use = ok & vat & ~seen[vidx_c]
-                if h_i > 0 and ref_key != primary:
-                    # Another reference sequence takes only whole runs of rows (a shared prefix's last
-                    # row matching a longer sample is where the sequences diverge, not a pairing).
-                    use &= _runs_of_at_least(use, NGRAM)
-                seen[vidx_c[use]] = True
-                got = g.rows[use]
-                if slot is not None:
-                    slot[got] = rg.rows[vidx_c[use]]
-                else:
-                    cand_buf[held : held + got.size] = got
-                    ref_buf[held : held + got.size] = rg.rows[vidx_c[use]]
-                held += got.size
-                taken |= use
-                row_delta[use] = delta
-                if h_i == 0:
-                    effective[seq.candidate_group] = delta - offset
-            if taken.any():
-                # A prefix: candidate rows before the first paired one, in front of the reference's start.
-                # Python ints: positions near the int64 limits must not wrap around.
-                first = int(np.argmax(taken))  # positions are sorted
-                eff = int(row_delta[first]) - offset
-                rg0 = alignment.ref_groups[seq.hypotheses[0][0]]
-                before = (g.positions < int(g.positions[first])) & (g.positions < int(rg0.positions[0]) + eff) \
-                    if eff > 0 else np.zeros(g.size, dtype=bool)
-                extra = before & ~taken
-                if extra.any():
-                    prefix_rows[seq.candidate_group] = g.rows[extra]
-                insertions += _insertions(seq.candidate_group, g, taken, row_delta)
-                # Rows past the last position of the reference sequence they align with: the two
-                # sequences end differently (coverage), whatever else they are.
-                end = int(alignment.ref_groups[primary].positions[-1]) + int(seq.hypotheses[0][1])
-                trailing += int((~taken & (g.positions > end)).sum())
-            unaligned += int((~taken).sum())
+            settle()
+            _pair_sequence(alignment, seq, offset, written, tally)
         settle()
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
+    return _made_pairs(alignment, offset, written, tally)
+
+
+@dataclass
+class _Written:
+    """Where the pairs are written. Every sequence: each pair at its candidate row (each pairs at most
+    once) in ``slot``, one column as long as the candidate, -1 where unpaired, so the pairs come out in
+    candidate order without a sort. A few sequences (the offset search): into two buffers as large as
+    their rows. Either way no list of small arrays left behind in the allocator's heap, no
+    concatenation. :meth:`take` hands the buffers over (whoever takes them lets them go)."""
+
+    slot: np.ndarray | None
+    cand: np.ndarray
+    ref: np.ndarray
+
+    @classmethod
+    def for_pairs(cls, alignment: Alignment, wanted: set[int] | None) -> _Written:
+        n_cand, n_ref = len(alignment.candidate), len(alignment.reference)
+        slot = np.full(n_cand, -1, dtype=index_dtype(n_ref)) if wanted is None else None
+        room = 0 if wanted is None else sum(alignment.cand_groups[k].size for k in wanted if k in alignment.cand_groups)
+        return cls(slot, np.empty(room, dtype=index_dtype(n_cand)), np.empty(room, dtype=index_dtype(n_ref)))
+
+    def take(self) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+        out = (self.slot, self.cand, self.ref)
+        del self.slot, self.cand, self.ref
+        return out
+
+
+@dataclass
+class _Tally:
+    """What pairing the sequences counts and notes, merged in sequence order: the pairs written so far
+    (``held``), candidate rows left unpaired (of them, past the reference sequence's end), insertions,
+    prefixes and each sequence's effective delta."""
+
+    held: int = 0
+    unaligned: int = 0
+    trailing: int = 0
+    insertions: list[dict] = field(default_factory=list)
+    prefix_rows: dict[int, np.ndarray] = field(default_factory=dict)
+    effective: dict[int, int] = field(default_factory=dict)
+
+    def merge(self, got: tuple[int, int, int, dict[int, int], dict[int, np.ndarray]]) -> None:
+        u, t, n, eff, prefix = got
+        self.unaligned, self.trailing, self.held = self.unaligned + u, self.trailing + t, self.held + n
+        self.effective.update(eff)
+        self.prefix_rows.update(prefix)
+
+
+def _batch_ends(alignment: Alignment, seq: SequenceAlignment) -> tuple[int, int] | None:
+    """The reference sequence's first and last positions where ``seq`` can be paired in a batch (one
+    hypothesis, a reference sequence without a gap, sums that stay in int64), else None."""
+    if len(seq.hypotheses) != 1:
+        return None
+    cg = alignment.cand_groups[seq.candidate_group]
+    rg = alignment.ref_groups[seq.hypotheses[0][0]]
+    ends = end_positions(rg, alignment.reference)
+    if (ends is not None and ends[1] - ends[0] == rg.size - 1
+            and abs(ends[0]) + abs(ends[1]) + abs(seq.hypotheses[0][1]) < _SAFE  # (int64 sums below)
+            and end_positions(cg, alignment.candidate) is not None):
+        return ends
+    return None
+
+
+def _pair_sequence(alignment: Alignment, seq: SequenceAlignment, offset: int, written: _Written, tally: _Tally) -> None:
+    """One candidate sequence paired hypothesis by hypothesis, best first, into ``written``."""
+    g = alignment.cand_groups[seq.candidate_group].held()
+    if not seq.hypotheses:
+        tally.unaligned += g.size
+        return
+    slot = written.slot
+    taken = np.zeros(g.size, dtype=bool)
+    row_delta = np.zeros(g.size, dtype=np.int64)
+    # Reference rows this candidate sequence already paired: each at most once, so a row past
+    # the end of the reference's sequence (a server that records one more position than the
+    # trainer kept) never re-pairs an earlier reference row under another delta.
+    used: dict[int, np.ndarray] = {}
+    primary = seq.hypotheses[0][0]
+    for h_i, (ref_key, delta, _votes) in enumerate(seq.hypotheses):
+        rg = alignment.ref_groups[ref_key].held()
+        free = ~taken
+        # Token consistency under this hypothesis (label positions, before the offset).
+        idx_c, at = _find_positions(rg.positions, _shifted(g.positions, delta, 0))
+        agree = at & (rg.tokens[idx_c] == g.tokens)
+        unknown = g.tokens < 0
+        ok = free & (agree | (unknown & (h_i == 0)) if alignment.by_tokens else free)
+        # The value pairing: shift by the label offset.
+        vidx_c, vat = _find_positions(rg.positions, _shifted(g.positions, delta, offset))
+        seen = used.setdefault(ref_key, np.zeros(rg.size, dtype=bool))
+        use = ok & vat & ~seen[vidx_c]
+        if h_i > 0 and ref_key != primary:
+            # Another reference sequence takes only whole runs of rows (a shared prefix's last
+            # row matching a longer sample is where the sequences diverge, not a pairing).
+            use &= _runs_of_at_least(use, NGRAM)
+        seen[vidx_c[use]] = True
+        got = g.rows[use]
+        held = tally.held
+        if slot is not None:
+            slot[got] = rg.rows[vidx_c[use]]
+        else:
+            written.cand[held : held + got.size] = got
+            written.ref[held : held + got.size] = rg.rows[vidx_c[use]]
+        tally.held = held + got.size
+        taken |= use
+        row_delta[use] = delta
+        if h_i == 0:
+            tally.effective[seq.candidate_group] = delta - offset
+    if taken.any():
+        # A prefix: candidate rows before the first paired one, in front of the reference's start.
+        # Python ints: positions near the int64 limits must not wrap around.
+        first = int(np.argmax(taken))  # positions are sorted
+        eff = int(row_delta[first]) - offset
+        rg0 = alignment.ref_groups[seq.hypotheses[0][0]]
+        before = (g.positions < int(g.positions[first])) & (g.positions < int(rg0.positions[0]) + eff) \
+            if eff > 0 else np.zeros(g.size, dtype=bool)
+        extra = before & ~taken
+        if extra.any():
+            tally.prefix_rows[seq.candidate_group] = g.rows[extra]
+        tally.insertions += _insertions(seq.candidate_group, g, taken, row_delta)
+        # Rows past the last position of the reference sequence they align with: the two
+        # sequences end differently (coverage), whatever else they are.
+        end = int(alignment.ref_groups[primary].positions[-1]) + int(seq.hypotheses[0][1])
+        tally.trailing += int((~taken & (g.positions > end)).sum())
+    tally.unaligned += int((~taken).sum())
+
+
+def _made_pairs(alignment: Alignment, offset: int, written: _Written, tally: _Tally) -> RowPairs:
+    """The pairs written, one candidate row per reference row and writer group, in candidate order."""
+    n_cand, n_ref = len(alignment.candidate), len(alignment.reference)
+    held, unaligned, trailing = tally.held, tally.unaligned, tally.trailing
+    prefix_rows, effective, insertions = tally.prefix_rows, tally.effective, tally.insertions
+    slot, cand_buf, ref_buf = written.take()
     rows_dtype = index_dtype(max(n_cand, n_ref))
     if held == 0:
         cand = ref = np.empty(0, dtype=rows_dtype)
