@@ -277,3 +277,18 @@ def test_a_killed_trainer_using_the_python_api_leaves_the_old_store_aside(old_st
             proc.wait(timeout=30)
     aside = old_store.with_name("it.zarr.previous")
     assert _digest(aside) == before and _rows(aside) == OLD_ROWS
+
+
+def test_a_second_tap_that_never_fires_exits_2_and_keeps_the_other_taps_rows(old_store: Path) -> None:
+    """Two taps asked for, one class mistyped: the store lacks what was asked, so never exit 0; the rows
+    of the tap that fired stay, and the error says which tap."""
+    store = old_store.parent / "two.zarr"
+    result = invoke_tracediff("record", "--tap", "Head.fc:input", "--tap", "extra=Haed.fc:output", "-o", store, "--",
+                              sys.executable, old_store.parent / "head.py", "3")  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("tracediff: error:")]
+    assert errors == [f"tracediff: error: tap 'extra' (--tap extra=Haed.fc:output) recorded no row while the other "
+                      f"taps did (their rows are in {store}); exit code 2, the command itself exited with code 0"]
+    assert "never fired in any process" not in result.stderr  # one line for one problem
+    shown = json.loads(invoke_tracediff("inspect", "--json", "-", store).stdout)
+    assert shown["taps"]["fc_in"]["rows"] == 3 * 64

@@ -27,7 +27,8 @@ from tracediff.errors import TracediffError, UsageError
     (2, "a bad option or -o (one error line, the command not run); or the command exited 0 but a process lost "
         "rows (dropped when its writer fell behind, still queued when the process was killed, a writer error, an "
         "interpreter that cannot import tracediff: each said on stderr, with the tap, the rows and the flag that "
-        "avoids it) or no row was recorded (no tap fired: a mistyped class, a module never reached)"),
+        "avoids it) or no row was recorded (no tap fired: a mistyped class, a module never reached), or one "
+        "--tap never fired while others did (the rows of the others are kept)"),
     ("N", "any other: the command's own exit code (128+S when signal S ended it: 130 after Ctrl-C, 143 after "
           "SIGTERM, which record forwards), kept whether or not rows were lost")))
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
@@ -286,7 +287,10 @@ def record(
     recorded_nothing = not join and not any(info["rows"] for info in desc["taps"].values())
     # Nothing recorded, nothing else wrong: the error line below says which taps never fired.
     no_tap_fired = recorded_nothing and not problems and returncode == 0
-    if problems or no_tap_fired:  # (with problems, "check the class name" would send the user the wrong way)
+    # A --tap asked for by name that recorded nothing while others did: the store lacks what was asked.
+    silent = [s for s in specs if not desc["taps"].get(s.name, {}).get("rows")]
+    some_taps_silent = bool(silent) and not recorded_nothing and not problems and returncode == 0
+    if problems or no_tap_fired or some_taps_silent:  # (with problems, "check the class name" would send the user the wrong way)
         warnings = [w for w in warnings if "never fired in any process" not in w]
     for warning in warnings:
         click.echo(f"tracediff: warning: {warning}", err=True)
@@ -312,6 +316,11 @@ def record(
     if no_tap_fired:
         click.echo(f"tracediff: error: {_never_fired(specs, adapters)}; exit code 2, the command itself exited with "
                    f"code 0", err=True)
+        sys.exit(2)
+    if some_taps_silent:
+        asked = ", ".join(f"tap {s.name!r} (--tap {s.text})" for s in silent)
+        click.echo(f"tracediff: error: {asked} recorded no row while the other taps did (their rows are in "
+                   f"{location.display}); exit code 2, the command itself exited with code 0", err=True)
         sys.exit(2)
     sys.exit(returncode)
 
