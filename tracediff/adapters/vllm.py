@@ -75,22 +75,36 @@ from tracediff.adapters._serving import (
     command_flags,
 )
 from tracediff.adapters.vllm_labels import batch_labels
-from tracediff.adapters.vllm_provenance import canonical_aux_layers, draft_config_facts, provenance, vllm_version
+from tracediff.adapters.vllm_provenance import (
+    MTP_ROW_FACTS,
+    MTP_SEGMENTS,
+    canonical_aux_layers,
+    draft_config_facts,
+    mtp_config_facts,
+    mtp_provenance,
+    provenance,
+    vllm_version,
+)
 from tracediff.record.recorder import Recorder
+from tracediff.store.row_model import mtp as mtp_row_model
 
 log = logging.getLogger("tracediff")
 
 DRAFT_CLASSES: tuple[str, ...] = ("Eagle3LlamaForCausalLM", "Eagle3Qwen3ForCausalLM", "Eagle3DeepseekV2ForCausalLM")
-WATCH: tuple[str, ...] = DRAFT_CLASSES
+#: vLLM's MTP drafters whose layers are DeepSeek's (``model.layers[str(i)]`` with ``enorm``, ``hnorm``,
+#: ``eh_proj``); attached by that structure, run here: ``DeepSeekMTP`` (``{"method": "mtp"}``).
+MTP_CLASSES: tuple[str, ...] = ("DeepSeekMTP", "Glm4MoeMTP", "Glm4MoeLiteMTP")
+WATCH: tuple[str, ...] = DRAFT_CLASSES + MTP_CLASSES
 #: Where the rows are, as ``module:Class.method``; a version that moved them gets a logged skip.
 PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.propose"
 RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids"
 DRAFT_MODULES = ("vllm.model_executor.models.llama_eagle3", "vllm.model_executor.models.qwen3_eagle3",
-                 "vllm.model_executor.models.deepseek_eagle3")
+                 "vllm.model_executor.models.deepseek_eagle3", "vllm.model_executor.models.deepseek_mtp")
 PROPOSE_ARGS = ("target_token_ids", "target_positions", "target_hidden_states", "next_token_ids",
                 "token_indices_to_sample", "common_attn_metadata")
 
 FC_TAP = "fc_in"
+MTP_TAP = "mtp_in"
 FC_RAW_TAP = "fc_in_raw"
 AUX_TAP = "aux_hidden"
 DRAFT_TAP = "draft_steps"
@@ -135,8 +149,13 @@ def attach(recorder: Recorder, module: torch.nn.Module) -> bool:
         if not type(module).__module__.startswith("vllm."):
             return False
         owner = getattr(module, "model", None)
+        mtp_layers = mtp_layer_modules(module)
         fc = getattr(owner, "fc", None)
-        if not isinstance(fc, torch.nn.Module) or not hasattr(module, "combine_hidden_states"):
+        if mtp_layers:
+            fcs = [layer.eh_proj for layer in mtp_layers.values()]
+        elif isinstance(fc, torch.nn.Module) and hasattr(module, "combine_hidden_states"):
+            fcs = [fc]
+        else:
             return False
         if any(b.draft() is module and b.recorder is recorder for b in _state.bindings):
             return True
@@ -144,13 +163,14 @@ def attach(recorder: Recorder, module: torch.nn.Module) -> bool:
             return False
         reason = _install_patches()
         if reason is not None:
-            _skip_point(FC_TAP, reason)
+            _skip_point(MTP_TAP if mtp_layers else FC_TAP, reason)
             _skip_point(AUX_TAP, reason)
             return False
-        binding = _Binding(recorder, module, fc)
+        binding = _Binding(recorder, module, fcs[0], mtp_layers=mtp_layers)
         _state.bindings.append(binding)
         recorder.keep_handle(binding)
-        recorder.keep_handle(fc.register_forward_pre_hook(binding.fc_pre_hook, with_kwargs=True))
+        for each in fcs:  # MTP: every layer's eh_proj; the first call of a propose is the one recorded
+            recorder.keep_handle(each.register_forward_pre_hook(binding.fc_pre_hook, with_kwargs=True))
         _describe_process(recorder)
         return True
     except Exception as exc:  # noqa: BLE001  (never raise into the engine)
@@ -158,6 +178,21 @@ def attach(recorder: Recorder, module: torch.nn.Module) -> bool:
                   "tracediff: vllm adapter: cannot attach to %s (%s: %s); not recorded, serving goes on",
                   type(module).__qualname__, type(exc).__name__, exc)
         return False
+
+
+def mtp_layer_modules(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """The MTP layers of a vLLM MTP drafter (``model.layers[str(i)]`` holding ``enorm``, ``hnorm`` and
+    an ``eh_proj`` of ``2H`` inputs), by layer index; empty for any other module."""
+    layers = getattr(getattr(module, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleDict):
+        return {}
+    out: dict[int, torch.nn.Module] = {}
+    for key, layer in layers.items():
+        proj = getattr(layer, "eh_proj", None)
+        if key.isdigit() and isinstance(proj, torch.nn.Module) and all(
+                isinstance(getattr(layer, n, None), torch.nn.Module) for n in ("enorm", "hnorm")):
+            out[int(key)] = layer
+    return dict(sorted(out.items()))
 
 
 def prepare_in_process() -> None:
@@ -279,13 +314,56 @@ def _binding_for(proposer: Any) -> _Binding | None:
 class _Binding:
     """One recorder attached to one draft: declares the taps, labels each ``propose`` call, captures."""
 
-    def __init__(self, recorder: Recorder, draft: torch.nn.Module, fc: torch.nn.Module) -> None:
+    def __init__(self, recorder: Recorder, draft: torch.nn.Module, fc: torch.nn.Module,
+                 mtp_layers: dict[int, torch.nn.Module] | None = None) -> None:
         self.recorder = recorder
         self.draft = weakref.ref(draft)
         self.fc = weakref.ref(fc)
         self.removed = False
         self.published = False
         self.commit = commit_mode()  # read once: propose runs every step
+        self.mtp = bool(mtp_layers)
+        self.in_tap = MTP_TAP if self.mtp else FC_TAP
+        self.instance_patches: list[str] = []
+        if self.mtp:
+            self._declare_mtp(draft, fc, mtp_layers or {})
+        else:
+            self._declare_eagle3(draft, fc)
+        recorder.declare(DRAFT_TAP, module=f"{type(draft).__qualname__}.compute_logits",
+                         capture="draft_top_k_target_ids", top_k=TOPK)
+        for point in self._taps() + (DRAFT_TAP,):
+            _state.point(point)["attached"] += 1
+        for name in ("compute_logits", "get_top_tokens"):
+            method = getattr(draft, name, None)
+            if callable(method) and name not in draft.__dict__:
+                setattr(draft, name, self._wrap_logits(method, name == "get_top_tokens"))
+                self.instance_patches.append(name)
+
+    def _taps(self) -> tuple[str, ...]:
+        """The taps a drafter call's rows go to (each row counted lost on each when not recorded)."""
+        return (self.in_tap, AUX_TAP) + ((FC_RAW_TAP,) if self.raw_differs else ())
+
+    def _declare_mtp(self, draft: torch.nn.Module, eh_proj: torch.nn.Module, layers: dict[int, torch.nn.Module]) -> None:
+        """The MTP head's ``eh_proj`` input ``[enorm(embed(x_{p+1})) | hnorm(h_p)]``: two segments of H.
+        Its row model (which final norm ``h_p`` went through) is declared at the first drafter call,
+        once the target is reachable (:meth:`publish`)."""
+        self.raw_differs = False
+        self.info = mtp_config_facts(draft, layers)
+        in_features = getattr(eh_proj, "in_features", None)
+        size = in_features // 2 if isinstance(in_features, int) and in_features % 2 == 0 else None
+        first = next(iter(layers))
+        self.recorder.declare(
+            MTP_TAP, segment_size=size, segment_labels=list(MTP_SEGMENTS) if size else None,
+            module=f"{type(draft).__qualname__}.model.layers.{first}.eh_proj",
+            module_class=f"{type(eh_proj).__module__}.{type(eh_proj).__qualname__}", capture="input",
+            in_features=in_features, mtp_layers=list(layers), **MTP_ROW_FACTS)
+        self.recorder.declare(AUX_TAP, segment_size=size, segment_labels=["hidden"] if size else None,
+                              module="SpecDecodeBaseProposer.propose(target_hidden_states)",
+                              capture="target_hidden_states",
+                              note="the target's hidden state vLLM hands the MTP drafter, before its hnorm")
+
+    def _declare_eagle3(self, draft: torch.nn.Module, fc: torch.nn.Module) -> None:
+        recorder = self.recorder
         owner = draft.model  # type: ignore[attr-defined]
         self.raw_differs = getattr(owner, "input_norm", None) is not None or getattr(owner, "fc_norm", None) is not None
         info = draft_config_facts(draft)
@@ -306,16 +384,6 @@ class _Binding:
             recorder.declare(FC_RAW_TAP, **kw, module="SpecDecodeBaseProposer.propose(target_hidden_states)",
                              capture="raw_concatenation",
                              note="the target's concatenated aux states before norm_before_fc / fc_norm")
-        recorder.declare(DRAFT_TAP, module=f"{type(draft).__qualname__}.compute_logits",
-                         capture="draft_top_k_target_ids", top_k=TOPK)
-        for point in (FC_TAP, AUX_TAP, DRAFT_TAP) + ((FC_RAW_TAP,) if self.raw_differs else ()):
-            _state.point(point)["attached"] += 1
-        self.instance_patches: list[str] = []
-        for name in ("compute_logits", "get_top_tokens"):
-            method = getattr(draft, name, None)
-            if callable(method) and name not in draft.__dict__:
-                setattr(draft, name, self._wrap_logits(method, name == "get_top_tokens"))
-                self.instance_patches.append(name)
 
     def active(self) -> bool:
         return not self.removed and not self.recorder.closed and self.draft() is not None
@@ -361,7 +429,7 @@ class _Binding:
                 return
             if not self.published:
                 self.published = True
-                self.publish(proposer, runner)
+                self.publish(proposer, runner, hidden)
             aux_labels = dict(labels)
             fc_labels = dict(labels, phase=labels["fc_phase"])
             aux_labels["phase"] = labels["phase"]
@@ -378,14 +446,14 @@ class _Binding:
             _state.local.draft = labels.get("_draft")
         except Exception as exc:  # noqa: BLE001
             _skip_point(AUX_TAP, f"{type(exc).__name__}: {exc}")
-            _skip_point(FC_TAP, f"{type(exc).__name__}: {exc}")
+            _skip_point(self.in_tap, f"{type(exc).__name__}: {exc}")
             if isinstance(hidden, torch.Tensor) and hidden.dim() == 2:
                 self._lose(int(hidden.shape[0]), f"not recorded after an error: {type(exc).__name__}: {exc}")
 
     def _lose(self, rows: int, why: str) -> None:
         """A drafter call whose rows cannot be recorded: its aux / fc rows counted lost now, its draft
         steps as the draft computes them."""
-        for tap in (AUX_TAP, FC_TAP) + ((FC_RAW_TAP,) if self.raw_differs else ()):
+        for tap in self._taps():
             self.recorder.count_lost(tap, rows, why)
         _state.local.draft = {"lost": why}
 
@@ -441,16 +509,24 @@ class _Binding:
     def fc_pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         pending = getattr(_state.local, "fc", None)
         _state.local.fc = None
-        if pending is None or not self.active() or _state.point(FC_TAP)["skipped"] is not None:
-            return  # fc outside a labelled propose (warm-up, dummy runs): nothing unlabelled is recorded
+        tap = self.in_tap
+        if pending is None or not self.active() or _state.point(tap)["skipped"] is not None:
+            # fc outside a labelled propose (warm-up, dummy runs), or an MTP layer's chained calls of
+            # the same propose (draft steps k >= 1: their hidden half is the MTP's own output, not
+            # the target's, one row per request): nothing unlabelled is recorded
+            return
         tensor = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
         rows, labels = pending
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or int(tensor.shape[0]) != rows:
-            self.recorder.count_lost(FC_TAP, rows, f"the fc input was {tuple(getattr(tensor, 'shape', ()))} where the "
-                                     f"drafter call had {rows} rows")
+        # vLLM's first MTP pass may run a batch padded past the drafter call's rows (CUDA-graph sizes):
+        # the padding comes last.
+        fits = isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and (
+            int(tensor.shape[0]) == rows or (self.mtp and int(tensor.shape[0]) > rows))
+        if not fits:
+            self.recorder.count_lost(tap, rows, f"the {'eh_proj' if self.mtp else 'fc'} input was "
+                                     f"{tuple(getattr(tensor, 'shape', ()))} where the drafter call had {rows} rows")
             return
-        self._count(FC_TAP, rows)
-        self.recorder.capture(FC_TAP, tensor, labels=labels)
+        self._count(tap, rows)
+        self.recorder.capture(tap, tensor[:rows], labels=labels)
 
     @staticmethod
     def _count(point: str, rows: int) -> None:
@@ -458,9 +534,18 @@ class _Binding:
         info["calls"] += 1
         info["rows"] += rows
 
-    def publish(self, proposer: Any, runner: Any) -> None:
-        """Provenance into the writer groups' meta, once the weights are loaded (first call)."""
+    def publish(self, proposer: Any, runner: Any, hidden: torch.Tensor | None = None) -> None:
+        """Provenance into the writer groups' meta, once the weights are loaded (first call); for an
+        MTP drafter also the row model of its tap, from what the target hands it (``hidden``)."""
         draft = self.draft()
+        if self.mtp:
+            meta = mtp_provenance(proposer, runner, draft, self.info, hidden)
+            self.recorder.meta["vllm"] = meta
+            final_norm = meta["mtp"]["hidden_final_norm"] != "before"
+            self.recorder.declare(MTP_TAP, row_model=mtp_row_model(final_norm=final_norm))
+            for warning in meta.get("warnings", []):
+                _log_once(f"warn:{warning}", logging.WARNING, "tracediff: vllm adapter: %s", warning)
+            return
         meta = provenance(proposer, runner, draft, self.info)
         self.recorder.meta["vllm"] = meta
         canonical = canonical_aux_layers(meta)
@@ -546,10 +631,11 @@ def record_warnings(command: Sequence[str], desc: dict[str, Any]) -> list[str]:
         out.append("vllm: the server runs no draft: add --speculative-config '{\"method\": \"eagle3\", \"model\": "
                    "DRAFT, \"num_speculative_tokens\": K}'")
         return out
-    if not rows.get(FC_TAP) and not rows.get(AUX_TAP):
+    if not rows.get(FC_TAP) and not rows.get(MTP_TAP) and not rows.get(AUX_TAP):
         out.append("vllm: no drafter rows were recorded: did a request reach the server (tracediff send --engine "
                    "vllm)? is the draft an EAGLE-3 draft?")
-    if serving and "--no-enable-prefix-caching" not in flag and (rows.get(FC_TAP) or rows.get(AUX_TAP)):
+    if serving and "--no-enable-prefix-caching" not in flag and (rows.get(FC_TAP) or rows.get(MTP_TAP) or
+                                                                  rows.get(AUX_TAP)):
         out.append("vllm: prefix caching was on: prefixes already cached (shared prompts, re-sent sequences) are not "
                    "forwarded again and have no rows; add --no-enable-prefix-caching for full coverage")
     if serving and "--shutdown-timeout" not in flag and _recorded_commit((desc.get("meta") or {}).get("record")) == \
