@@ -151,16 +151,28 @@ def _offline_source(path: Path, layer_ids: list[int] | None) -> Source:
     _n, slots, size = first.states.shape
     labels = _offline_labels(framework, first.kinds, layer_ids)
 
+    def load(index: int, file: Path) -> Block:
+        f = first if index == first.index and file.name == first.name else read_offline_file(framework, file, index)
+        if tuple(f.states.shape[1:]) != (slots, size):
+            raise UsageError(f"{file}: hidden states of {tuple(f.states.shape[1:])} (slots, width) after "
+                             f"{first.name}'s {(slots, size)}: files of two models or settings; lint them apart")
+        t = len(f.tokens)
+        return Block(f.states.float().numpy(), np.full(t, index, dtype=np.int64), np.arange(t, dtype=np.int64),
+                     f.tokens.numpy().astype(np.int64), framework, {index: f.name}, f.codes,
+                     None if f.scales is None else f.scales.numpy())
+
     def blocks() -> Iterator[Block]:
-        for index, file in files:
-            f = first if index == first.index and file.name == first.name else read_offline_file(framework, file, index)
-            if tuple(f.states.shape[1:]) != (slots, size):
-                raise UsageError(f"{file}: hidden states of {tuple(f.states.shape[1:])} (slots, width) after "
-                                 f"{first.name}'s {(slots, size)}: files of two models or settings; lint them apart")
-            t = len(f.tokens)
-            yield Block(f.states.float().numpy(), np.full(t, index, dtype=np.int64), np.arange(t, dtype=np.int64),
-                        f.tokens.numpy().astype(np.int64), framework, {index: f.name}, f.codes,
-                        None if f.scales is None else f.scales.numpy())
+        # The next file is read (and dequantised) on another thread while this one's rows are checked:
+        # both halves spend their time in code that releases the GIL. Memory: two files.
+        from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+        with ThreadPoolExecutor(1, thread_name_prefix="tracediff-lint-read") as reader:
+            pending = reader.submit(load, *files[0])
+            for k in range(len(files)):
+                block = pending.result()
+                if k + 1 < len(files):
+                    pending = reader.submit(load, *files[k + 1])
+                yield block
 
     return Source(str(path), framework, first.storage, slots * size, size, labels, first.kinds, len(files),
                   "files", blocks)
