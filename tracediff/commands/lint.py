@@ -53,7 +53,7 @@ def lint(data: Path, target_dir: Path | None, bank: Path | None, tap: str | None
     Per slot: all-zero, constant, non-finite and repeated rows (counts, where, examples), duplicated
     samples, the RMS and massive-dimension profile; with --target, a slot that holds the final norm's
     output; with --bank, a slot that holds another layer than its label says; FP8 scales. One
-    streaming pass, memory bounded by one file or chunk.
+    streaming pass, memory bounded by two files (one read ahead) or one store chunk.
     """
     from tracediff.importers import parse_layer_ids  # noqa: PLC0415
     from tracediff.lint import lint as run_lint  # noqa: PLC0415
