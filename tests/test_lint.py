@@ -76,7 +76,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "clean": (st, tok, "bf16"), "clean_fp8": (st, tok, "fp8"), "fp8_zero_scale": (st, tok, "fp8"),
         "zero_slot": (_with(st, zero_slot), tok, "bf16"), "zero_rank": (_with(st, zero_rank), tok, "fp8"),
         "constant_slot": (_with(st, constant_slot), tok, "bf16"), "repeated_row": (_with(st, repeated_row), tok, "bf16"),
-        "post_norm": (_with(st, post_norm), tok, "bf16"), "other_depth": (_with(st, other_depth), tok, "bf16"),
+        "post_norm": (_with(st, post_norm), tok, "bf16"), "post_norm_fp8": (_with(st, post_norm), tok, "fp8"), "other_depth": (_with(st, other_depth), tok, "bf16"),
         "duplicated": (dup_states, dup_tokens, "bf16"), "nonfinite": (_with(st, nonfinite), tok, "bf16"),
         "fp8_bad_codes": (st, tok, "fp8"),
     }
@@ -197,6 +197,24 @@ def test_each_defect_is_found_and_named_by_slot(data, name, want) -> None:
     assert sorted(set(_errors(report))) == want
     label = report["slots"][want[0][1]]["label"]
     assert f"slot {want[0][1]} ({label})" in text
+
+
+def test_a_post_norm_slot_is_found_through_fp8_rounding(data) -> None:
+    """e4m3 storage rounds each value by up to 2^-4: the unit-RMS test allows for it, from the data."""
+    code, text, report = _lint(data["speculators"]["post_norm_fp8"], "--target", data["target"].folder,
+                               "--layer-ids", AUX)
+    assert code == 1, text
+    assert _errors(report) == [("post_norm", 2)]
+    assert [s["unit_rms_after_norm"] for s in report["slots"]][:2] == [0.0, 0.0]
+
+
+def test_an_fp8_import_lints_clean_with_its_storage_named(data, tmp_path) -> None:
+    store = tmp_path / "fp8.zarr"
+    assert invoke_tracediff("import", "speculators", data["speculators"]["clean_fp8"], "-o", store,
+                            "--layer-ids", AUX).returncode == 0
+    code, text, report = _lint(store, "--target", data["target"].folder, "--bank", data["bank"])
+    assert code == 0, text
+    assert report["storage"].startswith("bfloat16 (imported from float8_e4m3fn")
 
 
 def test_zero_rows_of_one_rank_name_the_samples(data) -> None:

@@ -139,7 +139,7 @@ def lint(path: str | Path, *, target: str | Path | None = None, bank: str | Path
 
 def _result(source: Source, stats: SlotStats, tgt: Target | None, bank: list | None, fp8: dict | None,
             seconds: float) -> LintResult:
-    dtype = source.storage.split(" ")[0]
+    dtype = source.rounding  # the storage's rounding: an FP8 import's values carry e4m3's, not bf16's
     tolerance = {s: unit_tolerance(dtype, r) for s, r in enumerate(stats.dim_rms())}
     slots = slot_reports(source, stats, lambda r: unit_tolerance(dtype, r))
     findings: list[LintFinding] = defect_findings(slots, stats) + duplicate_sample_findings(slots, stats)

@@ -50,6 +50,7 @@ class Source:
     units: int  # rows (store) or files (offline) in all, for the progress line
     unit: str
     _open: Any = field(repr=False, default=None)
+    rounding: str = ""  # the dtype whose rounding the values carry (an FP8 import: float8_e4m3fn)
 
     @property
     def slots(self) -> int:
@@ -132,7 +133,8 @@ def _store_source(path: Path, tap: str | None) -> Source:
                             {int(i): f"seq {names.get(int(i), int(i))}" for i in np.unique(ids).tolist()})
 
     return Source(str(path), "trace store", storage, width, size, labels, kinds,
-                  sum(s.rows for s in streams), "rows", blocks)
+                  sum(s.rows for s in streams), "rows", blocks,
+                  rounding=quant["dtype"] if isinstance(quant, dict) else first.dtype)
 
 
 def _meta_hidden(store: Any, stream: Any) -> int | None:
@@ -174,8 +176,9 @@ def _offline_source(path: Path, layer_ids: list[int] | None) -> Source:
                     pending = reader.submit(load, *files[k + 1])
                 yield block
 
+    rounding = str((first.states if first.codes is None else first.codes).dtype).removeprefix("torch.")
     return Source(str(path), framework, first.storage, slots * size, size, labels, first.kinds, len(files),
-                  "files", blocks)
+                  "files", blocks, rounding=rounding)
 
 
 def _offline_labels(framework: str, kinds: list[str], layer_ids: list[int] | None) -> list[str]:
