@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 from tracediff.adapters import sglang as adapter  # noqa: E402
 from tracediff.adapters.sglang_labels import request_keys, wrap_init_new_for_rids  # noqa: E402
+from tracediff.record.inject import recording_problems  # noqa: E402
 from tracediff.record.recorder import Recorder  # noqa: E402
 from tracediff.store import open_store  # noqa: E402
 
@@ -292,6 +293,33 @@ def test_internals_that_moved_are_a_logged_skip_and_the_output_is_unchanged(
     messages = [r.getMessage() for r in caplog.records if "aux_hidden not recorded" in r.getMessage()]
     assert len(messages) == 1 and "extend_seq_lens_cpu" in messages[0]
     assert adapter.capture_summary()["aux_hidden"]["skipped"]
+    # The rows SGLang computed and the adapter could not record are lost and counted: what the recorder
+    # tells `tracediff record`, which then ends non-zero (not 0 with an empty tap).
+    _assert_counted_lost(rec, "aux_hidden", recorded=0, lost=2 * sum(len(s) for s in SEQS),
+                         why="not recorded after an error: AttributeError")
+
+
+def _assert_counted_lost(rec: Recorder, tap: str, recorded: int, lost: int, why: str) -> None:
+    outcome = rec.outcome()["taps"][tap]
+    assert (outcome["rows"], outcome["dropped_rows"]) == (recorded, lost), outcome
+    assert why in outcome["drop_reason"], outcome
+    problems = recording_problems([{"kind": "recorder", "pid": 1, **rec.outcome()}])
+    assert any(tap in p and str(lost) in p for p in problems), problems
+
+
+def test_aux_states_in_a_container_the_adapter_cannot_read_are_counted_lost(
+        tmp_path: Path, models, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, target = models
+    _, expected = prefill(target)
+    with Recorder(tmp_path / "server.zarr", role="server") as rec:
+        assert adapter.attach(rec, target)
+        prefill(target)  # recorded
+        monkeypatch.setattr(adapter, "pack_aux", lambda aux: None)  # an SGLang whose aux container is new
+        _, out = prefill(target)
+    assert torch.equal(out.next_token_logits, expected.next_token_logits)  # the server is untouched
+    tokens = sum(len(s) for s in SEQS)
+    _assert_counted_lost(rec, "aux_hidden", recorded=tokens, lost=tokens,
+                         why=f"aux_hidden_states held not a tensor or a list of tensors for {tokens} tokens")
 
 
 def test_a_logits_processor_without_aux_hidden_states_is_skipped(

@@ -229,17 +229,34 @@ def _attach_logits_processor(recorder: Recorder, processor: torch.nn.Module, own
     _state.point(AUX_TAP)["attached"] += 1
 
     def pre_hook(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if not recorder.enabled or mod.__dict__.get(_ROLE) != "target":
+        role = mod.__dict__.get(_ROLE)
+        if role == "skipped":  # stopped after an error: the rows SGLang computes now are lost, and counted
+            _count_lost_target_rows(recorder, args, kwargs)
+            return
+        if not recorder.enabled or role != "target":
             return
         try:
             _on_target_forward(recorder, args, kwargs, index, owner_ref() if owner_ref is not None else None)
         except Exception as exc:  # noqa: BLE001
             _skip_point(AUX_TAP, f"{type(exc).__name__}: {exc}")
             mod.__dict__[_ROLE] = "skipped"
+            _count_lost_target_rows(recorder, args, kwargs)
 
     recorder.keep_handle(processor.register_forward_pre_hook(pre_hook, with_kwargs=True))
     publish_meta(_state, recorder)
     return True
+
+
+def _count_lost_target_rows(recorder: Recorder, args: tuple, kwargs: dict) -> None:
+    """A target forward whose aux rows the adapter does not record (it stopped after an error):
+    its token rows are counted lost, so that the run says so instead of ending 0. Never raises."""
+    try:
+        input_ids = args[0] if args else kwargs.get("input_ids")
+        if isinstance(input_ids, torch.Tensor) and input_ids.numel() and not capturing_graph(input_ids):
+            skipped = _state.point(AUX_TAP)["skipped"]
+            recorder.count_lost(AUX_TAP, int(input_ids.shape[0]), f"not recorded after an error: {skipped}")
+    except Exception:  # noqa: BLE001, S110  (counting is best effort; the server comes first)
+        pass
 
 
 def _on_target_forward(recorder: Recorder, args: tuple, kwargs: dict, aux_index: int,
@@ -263,11 +280,15 @@ def _on_target_forward(recorder: Recorder, args: tuple, kwargs: dict, aux_index:
         _state.last_rids = request_keys(batch)
     if aux is None:
         return
-    packed = pack_aux(aux)
-    if packed is None or packed.shape[0] != rows:
-        return
     info = _state.point(AUX_TAP)
     if info["skipped"] is not None:
+        recorder.count_lost(AUX_TAP, rows, f"not recorded after an error: {info['skipped']}")
+        return
+    packed = pack_aux(aux)
+    if packed is None or packed.shape[0] != rows:
+        # SGLang computed aux states this adapter cannot read as one row per token: lost, and counted.
+        shape = "not a tensor or a list of tensors" if packed is None else f"{packed.shape[0]} rows"
+        recorder.count_lost(AUX_TAP, rows, f"aux_hidden_states held {shape} for {rows} tokens")
         return
     if info["calls"] == 0:
         _first_aux_capture(recorder, packed, owner)
@@ -372,10 +393,17 @@ def _attach_draft(recorder: Recorder, draft: torch.nn.Module, fc_owner: torch.nn
     def fc_pre_hook(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         labels = getattr(local, "labels", None)
         local.labels = None
-        if labels is None or not recorder.enabled or _state.point(FC_TAP)["skipped"] is not None:
-            return  # fc ran outside a draft-extend forward we labelled: record nothing unlabelled
         tensor = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, torch.Tensor) or not recorder.enabled:
+            return
+        if labels is None or _state.point(FC_TAP)["skipped"] is not None:
+            # fc ran on rows no draft-extend forward labelled (the owner hook stopped after an error,
+            # or SGLang called fc another way): nothing unlabelled is recorded, and the rows are counted lost.
+            rows = int(tensor.numel() // max(int(tensor.shape[-1]), 1))
+            if rows and not capturing_graph(tensor):
+                skipped = _state.point(FC_TAP)["skipped"]
+                recorder.count_lost(FC_TAP, rows, f"not recorded after an error: {skipped}" if skipped
+                                    else "fc ran outside a draft-extend forward the adapter labelled")
             return
         info = _state.point(FC_TAP)
         info["calls"] += 1
