@@ -226,6 +226,12 @@ def test_zero_rows_of_one_rank_name_the_samples(data) -> None:
     assert "hs_4.safetensors..hs_7.safetensors" in text
 
 
+def test_one_file_is_linted_alone(data) -> None:
+    code, text, report = _lint(data["speculators"]["zero_slot"] / "hs_3.safetensors", "--layer-ids", AUX)
+    assert code == 1 and report["samples"] == 1
+    assert "slot 1 (hs4)" in text and "in 1 sample (hs_3.safetensors); every row of it" in text
+
+
 def test_duplicated_samples_are_named(data) -> None:
     code, text, report = _lint(data["speculators"]["duplicated"])
     assert code == 1

@@ -313,6 +313,8 @@ def offline_files(src: Path) -> tuple[str, list[tuple[int, Path]]]:
     """Which trainer wrote the offline files in ``src`` (``speculators`` or ``specforge``), and its files."""
     if not src.exists():
         raise UsageError(f"{src}: no such file or folder")
+    if src.is_file() and (m := _HS_FILE.match(src.name)):
+        return "speculators", [(int(m[1]), src)]
     if src.is_dir() and any(f.is_dir() and any(_HS_FILE.match(p.name) for p in f.iterdir())
                             for f in (src, src / "hidden_states") if f.exists()):
         return "speculators", speculators_files(src)

@@ -90,9 +90,9 @@ def defect_findings(slots: list[SlotReport], stats: SlotStats) -> list[LintFindi
             book = stats.per_sample[(key, rep.index)]
             whole = [i for i, c in book.items() if c == stats.sample_rows.get(i)]
             where = dict(stats.where[(key, rep.index)])
-            place = f"in {len(book)} samples ({ranges(list(book), stats.names)})"
+            place = f"in {len(book)} sample{'s' if len(book) != 1 else ''} ({ranges(list(book), stats.names)})"
             if whole and key != "duplicate":
-                place += f"; every row of {len(whole)} of them"
+                place += "; every row of it" if len(book) == 1 else f"; every row of {len(whole)} of them"
             if len(stats.group_rows) > 1:
                 place += "; by writer group: " + ", ".join(
                     f"{g} {where.get(g, 0)} of {rows}" for g, rows in sorted(stats.group_rows.items()))

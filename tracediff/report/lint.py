@@ -47,7 +47,7 @@ def headline(result: Any) -> str:
 
 
 def data_line(result: Any) -> str:
-    what = f"{result.samples} samples, {result.rows} rows"
+    what = f"{result.samples} sample{'s' if result.samples != 1 else ''}, {result.rows} rows"
     return (f"{result.source}: {result.format}, {what}, {len(result.slots)} slots of {result.segment_size}, "
             f"stored as {result.storage}")
 
