@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import invoke_tracediff, run_tracediff, skip_unless_installed
+from conftest import cli_env, invoke_tracediff, run_tracediff, skip_unless_installed
 
 skip_unless_installed("hs_connectors", "specforge", reason="hs_connectors / specforge not installed "
                       "(requirements/frameworks-trainers.sh)")
@@ -346,6 +346,16 @@ def test_the_command_writes_text_json_and_html_and_exits_1_on_findings(data, tmp
     assert json.loads(js.read_text())["exit_code"] == 1
     page = html.read_text()
     assert page.startswith("<!doctype html>") and "slot 1 (hs4)" in page
+
+
+def test_a_long_run_shows_its_progress_on_stderr(data) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "tracediff", "lint", str(data["speculators"]["clean"]), "--progress"],
+                          env=cli_env(TRACEDIFF_PROGRESS_SECONDS="0.001"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "of 8 files" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "bad_target", "bad_layer_ids", "bank_of_another_width"])

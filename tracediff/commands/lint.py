@@ -60,7 +60,7 @@ def lint(data: Path, target_dir: Path | None, bank: Path | None, tap: str | None
     from tracediff.report.lint import render_lint_html, render_lint_text, write_lint_html  # noqa: PLC0415
 
     check_output_files(("--json", json_path), ("--html", html_path))
-    with stage_progress("lint", progress) as bar:
+    with stage_progress("lint", progress, items="files") as bar:
         result = run_lint(data, target=target_dir, bank=bank, tap=tap, layer_ids=parse_layer_ids(layer_ids),
                           progress=bar)
     unwritten = write_json_result(json_path, result.to_dict())

@@ -124,8 +124,11 @@ def lint(path: str | Path, *, target: str | Path | None = None, bank: str | Path
     bank_profiles = read_bank(Path(bank), source.segment_size) if bank is not None else None
     stats = SlotStats(source.slots, source.segment_size, None if tgt is None else tgt.norm_weight)
     fp8: dict[str, Any] | None = None
-    if progress is not None:
-        progress.stage("lint", source.units)
+    if progress is not None:  # rows, and for offline folders files (of how many)
+        if source.unit == "rows":
+            progress.stage("lint", source.units)
+        else:
+            progress.stage("lint", None, source.units)
     for block in source.blocks():
         stats.add(block.values, block.seq, block.position, block.token, block.group, block.names)
         if block.codes is not None and block.scales is not None:
@@ -133,7 +136,7 @@ def lint(path: str | Path, *, target: str | Path | None = None, bank: str | Path
                 fp8 = defaultdict(int, examples=defaultdict(list))
             _fp8_add(fp8, block, next(iter(block.names.values()), block.group))
         if progress is not None:
-            progress.advance(len(block.values) if source.unit == "rows" else 1)
+            progress.advance(len(block.values), items=0 if source.unit == "rows" else 1)
     return _result(source, stats, tgt, bank_profiles, fp8, time.monotonic() - started)
 
 
