@@ -13,6 +13,7 @@ buffer is handed to the recorder as a fresh tensor (no second copy).
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -163,3 +164,26 @@ def _model_summary(module: torch.nn.Module, config: Any) -> dict[str, Any]:
     except ImportError:
         pass
     return out
+
+
+#: Where transformers checkpoints keep the final norm's weight (decoder-only models, and VLM wrappers).
+FINAL_NORM_KEYS = ("model.norm.weight", "norm.weight", "model.language_model.norm.weight",
+                   "language_model.model.norm.weight", "transformer.norm.weight")
+
+
+def final_norm_weight(folder: Path) -> tuple[Any, str]:
+    """A checkpoint folder's final norm weight as float32 numpy (one tensor read from its safetensors,
+    nothing else), and where it came from; ``(None, why)`` when no file holds one."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    from tracediff.errors import UsageError  # noqa: PLC0415
+
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                key = next((k for k in FINAL_NORM_KEYS if k in f.keys()), None)  # noqa: SIM118
+                if key is not None:
+                    return f.get_tensor(key).float().numpy(), f"{file.name}: {key}"
+        except Exception as exc:  # noqa: BLE001  (safetensors raises its own types)
+            raise UsageError(f"{file}: not a readable safetensors file ({exc})") from exc
+    return None, f"{folder}: no final norm weight ({', '.join(FINAL_NORM_KEYS[:2])}) in *.safetensors"

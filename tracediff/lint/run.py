@@ -30,9 +30,6 @@ from tracediff.lint.results import LintFinding, LintResult
 from tracediff.lint.sources import Block, Source, open_source, slot_kind
 from tracediff.lint.stats import SlotStats
 
-#: Where transformers checkpoints keep the final norm's weight (decoder-only, and VLM wrappers).
-_NORM_KEYS = ("model.norm.weight", "norm.weight", "model.language_model.norm.weight",
-              "language_model.model.norm.weight", "transformer.norm.weight")
 _FP8_EXAMPLES = 5
 
 
@@ -53,25 +50,10 @@ def read_target(folder: Path) -> Target:
     layers, hidden = text.get("num_hidden_layers"), text.get("hidden_size")
     if not isinstance(layers, int) or not isinstance(hidden, int):
         raise UsageError(f"{folder / 'config.json'}: num_hidden_layers / hidden_size missing or not integers")
-    weight, note = None, f"{folder}: no final norm weight ({', '.join(_NORM_KEYS[:2])}) in *.safetensors"
-    for file in sorted(folder.glob("*.safetensors")):
-        weight = _norm_weight(file)
-        if weight is not None:
-            note = f"{file.name}: the final norm weight"
-            break
+    from tracediff.adapters.hf import final_norm_weight  # noqa: PLC0415  (transformers' checkpoint names)
+
+    weight, note = final_norm_weight(folder)
     return Target(layers, hidden, weight, note)
-
-
-def _norm_weight(file: Path) -> np.ndarray | None:
-    """The final norm weight from one safetensors file (through torch: numpy has no bfloat16)."""
-    from safetensors import safe_open  # noqa: PLC0415
-
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            key = next((k for k in _NORM_KEYS if k in f.keys()), None)  # noqa: SIM118
-            return None if key is None else f.get_tensor(key).float().numpy()
-    except Exception as exc:  # noqa: BLE001  (safetensors raises its own types)
-        raise UsageError(f"{file}: not a readable safetensors file ({exc})") from exc
 
 
 def read_bank(path: Path, segment_size: int) -> list[tuple[str, str, np.ndarray]]:
