@@ -24,10 +24,13 @@ case "${torch_version%%+*}" in
   2.13.0) ;;
   *) echo "frameworks-sglang.sh: expected torch 2.13.0 (any build) in $PY, found $torch_version" >&2; exit 1 ;;
 esac
+# The constraint names the installed distribution's version: a wheel's metadata may lack the local
+# build tag that torch.__version__ carries (PyPI's 2.13.0 reports 2.13.0+cu130), and pip matches the former.
+torch_dist="$("$PY" -c 'from importlib.metadata import version; print(version("torch"))')"
 # Keep the installed torch whatever a dependency asks for.
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
-echo "torch==$torch_version" > "$constraints"
+echo "torch==$torch_dist" > "$constraints"
 
 # 1. The frameworks themselves, without their (CUDA) dependency trees. pip then reports sglang's
 #    unmet pins (torch 2.14.1, torchvision, flashinfer...) as "dependency conflicts": expected.

@@ -26,10 +26,13 @@ case "${torch_version%%+*}" in
   *) echo "frameworks-trainers.sh: expected torch 2.13.0 (any build) in $PYTHON, found $torch_version" >&2; exit 1 ;;
 esac
 
+# The constraint names the installed distribution's version: a wheel's metadata may lack the local
+# build tag that torch.__version__ carries (PyPI's 2.13.0 reports 2.13.0+cu130), and pip matches the former.
+torch_dist="$("$PYTHON" -c 'from importlib.metadata import version; print(version("torch"))')"
 # Keep the installed torch whatever a dependency asks for.
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
-echo "torch==$torch_version" > "$constraints"
+echo "torch==$torch_dist" > "$constraints"
 
 # 1. The frameworks and speculators' hidden-states transfer package, without their pinned deps.
 pip_install "$PIP" --quiet --no-deps speculators==0.9.0 specforge==0.2.0 hs-connectors==0.9.0

