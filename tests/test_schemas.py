@@ -100,7 +100,7 @@ def test_a_non_editable_install_ships_the_schemas(tmp_path: Path) -> None:
 
 
 def test_the_vocabularies_cover_the_code() -> None:
-    from tracediff.compare.plan.transforms import KINDS  # noqa: PLC0415
+    from tracediff.compare.plan.transforms import KINDS, SLOT_KINDS  # noqa: PLC0415
 
     defs = load_schema("compare")["$defs"]
 
@@ -108,7 +108,7 @@ def test_the_vocabularies_cover_the_code() -> None:
         return set(defs[key]["anyOf"][0]["enum"])
 
     assert set(FINDING_KINDS) <= known("finding_kind")
-    assert set(KINDS) == known("transform_kind")
+    assert set(KINDS) | set(SLOT_KINDS) == known("transform_kind")
     assert set(defs["finding"]["properties"]["severity"]["enum"]) == set(SEVERITIES)
     assert load_schema("compare")["properties"]["schema_version"] == {"const": 1}
     documented = {r["if"]["properties"]["kind"]["const"] for r in defs["finding_evidence"]["allOf"]

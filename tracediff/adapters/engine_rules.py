@@ -390,8 +390,44 @@ def config_field(rule: Rule) -> str:
         return "eagle_aux_hidden_state_layer_ids (top level of the draft's config.json)"
     return "eagle_config.eagle_aux_hidden_state_layer_ids (nested in the draft's config.json)"
 
+#: Where each engine builds an MTP head's input (read from source, FRAMEWORKS.md): the place a fix of
+#: the hidden half goes.
+_MTP_INPUT = {
+    "vllm": "vLLM's MTP proposer (vllm/model_executor/models/deepseek_mtp.py: eh_proj(cat(enorm(embed), "
+            "hnorm(previous_hidden_states))))",
+    "sglang": "SGLang's deepseek_nextn (srt/models/deepseek_nextn.py: eh_proj(cat(enorm(embed), hnorm(hidden_states))))",
+}
+
+
+def row_model_fix(kind: str, engine: str | None, params: dict[str, Any]) -> str:
+    """The fix line of a row-model relation (compare's final_norm, rotation, embedding_scale,
+    slot_token_offset, dimension_scale findings), in the candidate engine's words where known."""
+    where = _MTP_INPUT.get(engine or "")
+    if kind == "final_norm":
+        want = "after" if params.get("reference_final_norm") else "before"
+        fix = f"feed the hidden state {want} the target's final norm, as the draft was trained"
+        if where and params.get("mtp"):
+            fix += f": in {where} pass the target's last hidden state {want} model.norm"
+        return fix + "; or retrain the draft on what the engine feeds"
+    if kind == "rotation":
+        return ("fold Q^T into the draft's fc: the target feeds h Q (a rotated target, e.g. QuaRot), so replace this "
+                "slot's block W of fc.weight by W Q (then fc(h Q) = fc_trained(h)), or feed the unrotated states")
+    if kind == "embedding_scale":
+        factor = float(params.get("factor", float("nan")))
+        return (f"apply the embedding scale on both sides the same way: the candidate's embedding is {factor:.4g}x the "
+                f"trainer's (Gemma-style models scale embeddings by sqrt(hidden_size) in the model, not in the table)")
+    if kind == "slot_token_offset":
+        off = int(params.get("offset", 0))
+        return (f"feed the embedding of the token the draft was trained with: the candidate's is {abs(off)} token(s) "
+                f"{'earlier' if off < 0 else 'later'} (input_ids not shifted by one for the draft's rows)"
+                + (f"; in {where}" if where and params.get("mtp") else ""))
+    if kind == "dimension_scale":
+        return ("apply the same per-dimension weights on both sides: a norm weight (or a scale folded into one side's "
+                "weights) is applied on one side only")
+    raise ValueError(f"no fix for {kind!r}")
+
 
 __all__ = ["DEEPSEEK_ARCHITECTURES", "ENGINES", "RULES", "TRAINERS", "Resolution", "Rule", "RuleChoice",
            "choose_rule", "config_field", "draft_ids", "fix_ids", "installed_version", "load_problem", "recorded_rule",
-           "rule_named", "parse_version", "resolve",
+           "rule_named", "parse_version", "resolve", "row_model_fix",
            "target_family"]

@@ -42,6 +42,13 @@ FINDING_KINDS: tuple[str, ...] = (
     "draft_path",
     "cannot_tell",
     "swapped_roles",
+    # Row-model relations (issue #52: tracediff/compare/findings/slots.py)
+    "row_model",
+    "final_norm",
+    "rotation",
+    "embedding_scale",
+    "slot_token_offset",
+    "dimension_scale",
 )
 SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
 
@@ -107,6 +114,9 @@ class Side:
     # The command line that recorded this side (`tracediff record ... -- CMD`), as the store keeps it;
     # [] for a store written another way (in-process recorder, import).
     recorded_by: list[str] = field(default_factory=list)
+    # The row model the side's store records (tracediff.store.row_model: what each slot holds, with
+    # ``slots_text`` naming each); None (and left out of the JSON) when it records none.
+    row_model: dict[str, Any] | None = None
 
 
 @dataclass
@@ -326,6 +336,9 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        for side in ("reference", "candidate"):  # (absent rather than null: reports of stores without one unchanged)
+            if isinstance(out.get(side), dict) and out[side].get("row_model") is None:
+                out[side].pop("row_model", None)
         out["verdict"] = self.verdict
         out["counts"] = self.counts()
         out["causes"] = [asdict(c) for c in self.causes()]

@@ -54,6 +54,7 @@ from tracediff.compare.plan.metadata import aux_config, config_diff, num_layers,
 from tracediff.compare.plan.noise import CALIBRATION_TAP, CalibrationRows, canonical_dtype, decide_compute_dtype
 from tracediff.compare.plan.segments import SegmentDecision, segment_scales
 from tracediff.compare.plan.sides import recorded_by, same_recording_of, store_set_notes, swapped_roles
+from tracediff.compare.plan.slots import SampleTokens, refine_relations, row_model_json, side_row_model
 from tracediff.compare.results import Finding, Plan, Report, SegmentMatch, Side
 from tracediff.compare.rows.gather import in_parallel
 from tracediff.compare.rows.index import RowIndex, stream_names
@@ -269,6 +270,8 @@ def _plan(sides: _Sides, aligned: _Aligned, size: int, meta: _Metadata, evidence
     segplan = plan_segments(c_sample, r_sample, size, rl.dtype, cl.dtype, depths, seed=opts.seed, compute=compute,
                             assumed_depth=num_layers(meta.ref_meta) or num_layers(meta.cand_meta),
                             calibration=calibration)
+    notes += refine_relations(segplan, c_sample, r_sample, side_row_model(ref_index.streams), side_row_model(cand_index.streams),
+                              lambda: _sample_tokens(pairs, ref_index, cand_index, opts))
     del c_sample, r_sample, ahead  # (up to 2 x 100 MB at 3 x 4096: not held through the pass)
     if not (ref_index.has_tokens and cand_index.has_tokens):
         evidence.pairing = pairing_of_rows(pairs, ref_index, cand_index, segplan, min(opts.sample_rows, 2048), opts.seed + 2)
@@ -403,6 +406,7 @@ def _side(store: Side_, tap: str, index: RowIndex, layout: Layout, size: int, la
         aux_layer_config=aux_config(meta),
         aux_layers=aux.to_dict() if aux is not None else None,
         recorded_by=recorded_by(store),
+        row_model=row_model_json(side_row_model(index.streams)),
     )
 
 
@@ -538,6 +542,14 @@ def _plan_pick(pairs: Any, cand_index: RowIndex, opts: CompareOptions, notes: li
                  f"out of the plan sample (another context by construction); the streaming pass measures every row")
     sub = sample_pairs(_Subset(keep.size), opts.sample_rows, opts.seed + 1)
     return keep[sub]
+
+
+def _sample_tokens(pairs: RowPairs, ref_index: RowIndex, cand_index: RowIndex, opts: CompareOptions) -> SampleTokens:
+    """The token labels of the plan sample's pairs (the same draw as the sample: :func:`_plan_pick`)."""
+    pick = _plan_pick(pairs, cand_index, opts, [])
+    r, c = pairs.reference[pick], pairs.candidate[pick]
+    return SampleTokens(ref_index.token_id[r].astype(np.int64), ref_index.column("next_token_id")[r].astype(np.int64),
+                        cand_index.token_id[c].astype(np.int64), cand_index.column("next_token_id")[c].astype(np.int64))
 
 
 class _Subset:

@@ -221,12 +221,12 @@ def _summary(report: Report) -> str:
     out = ['<section id="summary"><h2>Summary</h2>']
     ref_items = dict(side_items(report.reference))
     cand_items = dict(side_items(report.candidate))
-    order = ["path", "aux layers"] + [k for k in ref_items if k not in ("path", "aux layers")]
+    order = ["path", "aux layers"] + [k for k in {**ref_items, **cand_items} if k not in ("path", "aux layers")]
     out.append('<table class="sides"><tr><th></th><th>reference</th><th>candidate</th></tr>')
     for name in order:
         css = ' class="aux"' if name == "aux layers" else ""
         mono = name in ("path", "aux layers", "segments", "tap")
-        ref, cand = (f"<code>{esc(v)}</code>" if mono else esc(v) for v in (ref_items[name], cand_items[name]))
+        ref, cand = (f"<code>{esc(v)}</code>" if mono else esc(v) for v in (ref_items.get(name, "-"), cand_items.get(name, "-")))
         out.append(f"<tr{css}><th>{esc(name)}</th><td>{ref}</td><td>{cand}</td></tr>")
     out.append("</table></section>")
     return "\n".join(out)

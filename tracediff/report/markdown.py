@@ -116,10 +116,10 @@ def _summary(report: Report) -> list[str]:
     ref_items = dict(side_items(report.reference))
     cand_items = dict(side_items(report.candidate))
     # The aux-layer config right under the paths: a wrong one is the usual cause of a segment mismatch.
-    order = ["path", "aux layers"] + [name for name in ref_items if name not in ("path", "aux layers")]
+    order = ["path", "aux layers"] + [name for name in {**ref_items, **cand_items} if name not in ("path", "aux layers")]
     rows = []
     for name in order:
-        ref, cand = ref_items[name], cand_items[name]
+        ref, cand = ref_items.get(name, "-"), cand_items.get(name, "-")
         if name in ("path", "aux layers", "segments", "tap"):
             rows.append([name, _code(ref), _code(cand)])
         else:

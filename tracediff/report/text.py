@@ -48,6 +48,7 @@ from tracediff.report.wording import (
     plural,
     plural_counts,
     reference_labels,
+    row_model_text,
     segment_map_sentences,
     segments_text,
     verdict_sentence,
@@ -327,6 +328,9 @@ def _summary(report: Report, paint: _Painter, *, brief: bool = False) -> list[st
         lines += _wrap(first, "  ", hang="  " + " " * 11)
         aux = aux_brief(side) if brief else aux_config_text(side)
         lines += _wrap(f"aux layers: {clean(aux)}", "  " + " " * 11, hang="  " + " " * 15)
+        if side.row_model:
+            lines += _wrap(f"row model: {clean(row_model_text(side.row_model))}", "  " + " " * 11,
+                           hang="  " + " " * 15)
     return lines
 
 

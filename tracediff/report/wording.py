@@ -413,7 +413,13 @@ def side_items(side: Side) -> list[tuple[str, str]]:
         ("segments", labels),
         ("sequences", str(side.sequences)),
         ("aux layers", aux_config_text(side)),
+        *([("row model", row_model_text(side.row_model))] if side.row_model else []),
     ]
+
+
+def row_model_text(row_model: dict[str, Any]) -> str:
+    """A side's row model (the report's ``row_model``): its name and what each slot holds."""
+    return f"{row_model.get('name')}: " + "; ".join(str(t) for t in row_model.get("slots_text") or [])
 
 
 def clean(text: Any) -> str:

@@ -47,14 +47,11 @@ class Slot:
         normed = f" ({self.draft_norm})" if self.draft_norm else ""
         if self.kind == "embedding":
             return f"embedding of {_token_text(self.token_offset)}{normed}"
-        if self.layer == 0 and not self.final_norm:
-            where = "the embedding output (hidden state 0)"
-        elif self.layer is None:
-            where = "the last layer's hidden state"
-        else:
-            where = f"layer {self.layer} hidden state"
-        norm = "after the final norm" if self.final_norm else "before the final norm"
         token = "" if self.token_offset == 0 else f" of {_token_text(self.token_offset)}"
+        if self.layer == 0 and not self.final_norm:
+            return f"the embedding output (hidden state 0){token}{normed}"
+        where = "the last layer's hidden state" if self.layer is None else f"layer {self.layer} hidden state"
+        norm = "after the final norm" if self.final_norm else "before the final norm"
         return f"{where}{token} {norm}{normed}"
 
     def to_json(self) -> dict[str, Any]:

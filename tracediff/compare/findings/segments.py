@@ -13,6 +13,7 @@ from typing import Any
 
 from tracediff.adapters.conventions import AuxLayers, engine_of, format_layers
 from tracediff.compare.findings.remedy import Fix, propose_fix
+from tracediff.compare.findings.slots import relation_finding, row_model_findings
 from tracediff.compare.plan.decide import Relation, SegmentPlan
 from tracediff.compare.plan.metadata import is_aux_key, num_layers
 from tracediff.compare.plan.noise import ASSUMED_LIMIT_FACTOR, CONSISTENT_FACTOR, OUTLIER_FACTOR
@@ -62,8 +63,8 @@ def segment_findings(report: Report, segplan: SegmentPlan, stream: StreamResult,
         fix = propose_fix(decisions, report.reference.segments, ref_aux, cand_aux, engine, bank, layers,
                           engine_rule=recorded_rule(report.candidate.meta, engine))
         _attach_fix((wiring or wrong_layer)[0], fix)
-    return wiring + subset_findings + values + _layer_config_findings(report, segplan, ref_aux, cand_aux, subsets,
-                                                                      wiring + values)
+    return (row_model_findings(report) + wiring + subset_findings + values
+            + _layer_config_findings(report, segplan, ref_aux, cand_aux, subsets, wiring + values))
 
 
 def _subset_finding(report: Report, i: int, j: int, subset: Any, content: Any) -> Finding:
@@ -276,6 +277,9 @@ def _pair_findings(report: Report, segplan: SegmentPlan, d: SegmentDecision, rel
         "runner_up_distance": d.runner_up_distance, "drift_limit": limit, "noise": noise.to_dict(),
     }
     if rel.relation == "transformed" and rel.transform is not None:
+        named = relation_finding(report, rel, m, evidence, label, rlabel, budget)
+        if named is not None:
+            return [named]
         t = rel.transform
         evidence["transform"] = t.to_dict()
         evidence["constant_scale"] = t.kind == "constant"

@@ -9,7 +9,15 @@ of the target's robust per-dimension scale (:class:`tracediff.compare.plan.segme
 * ``constant``: ``cand = c * ref`` (a multiplier, a scaled cast);
 * ``rmsnorm``: ``cand = w * ref / rms(ref)`` with a per-dimension weight ``w``, or the other way
   round (the norm is on the reference's side): the final norm, ``norm_before_fc``, ``fc_norm``;
-* ``layernorm``: ``cand = w * (ref - mean) / std + b``, either side.
+* ``layernorm``: ``cand = w * (ref - mean) / std + b``, either side;
+
+and, tried only where none of those fits (:mod:`tracediff.compare.plan.slots`, issue #52):
+
+* ``diagonal``: ``cand = w * ref``, a per-dimension scale without a norm;
+* ``rotation``: ``cand = ref @ Q`` with ``Q`` orthogonal (a rotated target, QuaRot): norms equal,
+  directions unrelated. ``Q`` has ``H (H - 1) / 2`` degrees of freedom, so it is fitted only when
+  each half of the sample holds at least :data:`ROTATION_ROWS_PER_DIM` ``x H`` rows; with fewer the
+  fit says so (``params.too_few_rows``) instead of guessing.
 
 A norm ratio that is not 1 proves nothing: the residual stream grows with depth, so a neighbouring
 layer differs in norm too. Only a fit whose held-out error is within the numerics budget names a
@@ -30,6 +38,11 @@ import numpy as np
 KINDS = ("identity", "constant", "rmsnorm", "layernorm")
 #: Rows of the plan sample the fits use.
 FIT_ROWS = 1024
+#: Tried after KINDS, only for a pair none of those explains (never listed for other pairs).
+SLOT_KINDS = ("diagonal", "rotation", "token_offset")
+#: Rows per hidden dimension each half of the sample needs before an H x H rotation is fitted: with
+#: fewer, a rotation fitted on one half can bend onto unrelated rows (H^2 / 2 parameters).
+ROTATION_ROWS_PER_DIM = 2
 
 
 @dataclass
@@ -51,6 +64,14 @@ class TransformFit:
             return "the same data"
         if self.kind == "constant":
             return f"times a constant {self.params['factor']:.4g}"
+        if self.kind == "diagonal":
+            w = self.params.get("weight", {})
+            return (f"times a per-dimension scale (fitted mean {w.get('mean', float('nan')):.3g}, range "
+                    f"{w.get('min', float('nan')):.3g}..{w.get('max', float('nan')):.3g})")
+        if self.kind == "rotation":
+            return "rotated by an orthogonal matrix Q (norms kept, directions changed)"
+        if self.kind == "token_offset":
+            return f"the same values paired {self.params.get('offset', 0):+d} token(s) away"
         w = self.params.get("weight", {})
         norm = "an RMSNorm" if self.kind == "rmsnorm" else "a LayerNorm"
         on = "the candidate" if self.side == "candidate" else "the reference"
@@ -142,6 +163,84 @@ def _fit_norm(unit: Any) -> Any:
     return fit
 
 
+def _fit_diagonal(src: np.ndarray, tgt: np.ndarray) -> tuple[Any, dict[str, Any]]:
+    w = ((src * tgt).sum(axis=0, dtype=np.float64)
+         / np.maximum((src * src).sum(axis=0, dtype=np.float64), 1e-30)).astype(np.float32)
+    return (lambda x: x * w), {"weight": _weight_summary(w)}
+
+
+def _row_factors(x: np.ndarray, tgt: np.ndarray) -> np.ndarray:
+    den = np.maximum(np.square(x).sum(axis=1, keepdims=True, dtype=np.float64), 1e-30)
+    return ((x * tgt).sum(axis=1, keepdims=True, dtype=np.float64) / den).astype(np.float32)
+
+
+def _fit_scaled_diagonal(src: np.ndarray, tgt: np.ndarray) -> tuple[Any, dict[str, Any]]:
+    """``tgt = lambda_row * w * src``: a per-dimension weight and a factor per row (a norm that
+    divides each row by a magnitude the data do not say, e.g. after a draft's own norm). Alternating
+    least squares; a row's factor is taken from that row's target (one number of H)."""
+    w = _fit_diagonal(src, tgt)[0](np.ones((1, src.shape[1]), dtype=np.float32))[0]
+    for _ in range(6):
+        lam = _row_factors(src * w, tgt)
+        ls = lam * src
+        w = ((ls * tgt).sum(axis=0, dtype=np.float64)
+             / np.maximum((ls * ls).sum(axis=0, dtype=np.float64), 1e-30)).astype(np.float32)
+    return (lambda x, w=w: x * w), {"weight": _weight_summary(w)}
+
+
+def scaled_diagonal_error(cand: np.ndarray, ref: np.ndarray, cand_mean: np.ndarray, cand_scale: np.ndarray) -> float:
+    """Held-out error of ``cand = lambda_row * w * ref`` (weights fitted on one half, each test row
+    given its best factor): what a per-dimension scale leaves once rows may differ in magnitude. A
+    norm on one side leaves little; a plain per-dimension scale leaves what the diagonal fit does."""
+    keep = np.isfinite(cand).all(axis=1) & np.isfinite(ref).all(axis=1)
+    c, r = cand[keep][:FIT_ROWS].astype(np.float32), ref[keep][:FIT_ROWS].astype(np.float32)
+    if c.shape[0] < 4:
+        return float("nan")
+    a, b = _halves(c.shape[0])
+    errs = []
+    for train, test in ((a, b), (b, a)):
+        predict, _ = _fit_scaled_diagonal(r[train], c[train])
+        pred = predict(r[test])
+        errs.append(_error(c[test], _row_factors(pred, c[test]) * pred, np.asarray(cand_mean, dtype=np.float32),
+                           np.asarray(cand_scale, dtype=np.float32)))
+    finite = [e for e in errs if math.isfinite(e)]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
+def _fit_rotation(src: np.ndarray, tgt: np.ndarray) -> tuple[Any, dict[str, Any]]:
+    """Orthogonal Procrustes: the ``Q`` minimising ``|src Q - tgt|``, ``U V^T`` of ``src^T tgt``."""
+    u, _, vt = np.linalg.svd(src.astype(np.float64).T @ tgt.astype(np.float64))
+    q = u @ vt
+    h = q.shape[0]
+    params = {"hidden": h, "det": float(np.sign(np.linalg.det(q))),
+              "distance_from_identity": float(np.linalg.norm(q - np.eye(h)) / math.sqrt(h))}
+    q32 = q.astype(np.float32)
+    return (lambda x: x @ q32), params
+
+
+def fit_slot_transform(kind: str, cand: np.ndarray, ref: np.ndarray, cand_mean: np.ndarray,
+                       cand_scale: np.ndarray) -> TransformFit:
+    """One transform of :data:`SLOT_KINDS` (``diagonal`` or ``rotation``) predicting the candidate from
+    the reference, cross-validated as :func:`fit_transforms` does, in the candidate's scale."""
+    keep = np.isfinite(cand).all(axis=1) & np.isfinite(ref).all(axis=1)
+    c, r = cand[keep][:FIT_ROWS].astype(np.float32), ref[keep][:FIT_ROWS].astype(np.float32)
+    cm, cs = np.asarray(cand_mean, dtype=np.float32), np.asarray(cand_scale, dtype=np.float32)
+    if kind == "rotation":
+        h, half = c.shape[1], c.shape[0] // 2
+        if half < ROTATION_ROWS_PER_DIM * h:
+            return TransformFit("rotation", "candidate", float("nan"), {
+                "too_few_rows": True, "rows": int(c.shape[0]), "needed": int(2 * ROTATION_ROWS_PER_DIM * h),
+                "hidden": int(h)})
+        err, params = _cross_validated(r, c, cm, cs, _fit_rotation)
+        params["rows"] = int(c.shape[0])
+        return TransformFit("rotation", "candidate", err, params)
+    if kind == "diagonal":
+        if c.shape[0] < 4:
+            return TransformFit("diagonal", "candidate", float("nan"))
+        err, params = _cross_validated(r, c, cm, cs, _fit_diagonal)
+        return TransformFit("diagonal", "candidate", err, params)
+    raise ValueError(f"no slot transform {kind!r}")
+
+
 def fit_transforms(cand: np.ndarray, ref: np.ndarray, cand_mean: np.ndarray, cand_scale: np.ndarray,
                    ref_mean: np.ndarray, ref_scale: np.ndarray, *,
                    identity_budget: float | None = None) -> list[TransformFit]:
@@ -192,4 +291,5 @@ def best_transform(fits: list[TransformFit], budget: float) -> TransformFit | No
     return None
 
 
-__all__ = ["KINDS", "TransformFit", "best_transform", "fit_transforms"]
+__all__ = ["KINDS", "ROTATION_ROWS_PER_DIM", "SLOT_KINDS", "TransformFit", "best_transform", "fit_slot_transform",
+           "fit_transforms", "scaled_diagonal_error"]
