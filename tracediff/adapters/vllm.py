@@ -1,4 +1,4 @@
-"""vLLM adapter: what a vLLM engine feeds its EAGLE-3 draft, row by row (V1 engine, 0.32).
+"""vLLM adapter: what a vLLM engine feeds its EAGLE-3 draft or MTP head, row by row (V1 engine, 0.32).
 
 Capture points, in the process that runs the model (vLLM's Worker; tensor-parallel rank 0 unless
 ``--all-ranks``):
@@ -11,6 +11,11 @@ Capture points, in the process that runs the model (vLLM's Worker; tensor-parall
     the input of the draft's ``fc`` (``Eagle3LlamaForCausalLM`` / ``Eagle3Qwen3ForCausalLM`` /
     ``Eagle3DeepseekV2ForCausalLM``: ``model.fc``), inside ``combine_hidden_states``, which vLLM runs
     eagerly in ``propose`` whatever the CUDA-graph or torch.compile mode.
+    With an MTP drafter (``{"method": "mtp"}``: ``DeepSeekMTP``), ``fc_in`` is the input of its MTP
+    layer's ``eh_proj``, ``[enorm(embed(x_{p+1})) | hnorm(h_p)]``, at the first MTP pass of each
+    drafter call (one row per target row; the chained draft steps are not recorded), with the row
+    model ``mtp`` and vLLM's position-0 zeroing in its attributes; ``aux_hidden`` is then ``h_p``
+    as vLLM hands it over (:mod:`tracediff.adapters.vllm_mtp`).
 ``fc_in_raw``
     with ``norm_before_fc`` / ``fc_norm``, the concatenation before those norms (the same tensor as
     ``aux_hidden``, kept under the name the SGLang adapter uses for it).
@@ -75,16 +80,8 @@ from tracediff.adapters._serving import (
     command_flags,
 )
 from tracediff.adapters.vllm_labels import batch_labels
-from tracediff.adapters.vllm_provenance import (
-    MTP_ROW_FACTS,
-    MTP_SEGMENTS,
-    canonical_aux_layers,
-    draft_config_facts,
-    mtp_config_facts,
-    mtp_provenance,
-    provenance,
-    vllm_version,
-)
+from tracediff.adapters.vllm_mtp import declare_mtp_taps, mtp_layer_modules, mtp_provenance
+from tracediff.adapters.vllm_provenance import canonical_aux_layers, draft_config_facts, provenance, vllm_version
 from tracediff.record.recorder import Recorder
 from tracediff.store.row_model import mtp as mtp_row_model
 
@@ -104,7 +101,10 @@ PROPOSE_ARGS = ("target_token_ids", "target_positions", "target_hidden_states", 
                 "token_indices_to_sample", "common_attn_metadata")
 
 FC_TAP = "fc_in"
-MTP_TAP = "mtp_in"
+#: An MTP head's ``eh_proj`` input goes to the same tap as an EAGLE-3 ``fc`` input: the draft's input
+#: projection; the tap's row model says which slots a row holds (docs/row-models.md), so a trainer's
+#: store tapped on ``eh_proj`` as ``fc_in`` compares without ``--tap``.
+MTP_TAP = FC_TAP
 FC_RAW_TAP = "fc_in_raw"
 AUX_TAP = "aux_hidden"
 DRAFT_TAP = "draft_steps"
@@ -178,21 +178,6 @@ def attach(recorder: Recorder, module: torch.nn.Module) -> bool:
                   "tracediff: vllm adapter: cannot attach to %s (%s: %s); not recorded, serving goes on",
                   type(module).__qualname__, type(exc).__name__, exc)
         return False
-
-
-def mtp_layer_modules(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """The MTP layers of a vLLM MTP drafter (``model.layers[str(i)]`` holding ``enorm``, ``hnorm`` and
-    an ``eh_proj`` of ``2H`` inputs), by layer index; empty for any other module."""
-    layers = getattr(getattr(module, "model", None), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleDict):
-        return {}
-    out: dict[int, torch.nn.Module] = {}
-    for key, layer in layers.items():
-        proj = getattr(layer, "eh_proj", None)
-        if key.isdigit() and isinstance(proj, torch.nn.Module) and all(
-                isinstance(getattr(layer, n, None), torch.nn.Module) for n in ("enorm", "hnorm")):
-            out[int(key)] = layer
-    return dict(sorted(out.items()))
 
 
 def prepare_in_process() -> None:
@@ -326,7 +311,8 @@ class _Binding:
         self.in_tap = MTP_TAP if self.mtp else FC_TAP
         self.instance_patches: list[str] = []
         if self.mtp:
-            self._declare_mtp(draft, fc, mtp_layers or {})
+            self.raw_differs = False
+            self.info = declare_mtp_taps(recorder, draft, fc, mtp_layers or {}, MTP_TAP, AUX_TAP)
         else:
             self._declare_eagle3(draft, fc)
         recorder.declare(DRAFT_TAP, module=f"{type(draft).__qualname__}.compute_logits",
@@ -342,25 +328,6 @@ class _Binding:
     def _taps(self) -> tuple[str, ...]:
         """The taps a drafter call's rows go to (each row counted lost on each when not recorded)."""
         return (self.in_tap, AUX_TAP) + ((FC_RAW_TAP,) if self.raw_differs else ())
-
-    def _declare_mtp(self, draft: torch.nn.Module, eh_proj: torch.nn.Module, layers: dict[int, torch.nn.Module]) -> None:
-        """The MTP head's ``eh_proj`` input ``[enorm(embed(x_{p+1})) | hnorm(h_p)]``: two segments of H.
-        Its row model (which final norm ``h_p`` went through) is declared at the first drafter call,
-        once the target is reachable (:meth:`publish`)."""
-        self.raw_differs = False
-        self.info = mtp_config_facts(draft, layers)
-        in_features = getattr(eh_proj, "in_features", None)
-        size = in_features // 2 if isinstance(in_features, int) and in_features % 2 == 0 else None
-        first = next(iter(layers))
-        self.recorder.declare(
-            MTP_TAP, segment_size=size, segment_labels=list(MTP_SEGMENTS) if size else None,
-            module=f"{type(draft).__qualname__}.model.layers.{first}.eh_proj",
-            module_class=f"{type(eh_proj).__module__}.{type(eh_proj).__qualname__}", capture="input",
-            in_features=in_features, mtp_layers=list(layers), **MTP_ROW_FACTS)
-        self.recorder.declare(AUX_TAP, segment_size=size, segment_labels=["hidden"] if size else None,
-                              module="SpecDecodeBaseProposer.propose(target_hidden_states)",
-                              capture="target_hidden_states",
-                              note="the target's hidden state vLLM hands the MTP drafter, before its hnorm")
 
     def _declare_eagle3(self, draft: torch.nn.Module, fc: torch.nn.Module) -> None:
         recorder = self.recorder
@@ -633,7 +600,7 @@ def record_warnings(command: Sequence[str], desc: dict[str, Any]) -> list[str]:
         return out
     if not rows.get(FC_TAP) and not rows.get(MTP_TAP) and not rows.get(AUX_TAP):
         out.append("vllm: no drafter rows were recorded: did a request reach the server (tracediff send --engine "
-                   "vllm)? is the draft an EAGLE-3 draft?")
+                   "vllm)? is the draft an EAGLE-3 draft or an MTP head?")
     if serving and "--no-enable-prefix-caching" not in flag and (rows.get(FC_TAP) or rows.get(MTP_TAP) or
                                                                   rows.get(AUX_TAP)):
         out.append("vllm: prefix caching was on: prefixes already cached (shared prompts, re-sent sequences) are not "

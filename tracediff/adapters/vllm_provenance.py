@@ -61,7 +61,7 @@ def draft_config_facts(draft: torch.nn.Module) -> dict[str, Any]:
 
 def provenance(proposer: Any, runner: Any, draft: Any, info: dict[str, Any]) -> dict[str, Any]:
     meta: dict[str, Any] = {"vllm_version": vllm_version(), "draft": dict(info), "warnings": []}
-    target = _target_model(runner)
+    target = target_model(runner)
     resolved = _resolved_aux_layers(target)
     if resolved is not None:
         meta["aux_hidden_state_layers"] = resolved
@@ -72,7 +72,7 @@ def provenance(proposer: Any, runner: Any, draft: Any, info: dict[str, Any]) -> 
                 f"the draft config lists aux layer ids {ids}; vLLM {what} them to {resolved} (it sorts them and drops "
                 f"duplicates): the concatenation follows {resolved}")
     config = getattr(proposer, "vllm_config", None)
-    meta.update(_engine_config(config))
+    meta.update(engine_config(config))
     from tracediff.preflight import resolution_for_record  # noqa: PLC0415  (light: configs and headers only)
 
     # What `tracediff preflight` predicts for this draft and target, next to what vLLM resolved.
@@ -111,7 +111,7 @@ def canonical_aux_layers(meta: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def _target_model(runner: Any) -> Any:
+def target_model(runner: Any) -> Any:
     try:
         model = runner.get_model() if runner is not None and hasattr(runner, "get_model") else None
     except Exception:  # noqa: BLE001
@@ -127,7 +127,7 @@ def _resolved_aux_layers(target: Any) -> list[int] | None:
     return None
 
 
-def _engine_config(config: Any) -> dict[str, Any]:
+def engine_config(config: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     model_config = getattr(config, "model_config", None)
     compilation = getattr(config, "compilation_config", None)
@@ -163,8 +163,8 @@ def _weights_provenance(draft: Any, target: Any) -> dict[str, Any]:
     """Whether the draft's embedding / lm_head are its own or the target's, and its d2t map."""
     out: dict[str, Any] = {}
     pairs = (("embed_tokens", getattr(getattr(draft, "model", None), "embed_tokens", None),
-              _first(target, ("model.embed_tokens", "embed_tokens", "language_model.model.embed_tokens"))),
-             ("lm_head", getattr(draft, "lm_head", None), _first(target, ("lm_head", "language_model.lm_head"))))
+              first_attr(target, ("model.embed_tokens", "embed_tokens", "language_model.model.embed_tokens"))),
+             ("lm_head", getattr(draft, "lm_head", None), first_attr(target, ("lm_head", "language_model.lm_head"))))
     for name, mine, theirs in pairs:
         weight = getattr(mine, "weight", None)
         other = getattr(theirs, "weight", None)
@@ -179,7 +179,7 @@ def _weights_provenance(draft: Any, target: Any) -> dict[str, Any]:
     return out
 
 
-def _first(obj: Any, paths: Sequence[str]) -> Any:
+def first_attr(obj: Any, paths: Sequence[str]) -> Any:
     for path in paths:
         cur = obj
         for part in path.split("."):
@@ -197,114 +197,3 @@ def vllm_version() -> str:
             return version(dist)
     return str(getattr(sys.modules.get("vllm"), "__version__", "unknown"))
 
-
-# ---------------------------------------------------------------------------------------- MTP
-#: The two segments of an MTP head's ``eh_proj`` input: ``enorm(embed(x_{p+1}))`` and ``hnorm(h_p)``.
-MTP_SEGMENTS = ("embed_next", "hidden")
-#: Tap attributes of ``mtp_in`` that say what its rows are beyond the row model. ``zeroed_slots``:
-#: vLLM's DeepSeek MTP layer zeroes the embedding before ``enorm`` at position 0
-#: (``DeepSeekMultiTokenPredictorLayer.forward``: ``torch.where(positions == 0, 0, inputs_embeds)``),
-#: so slot 0 of every position-0 row is all zeros where a trainer (and SGLang) has the embedding of x_1.
-MTP_ROW_FACTS: dict[str, Any] = {
-    "zeroed_slots": [{"slot": 0, "positions": [0], "engine": "vllm",
-                      "why": "vLLM's MTP layer zeroes the embedding at position 0 (deepseek_mtp.py, "
-                             "DeepSeekMultiTokenPredictorLayer.forward); trainers and SGLang do not"}],
-    "recorded_calls": "the first MTP pass of each drafter call, one row per target row (rejected verify slots "
-                      "valid = false); the chained draft steps k >= 1, whose hidden half is the MTP layer's own "
-                      "output, are not recorded",
-}
-
-
-def mtp_config_facts(draft: torch.nn.Module, layers: dict[int, torch.nn.Module]) -> dict[str, Any]:
-    """The MTP drafter's config as vLLM read it: sizes, its layer indices, norm eps."""
-    config = getattr(draft, "config", None)
-    out: dict[str, Any] = {"class": type(draft).__qualname__, "mtp_layers": list(layers)}
-    for key in ("model_type", "hidden_size", "num_hidden_layers", "num_nextn_predict_layers", "vocab_size",
-                "rms_norm_eps", "_name_or_path", "max_position_embeddings"):
-        value = getattr(config, key, None)
-        if isinstance(value, (int, float, str, bool)) and value != "":
-            out[key.lstrip("_")] = value
-    if isinstance(out.get("hidden_size"), int):
-        out["target_hidden_size"] = out["hidden_size"]
-    return out
-
-
-def mtp_provenance(proposer: Any, runner: Any, draft: Any, info: dict[str, Any],
-                   hidden: torch.Tensor | None) -> dict[str, Any]:
-    """``meta.vllm`` of an MTP recording: the engine config, and ``mtp``: which hidden state the target
-    hands the MTP head (after or before its final norm: from vLLM's code path, checked on the first
-    call's rows against the target's final-norm weight), the position-0 zeroing, whose embedding and
-    head the MTP layers use."""
-    meta: dict[str, Any] = {"vllm_version": vllm_version(), "draft": dict(info), "warnings": []}
-    meta.update(_engine_config(getattr(proposer, "vllm_config", None)))
-    target = _target_model(runner)
-    meta["target_class"] = type(target).__qualname__ if target is not None else None
-    override = callable(getattr(target, "get_mtp_target_hidden_states", None))
-    measured = _final_norm_measured(hidden, _first(target, ("model.norm", "language_model.model.norm")))
-    by_code = "other" if override else "after"
-    decided = measured["final_norm"] if measured.get("final_norm") in ("after", "before") else by_code
-    if measured.get("final_norm") in ("after", "before") and measured["final_norm"] != by_code:
-        meta["warnings"].append(f"the MTP head's hidden half reads as taken {measured['final_norm']} the target's "
-                                f"final norm (rms of h / norm weight {measured['rms_over_norm_weight']:.3f}), "
-                                f"where vLLM's code path gives {by_code}")
-    mtp: dict[str, Any] = {
-        "layers": info.get("mtp_layers"),
-        "hidden_final_norm": decided,
-        "hidden_source": "the target model's output hidden states (propose(target_hidden_states=...), "
-                         "gpu_model_runner.propose_draft_token_ids), returned after the final norm "
-                         "(deepseek_v2.py DeepseekV2Model.forward: self.norm(hidden_states, residual))"
-                         + ("; this target overrides them (get_mtp_target_hidden_states)" if override else ""),
-        "hidden_final_norm_measured": measured,
-        "embedding_zeroed_at_position0": True,
-        "chained_steps_recorded": False,
-    }
-    mtp.update(_mtp_weights(draft, target))
-    meta["mtp"] = mtp
-    block = getattr(proposer, "block_size", None)
-    if isinstance(block, int):
-        meta["draft_kv_block_size"] = block
-    return meta
-
-
-def _final_norm_measured(hidden: torch.Tensor | None, norm: Any) -> dict[str, Any]:
-    """Whether rows read as the output of ``norm`` (an RMSNorm with ``weight``): then ``h / weight``
-    has RMS 1 in every row. A few hundred rows, once per recording."""
-    weight = getattr(norm, "weight", None)
-    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor) or hidden.dim() != 2 or \
-            hidden.shape[-1] != weight.shape[-1]:
-        return {"final_norm": "unknown", "why": "no final-norm weight of the target's width to test the rows against"}
-    with torch.no_grad():
-        w = weight.detach().float().reshape(-1)
-        keep = w.abs() > 1e-6
-        h = hidden[:256].detach().float()[:, keep] / w[keep]
-        rms = h.pow(2).mean(-1).sqrt()
-        near = float(((rms - 1).abs() < 0.02).float().mean())
-        median = float(rms.median())
-    verdict = "after" if near >= 0.9 else "before"
-    return {"final_norm": verdict, "rms_over_norm_weight": median, "rows_with_rms_1": near,
-            "rows": int(h.shape[0])}
-
-
-def _mtp_weights(draft: Any, target: Any) -> dict[str, Any]:
-    """Whether the MTP layers' embedding and head are the target's (vLLM swaps them in) or their own."""
-    out: dict[str, Any] = {}
-    inner = getattr(draft, "model", None)
-    theirs = _first(target, ("model.embed_tokens", "embed_tokens", "language_model.model.embed_tokens"))
-    mine = getattr(inner, "embed_tokens", None)
-    for name, a, b in (("embed_tokens", mine, theirs),):
-        wa, wb = getattr(a, "weight", None), getattr(b, "weight", None)
-        if isinstance(wa, torch.Tensor):
-            shared = isinstance(wb, torch.Tensor) and (a is b or (wa.device == wb.device and
-                                                                  wa.data_ptr() == wb.data_ptr()))
-            out[f"{name}_from"] = "target" if shared else "draft"
-            out[f"{name}_sha256"] = tensor_sha256(wa)
-    head = _first(target, ("lm_head", "language_model.lm_head"))
-    layers = getattr(inner, "layers", None)
-    heads = {}
-    for key, layer in (layers.items() if isinstance(layers, torch.nn.ModuleDict) else []):
-        sh = getattr(getattr(layer, "shared_head", None), "head", None)
-        if sh is not None:
-            heads[str(key)] = "target" if sh is head else "draft"
-    if heads:
-        out["shared_head_from"] = heads
-    return out

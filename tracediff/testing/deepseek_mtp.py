@@ -62,6 +62,9 @@ def write_deepseek_mtp(path: str | Path, *, seed: int = 0, favour_scale: float =
         for name, p in full.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))  # norms that are not the identity
+        # A final norm far from the identity, as trained models have (weights spread over ~[0.2, 5]):
+        # the hidden state before and after it then differ in direction, not only in scale.
+        full.model.norm.weight.copy_(torch.exp(0.8 * torch.randn_like(full.model.norm.weight)))
         head = full.lm_head.weight
         a, b = FAVOURED
         head[a] *= favour_scale
@@ -143,6 +146,20 @@ def _target(path: Path) -> Any:
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     return weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def greedy_continuation(path: str | Path, sequences: Sequence[Sequence[int]], new_tokens: int = 1) -> list[list[int]]:
+    """Each sequence followed by the target's ``new_tokens`` greedy tokens (a transformers forward)."""
+    model, _ = _target(Path(path))
+    out = []
+    with torch.no_grad():
+        for ids in sequences:
+            ids = list(ids)
+            for _ in range(new_tokens):
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+                ids.append(int(logits.argmax()))
+            out.append(ids)
+    return out
 
 
 def mtp_head_inputs(path: str | Path, sequences: Sequence[Sequence[int]], *, final_norm: str = "post",

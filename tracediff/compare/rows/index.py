@@ -127,6 +127,27 @@ def _split_samples(group: np.ndarray, keys: list[str], position: np.ndarray,
     return new_group.astype(np.int64).reshape(-1), new_keys, int(split_groups.size)
 
 
+def _without_zeroed_rows(streams: Sequence[TraceStream], offsets: np.ndarray, position: np.ndarray,
+                         valid: np.ndarray) -> np.ndarray:
+    """``valid``, false also on the rows a stream's ``zeroed_slots`` attribute declares the engine
+    zeroed (vLLM's MTP layer zeroes the embedding slot at position 0: the row is not the input a
+    trainer computes, and comparing it would report the engine's design as a broken transfer)."""
+    out = valid
+    for i, s in enumerate(streams):
+        declared = s.attrs.get("zeroed_slots") if isinstance(getattr(s, "attrs", None), Mapping) else None
+        positions = sorted({int(p) for d in declared or [] if isinstance(d, Mapping)
+                            for p in d.get("positions") or [] if isinstance(p, int)})
+        if not positions:
+            continue
+        lo, hi = int(offsets[i]), int(offsets[i + 1])
+        hit = np.isin(position[lo:hi], positions)
+        if hit.any():
+            if out is valid:
+                out = np.array(valid, dtype=np.bool_, copy=True)
+            out[lo:hi] &= ~hit
+    return out
+
+
 def _column(parts: list[np.ndarray], dtype: type) -> np.ndarray:
     """One label column of the index from its streams' parts: integers compacted (:func:`compact`),
     the others in their index dtype."""
@@ -259,6 +280,7 @@ class RowIndex:
         for s_idx, seq in pairs:
             name = streams[s_idx].seq_names.get(seq, str(seq))
             keys.append(name if len(streams) == 1 else f"{writers[s_idx]}:{name}")
+        cat["valid"] = _without_zeroed_rows(streams, offsets, cat["position"], cat["valid"])
         group, keys, split = _split_samples(group, keys, cat["position"], cat["valid"])
         if aside is None:
             kept = {k: cat[k] for k in _ASIDE_FIELDS}
