@@ -622,3 +622,16 @@ def test_an_orphaned_request_task_whose_connection_reset_stays_off_stderr(caplog
     assert len(seen_by_host) == 1 and "never retrieved" in seen_by_host[0]  # the KeyError, via the host's handler
     quiet = [r.getMessage() for r in caplog.records if r.name == "tracediff"]
     assert len(quiet) == 4 and all("helper task ended with" in m for m in quiet), quiet
+
+
+def test_record_overwrite_to_a_url_says_before_the_command_that_it_deletes_the_old_store(
+    object_store: ObjectStore,
+) -> None:
+    url = f"s3://{object_store.bucket()}/replaced.zarr"
+    push_store(SAMPLES / "server_fixed.zarr", url)
+    result = invoke_tracediff("record", "--overwrite", "--tap", "NoSuchClass.fc", "-o", url, "--",
+                              sys.executable, "-c", "pass")  # fmt: skip
+    lines = result.stderr.splitlines()
+    said = [k for k, line in enumerate(lines) if line.startswith(f"tracediff: deleting the previous store at {url} "
+                                                                 "before the command starts")]
+    assert said == [0], result.stderr  # the first thing record says, before it runs the command

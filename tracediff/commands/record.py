@@ -52,6 +52,10 @@ from tracediff.errors import TracediffError, UsageError
                  help="What each slot of a tapped row holds (docs/row-models.md): mtp = cat(enorm(embed(next token)), "
                       "hnorm(last hidden state before the final norm)), mtp-post-norm = the same after it, eagle3 = "
                       "the --aux-layers hidden states. Default: EAGLE-3 of the recorded aux layers."),
+    click.option("--draft-chain", "draft_chain", is_flag=True,
+                 help="Also tap the draft's forward in order (fc output, decoder layer input and output, final norm, "
+                      "the logits' top k), every draft step labelled, so that compare names the first tap that "
+                      "diverges (speculators and SpecForge adapters; docs/draft-chain.md)."),
     click.option("--role", default="", help="What this recording is (trainer, server, bank...)."),
     click.option("--all-ranks", is_flag=True,
                  help="Record every tensor-parallel rank (sglang: default is attention-TP rank 0 only)."),
@@ -106,6 +110,7 @@ def record(
     aux_layers: str | None,
     convention: str | None,
     row_model: str | None,
+    draft_chain: bool,
     role: str,
     overwrite: bool,
     join: bool,
@@ -204,6 +209,7 @@ def record(
         "segment_size": segment_size,
         "segment_labels": labels_list,
         "row_model": model,
+        "draft_chain": draft_chain,
         "limits": limits.as_dict(),
         "on_full": on_full,
         "max_queue_bytes": queue_limit,
@@ -221,6 +227,12 @@ def record(
 
     # Local --overwrite: the old store waits aside until the new one has committed a row.
     previous = PreviousStore.set_aside(output) if overwrite and not location.remote else None
+    if overwrite and location.remote and not join:
+        from tracediff.store.remote_writer import store_exists  # noqa: PLC0415
+
+        if store_exists(location):  # said before it happens: object storage cannot keep it aside
+            click.echo(f"tracediff: deleting the previous store at {location.display} before the command starts "
+                       f"(object storage has no rename to keep it aside; copy it first to keep it)", err=True)
     try:
         create_store(location if location.remote else output, role=role, source=source, overwrite=overwrite,
                      join=join, meta={**aux_meta, "record": {k: v for k, v in config.items() if k != "store"}})
