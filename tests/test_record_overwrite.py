@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -292,3 +293,16 @@ def test_a_second_tap_that_never_fires_exits_2_and_keeps_the_other_taps_rows(old
     assert "never fired in any process" not in result.stderr  # one line for one problem
     shown = json.loads(invoke_tracediff("inspect", "--json", "-", store).stdout)
     assert shown["taps"]["fc_in"]["rows"] == 3 * 64
+
+
+def test_a_deletion_a_killed_run_left_behind_is_finished_by_the_next_overwrite(old_store: Path) -> None:
+    """A SIGKILL while record deleted the old store (renamed first to a hidden folder) leaves that
+    folder; the next --overwrite of the same path removes it, and never one whose process still runs."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    abandoned = old_store.parent / f".it.zarr.previous.deleting-{int(gone.stdout)}"
+    running = old_store.parent / f".it.zarr.previous.deleting-{os.getpid()}"
+    for folder in (abandoned, running):
+        shutil.copytree(old_store, folder)
+    result = _record_over(old_store, "Head.fc:input", "head.py", "1")
+    assert result.returncode == 0, result.stderr
+    assert not abandoned.exists() and running.exists()

@@ -41,6 +41,27 @@ def has_committed_row(path: Path) -> bool:
     return False
 
 
+def _remove_abandoned_deletions(path: Path) -> None:
+    """Finish what a killed run started: a ``.<name>.previous.deleting-PID`` folder whose process is
+    gone is an old store already given up (renamed there to be deleted), never one a user was told
+    to look at."""
+    for doomed in path.parent.glob(f".{path.name}{SUFFIX}.deleting-*"):
+        pid = doomed.name.rpartition("-")[2]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class PreviousStore:
     """The old store of ``path``, set aside at ``path.previous`` (see the module docstring)."""
 
@@ -59,6 +80,7 @@ class PreviousStore:
         temporary files). Refuses what is not a trace store (never moved) and a sibling already
         there (the store an interrupted run kept: never overwritten)."""
         path = Path(path)
+        _remove_abandoned_deletions(path)
         if not os.path.lexists(path):
             return None
         check_replaceable(path, overwrite=True)
