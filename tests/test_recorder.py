@@ -280,6 +280,22 @@ def test_a_full_queue_drops_whole_batches_counts_them_and_never_changes_the_host
     as_json = json.loads(invoke_tracediff("inspect", "--json", "-", store).stdout)
     (writer,) = as_json["taps"]["fc_in"]["writers"]
     assert (writer["dropped_rows"], writer["dropped_batches"]) == (sum(sizes[1:]), len(sizes) - 1)
+    assert writer["drop_reason"].startswith("the queue held")
+
+
+def test_rows_an_adapter_could_not_record_are_said_with_their_reason_not_as_a_slow_writer(
+    tmp_path: Path, tiny, seqs
+) -> None:
+    store = tmp_path / "s.zarr"
+    with tracediff.record(store) as rec:
+        batches, _ = host_run(tiny, seqs, recorder=rec)
+        rec.count_lost("fc_in", 7, "the engine handed over rows in a layout the adapter cannot read")
+    (group,) = read_plain(store, "fc_in").values()
+    assert group.rows == sum(b.num_rows for b in batches) and group.commit["dropped_rows"] == 7
+    assert group.commit["drop_reason"] == "the engine handed over rows in a layout the adapter cannot read"
+    shown = invoke_tracediff("inspect", store)
+    assert "7 rows were not recorded: the engine handed over rows in a layout the adapter cannot read" in shown.stdout
+    assert "writer fell behind" not in shown.stdout
 
 
 def test_block_waits_for_a_slow_writer_and_loses_nothing(tmp_path: Path, tiny, seqs, monkeypatch) -> None:

@@ -42,6 +42,7 @@ def describe_stream(stream: TraceStream) -> dict[str, Any]:
         "batches": commit.get("batches", 0),
         "dropped_rows": commit.get("dropped_rows", 0),
         "dropped_batches": commit.get("dropped_batches", 0),
+        "drop_reason": commit.get("drop_reason") or None,
         "skipped_rows": commit.get("skipped_rows", 0),
         # The light lint record ran as it wrote (tracediff.lint.light): all-zero rows per segment.
         "row_checks": stream.attrs.get("row_checks") if isinstance(stream.attrs.get("row_checks"), dict) else None,
@@ -89,12 +90,19 @@ def warnings_for(desc: dict[str, Any], expected_taps: list[str] | None = None) -
                     f"{where}: {w['dropped_rows']} rows in {w['dropped_batches']} batches were dropped (not written "
                     f"after the error above, or the writer fell behind)"
                 )
+            elif w["dropped_rows"] and w.get("drop_reason") and not _queue_full(w["drop_reason"]):
+                out.append(f"{where}: {w['dropped_rows']} rows were not recorded: {w['drop_reason']}")
             elif w["dropped_rows"]:
                 out.append(
                     f"{where}: {w['dropped_rows']} rows in {w['dropped_batches']} batches were dropped because the "
                     f"writer fell behind (raise --queue-bytes, use --on-full block, or record fewer steps)"
                 )
     return out
+
+
+def _queue_full(reason: str) -> bool:
+    """The recorder's words for rows its full queue refused (tracediff.record.capture._reserve)."""
+    return reason.startswith("the queue held")
 
 
 def labelling_lines(desc: dict[str, Any]) -> tuple[list[str], list[str]]:

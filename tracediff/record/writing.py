@@ -182,6 +182,7 @@ class WriterThread:
         state = self._taps[tap]
         writer.counts.dropped_rows = state.dropped_rows
         writer.counts.dropped_batches = state.dropped_batches
+        writer.counts.drop_reason = state.drop_reason if state.dropped_rows else ""
         writer.counts.skipped_rows = state.skipped_rows
         writer.counts.skipped_batches = state.skipped_batches
 

@@ -51,9 +51,13 @@ class WriterCounts:
     skipped_rows: int = 0
     skipped_batches: int = 0
     bytes: int = 0
+    drop_reason: str = ""  # why the first dropped rows were lost (the queue was full, an adapter could not record them)
 
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.__dict__)
+        if not out["drop_reason"]:
+            del out["drop_reason"]  # nothing dropped: the record stays as it always was
+        return out
 
 
 def rows_view(array: Any, rows: int) -> Any:
