@@ -377,3 +377,23 @@ def test_compare_cli_names_the_slots_and_the_root_cause(mtp_pair, tmp_path):
     assert "row model: mtp: slot 0: embedding of the next token (enorm); slot 1:" in " ".join(result.stdout.split())
     kinds = {f["kind"] for f in json.loads((tmp_path / "r.json").read_text())["findings"]}
     assert "final_norm" in kinds
+
+
+@slow
+def test_target_final_norm_weight_names_the_final_norm_without_a_row_model(eagle, tmp_path):
+    """No row model recorded: a norm on one side is a segment_scale as before; with the target's
+    folder (--target) its own final norm weight, unfitted, makes the post-norm slot: the final norm."""
+    from row_model_traces import record_eagle3  # noqa: PLC0415
+
+    from tracediff.adapters.hf import final_norm_weight  # noqa: PLC0415
+    from tracediff.compare import CompareOptions, compare_stores  # noqa: PLC0415
+
+    eagle["model"].model.save_pretrained(tmp_path / "target")
+    layers = [*EAGLE_LAYERS[:4], "hs8"]
+    ref = record_eagle3(tmp_path / "ref.zarr", eagle["model"], eagle["seqs"], EAGLE_LAYERS, None)
+    cand = record_eagle3(tmp_path / "post.zarr", eagle["model"], eagle["seqs"], layers, None)
+    assert "final_norm" not in _kinds(compare_stores(ref, cand))  # unchanged without --target
+    report = compare_stores(ref, cand, CompareOptions(final_norm=final_norm_weight(tmp_path / "target")))
+    found = _one(report, "final_norm")
+    assert found.evidence["candidate_segment"] == 4 and "the target's final norm (its weight" in found.message
+    assert found.evidence["transform"]["params"]["final_norm"]["matches"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -29,6 +30,16 @@ from tracediff.commands.options import (
 )
 from tracediff.commands.replay import replay_draft
 from tracediff.errors import UsageError
+
+
+def _final_norm(target: Path | None) -> tuple[Any, str] | None:
+    """--target's final norm weight and where it was read (None without --target or without one)."""
+    if target is None:
+        return None
+    from tracediff.adapters.hf import final_norm_weight  # noqa: PLC0415
+
+    weight, where = final_norm_weight(target)
+    return None if weight is None else (weight, where)
 
 
 @click.command(cls=Command, epilog=exit_codes(
@@ -159,7 +170,8 @@ def compare(
             cleanup.enter_context(runner)  # a cluster it starts is closed however the compare ends
         opts = CompareOptions(tap=tap, reference_tap=ref_tap, candidate_tap=cand_tap, segment_size=segment_size,
                               sample_rows=sample_rows, progress=prog.advance, progress_total=prog.total,
-                              stage=prog.stage, bank=str(bank) if bank else None, runner=runner)
+                              stage=prog.stage, bank=str(bank) if bank else None, runner=runner,
+                              final_norm=_final_norm(target))
         report = compare_stores(reference if len(reference) > 1 else reference[0],
                                 candidate if len(candidate) > 1 else candidate[0], opts)
         cleanup.close()

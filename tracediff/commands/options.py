@@ -231,7 +231,8 @@ def replay_options(title: str) -> Any:
         click.option("--draft", type=click.Path(path_type=Path),
                      help="EAGLE-3 draft checkpoint folder (config.json + *.safetensors): replay it on both sides' rows."),
         click.option("--target", type=click.Path(path_type=Path),
-                     help="Target model folder (safetensors), for the embedding of a draft that has none."),
+                     help="Target model folder (safetensors), for the embedding of a draft that has none; compare also "
+                          "reads its final norm weight to name a slot normalised on one side only as the final norm."),
         click.option("--server-draft", type=click.Path(path_type=Path),
                      help="The checkpoint the server loaded, when it is not --draft (e.g. another conversion)."),
         click.option("--send-report", type=click.Path(path_type=Path),

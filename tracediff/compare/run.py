@@ -271,7 +271,7 @@ def _plan(sides: _Sides, aligned: _Aligned, size: int, meta: _Metadata, evidence
                             assumed_depth=num_layers(meta.ref_meta) or num_layers(meta.cand_meta),
                             calibration=calibration)
     notes += refine_relations(segplan, c_sample, r_sample, side_row_model(ref_index.streams), side_row_model(cand_index.streams),
-                              lambda: _sample_tokens(pairs, ref_index, cand_index, opts))
+                              lambda: _sample_tokens(pairs, ref_index, cand_index, opts), opts.final_norm)
     del c_sample, r_sample, ahead  # (up to 2 x 100 MB at 3 x 4096: not held through the pass)
     if not (ref_index.has_tokens and cand_index.has_tokens):
         evidence.pairing = pairing_of_rows(pairs, ref_index, cand_index, segplan, min(opts.sample_rows, 2048), opts.seed + 2)

@@ -60,14 +60,19 @@ def relation_finding(report: Report, rel: Relation, m: SegmentMetrics, evidence:
     what = f" (slot {j}: {rslot.describe()})" if rslot is not None else ""
     held = (f"held-out standardised error {t.relative_error:.2g} vs budget {budget:.2g}; norm ratio median "
             f"{m.norm_ratio_p50:.4g}, raw cosine {m.cos_mean:.4f}")
-    if t.kind == "rmsnorm" and any(s is not None and s.kind == "hidden" for s in (rslot, cslot)):
+    target_norm = t.params.get("final_norm") or {}
+    if t.kind == "rmsnorm" and (target_norm.get("matches") or any(s is not None and s.kind == "hidden"
+                                                                  for s in (rslot, cslot))):
         normed = t.side  # the side whose rows are the other's through an RMSNorm
         params = {"reference_final_norm": normed == "reference", "mtp": mtp}
         kind, summary = "final_norm", (f"{label} is {rlabel} taken {'after' if normed == 'candidate' else 'before'} "
                                        f"the final norm")
-        cause = (f"{label} is {rlabel}{what} passed through an RMSNorm with a learned weight on the {normed}'s side only "
-                 f"(the final norm?) ({held}): one side feeds the hidden state before the final norm, the other after "
-                 f"it{' (the head' + chr(39) + 's own hnorm then hides the difference in magnitude)' if mtp else ''}")
+        norm = (f"the target's final norm (its weight, {target_norm['weight_from']}, makes one side out of the other "
+                f"with standardised error {target_norm['error']:.2g})" if target_norm.get("matches")
+                else "an RMSNorm with a learned weight (the final norm?)")
+        cause = (f"{label} is {rlabel}{what} passed through {norm} on the {normed}'s side only ({held}): one side feeds "
+                 f"the hidden state before the final norm, the other after it"
+                 f"{' (the head' + chr(39) + 's own hnorm then hides the difference in magnitude)' if mtp else ''}")
     elif t.kind == "rotation":
         params = dict(t.params)
         kind, summary = "rotation", f"{label} is {rlabel} rotated (a rotated target)"

@@ -100,6 +100,9 @@ class CompareOptions:
     #: Passed to :func:`tracediff.store.open_store` with each store's location (URLs: fsspec's options),
     #: here and on cluster workers; None: none.
     storage_options: dict[str, Any] | None = None
+    #: The target's final norm weight and where it was read (``compare --target DIR``): names a slot
+    #: normalised on one side only as the final norm when that weight explains it (compare/plan/slots.py).
+    final_norm: tuple[np.ndarray, str] | None = None
 
 
 # ------------------------------------------------------------------------------------------ taps

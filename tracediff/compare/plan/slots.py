@@ -27,7 +27,7 @@ import numpy as np
 
 from tracediff.compare.plan.decide import Relation, SegmentPlan
 from tracediff.compare.plan.segments import relative_error, split
-from tracediff.compare.plan.transforms import TransformFit, fit_slot_transform, scaled_diagonal_error
+from tracediff.compare.plan.transforms import TransformFit, fit_slot_transform, norm_explains, scaled_diagonal_error
 from tracediff.store.row_model import RowModel, Slot
 
 #: Rows of the sample whose token the reference's embedding table must know, at the least, before
@@ -75,9 +75,12 @@ def embedding_offset(slot: Slot | None) -> int | None:
 
 
 def refine_relations(segplan: SegmentPlan, cand: np.ndarray, ref: np.ndarray, ref_model: RowModel | None,
-                     cand_model: RowModel | None, tokens: Callable[[], SampleTokens | None]) -> list[str]:
+                     cand_model: RowModel | None, tokens: Callable[[], SampleTokens | None],
+                     final_norm: tuple[np.ndarray, str] | None = None) -> list[str]:
     """Decide the relations of :mod:`this module <tracediff.compare.plan.slots>` in place on
-    ``segplan``; returns notes for the plan (e.g. a sample too small to fit a rotation)."""
+    ``segplan``; returns notes for the plan (e.g. a sample too small to fit a rotation).
+    ``final_norm``: the target's final norm weight and where it came from (``compare --target``): a
+    pair one side of which that very norm makes out of the other is named the final norm."""
     notes: list[str] = []
     size = segplan.size
     c3, r3 = split(cand, size), split(ref, size)
@@ -89,6 +92,9 @@ def refine_relations(segplan: SegmentPlan, cand: np.ndarray, ref: np.ndarray, re
     for d in segplan.decisions:
         i = d.candidate
         rel = segplan.relations.get(i)
+        if rel is not None and final_norm is not None and rel.relation == "transformed" and rel.transform is not None \
+                and rel.transform.kind == "rmsnorm" and d.reference is not None:
+            _name_final_norm(rel.transform, c3[:, i], r3[:, d.reference], segplan, i, d.reference, final_norm)
         normed = rel is not None and rel.relation == "transformed" and rel.transform is not None and \
             rel.transform.kind in ("rmsnorm", "layernorm")
         if rel is not None and d.reference is not None and (normed or rel.relation in ("other", "drift")):
@@ -136,6 +142,18 @@ def refine_relations(segplan: SegmentPlan, cand: np.ndarray, ref: np.ndarray, re
                 "identity", None, identity), found])
             matched.add(j)
     return notes
+
+
+def _name_final_norm(fit: TransformFit, c: np.ndarray, r: np.ndarray, segplan: SegmentPlan, i: int, j: int,
+                     final_norm: tuple[np.ndarray, str]) -> None:
+    """Mark an RMSNorm fit as the target's final norm (``params.final_norm``) when the target's own
+    weight, unfitted, makes the normalised side out of the other within the pair's budget."""
+    weight, where = final_norm
+    src, tgt, side = (r, c, segplan.cand_scales) if fit.side == "candidate" else (c, r, segplan.ref_scales)
+    k = i if fit.side == "candidate" else j
+    err = norm_explains(src, tgt, np.asarray(weight), side.mean[k], side.scale[k])
+    fit.params["final_norm"] = {"weight_from": where, "error": err,
+                                "matches": bool(math.isfinite(err) and err <= segplan.budgets[j])}
 
 
 def _slot(model: RowModel | None, k: int, count: int) -> Slot | None:

@@ -217,6 +217,18 @@ def _fit_rotation(src: np.ndarray, tgt: np.ndarray) -> tuple[Any, dict[str, Any]
     return (lambda x: x @ q32), params
 
 
+def norm_explains(src: np.ndarray, tgt: np.ndarray, weight: np.ndarray, tgt_mean: np.ndarray,
+                  tgt_scale: np.ndarray) -> float:
+    """Squared standardised error of ``tgt`` against ``weight * src / rms(src)`` (a given RMSNorm weight,
+    nothing fitted): does this norm make ``tgt`` out of ``src``?"""
+    keep = np.isfinite(src).all(axis=1) & np.isfinite(tgt).all(axis=1)
+    s, t = src[keep][:FIT_ROWS].astype(np.float32), tgt[keep][:FIT_ROWS].astype(np.float32)
+    if s.shape[0] < 4 or weight.shape != (s.shape[1],):
+        return float("nan")
+    return _error(t, _rms_unit(s) * weight.astype(np.float32), np.asarray(tgt_mean, dtype=np.float32),
+                  np.asarray(tgt_scale, dtype=np.float32))
+
+
 def fit_slot_transform(kind: str, cand: np.ndarray, ref: np.ndarray, cand_mean: np.ndarray,
                        cand_scale: np.ndarray) -> TransformFit:
     """One transform of :data:`SLOT_KINDS` (``diagonal`` or ``rotation``) predicting the candidate from
@@ -292,4 +304,4 @@ def best_transform(fits: list[TransformFit], budget: float) -> TransformFit | No
 
 
 __all__ = ["KINDS", "ROTATION_ROWS_PER_DIM", "SLOT_KINDS", "TransformFit", "best_transform", "fit_slot_transform",
-           "fit_transforms", "scaled_diagonal_error"]
+           "fit_transforms", "norm_explains", "scaled_diagonal_error"]
