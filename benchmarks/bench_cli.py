@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from results_md import write_section  # noqa: E402  (benchmarks/, on the path of a script run from it)
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SAMPLES = REPO / "samples"
@@ -86,13 +88,6 @@ def _revision(tree: Path) -> str:
     return out.stdout.strip() + (" + local changes" if dirty else "")
 
 
-def write_section(path: Path, text: str) -> None:
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\b.*?(?=^## |\Z)", re.S | re.M)
-    new = pattern.sub(lambda _m: text + "\n", old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text + "\n"
-    path.write_text(new)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--against", help="another git revision, run interleaved in the same session")
@@ -144,7 +139,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        write_section(args.out, text)
+        write_section(args.out, text, SECTION)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from results_md import write_section  # noqa: E402  (benchmarks/, on the path of a script run from it)
 
 GIB = 1 << 30
 SEGMENTS = 3
@@ -469,23 +469,6 @@ def _revision(tree: Path) -> str:
         return "unknown"
 
 
-def write_section(path: Path, text: str, heading: str = "## bench_compare") -> None:
-    """Replace the ``heading`` section of ``path`` (up to the next ``## ``), keep the rest."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    pattern = re.compile(rf"^{re.escape(heading)}\b.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(old):
-        new = pattern.sub(lambda _m: text.rstrip("\n") + "\n\n", old, count=1)
-    else:
-        new = old.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n"
-    new = new.rstrip("\n") + "\n"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(new)
-    os.replace(tmp, path)
-
-
-# --------------------------------------------------------------------------------------------------
-
-
 def _enough_disk(folder: Path, needed: int) -> bool:
     """Whether ``folder`` (created) has 3x the ``needed`` bytes free; says so when not."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -654,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         text = section(args, cmd, machine(), data, ours, peer, time.perf_counter() - t_start, probe, loads, base)
         print(text)
         if out is not None:
-            write_section(out, text)
+            write_section(out, text, "## bench_compare")
             print(f"wrote the bench_compare section of {out}", file=sys.stderr)
     finally:
         if args.keep:

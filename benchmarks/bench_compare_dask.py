@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
                 text = text.replace(SECTION, SECTION_S3, 1)
         print(text)
         if out is not None:
-            bc.write_section(out, text, heading=heading)
+            bc.write_section(out, text, heading)
             print(f"wrote the {heading} section of {out}", file=sys.stderr)
     finally:
         cleanup.close()

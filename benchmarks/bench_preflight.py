@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from results_md import RESULTS, write_section  # noqa: E402  (benchmarks/, on the path of a script run from it)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -125,15 +126,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        results = HERE / "RESULTS.md"
-        old = results.read_text() if results.is_file() else "# Benchmark results\n"
-        if SECTION in old:
-            start = old.index(SECTION)
-            nxt = old.find("\n## ", start + len(SECTION))
-            old = old[:start] + text + ("\n" + old[nxt + 1:] if nxt != -1 else "")
-        else:
-            old = old.rstrip("\n") + "\n\n" + text
-        results.write_text(old)
+        write_section(RESULTS, text, SECTION)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from results_md import write_section  # noqa: E402  (benchmarks/, on the path of a script run from it)
 
 import tracediff
 from tracediff.record.recorder import Recorder
@@ -838,29 +839,6 @@ def targets(steps: dict[str, dict[str, StepResult]], writers: list[WriterResult]
     return out
 
 
-def write_section(out: Path, section: str) -> None:
-    """Replace only the '## bench_record' section of ``out`` (from its heading to the next '## ')."""
-    text = out.read_text() if out.exists() else "# Benchmark results\n\nEach benchmark owns one `##` section.\n"
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.strip() == SECTION), None)
-    if start is None:
-        new = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
-    else:
-        end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
-        before = "\n".join(lines[:start]).rstrip("\n")
-        after = "\n".join(lines[end:])
-        new = (
-            (before + "\n\n" if before else "")
-            + section.rstrip("\n")
-            + "\n"
-            + ("\n" + after.rstrip("\n") + "\n" if after else "")
-        )
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(new)
-    os.replace(tmp, out)
-
-
-# ------------------------------------------------------------------------------------------ main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -961,7 +939,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(section)
         if args.out is not None:
-            write_section(args.out, section)
+            write_section(args.out, section, SECTION)
             print(f"wrote section {SECTION!r} of {args.out}")
     finally:
         remove(data_dir)

@@ -19,7 +19,6 @@ Run:  python benchmarks/bench_replay.py                 (10k rows, writes benchm
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -32,6 +31,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from bench_compare import machine  # noqa: E402
+from results_md import write_section  # noqa: E402  (benchmarks/, on the path of a script run from it)
 
 LLAMA3_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
              "intermediate_size": 14336, "vocab_size": 32000, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
@@ -87,19 +87,6 @@ def run(work: Path, draft: Path) -> dict:
             "stdout": out.decode()}
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace the ``## bench_replay`` section of ``path`` (up to the next ``## ``), keep the rest."""
-    import re  # noqa: PLC0415
-
-    old = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    pattern = re.compile(r"^## bench_replay\b.*?(?=^## |\Z)", re.S | re.M)
-    new = (pattern.sub(lambda _m: text.rstrip("\n") + "\n\n", old, count=1) if pattern.search(old)
-           else old.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(new.rstrip("\n") + "\n")
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=10_000)
@@ -135,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     out = args.out if args.out is not None else (HERE / "RESULTS.md" if args.rows == 10_000 else None)
     if out is not None:
-        write_section(out, text)
+        write_section(out, text, "## bench_replay")
     return 0
 
 
