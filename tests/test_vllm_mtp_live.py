@@ -219,3 +219,14 @@ def test_compare_finds_a_trainer_that_fed_the_state_before_the_final_norm(run) -
     # The hidden slot is what differs (the embedding slot still matches).
     assert errors and any("segment 1 (hidden)" in f["message"] for f in errors), report["findings"]
     assert not any("segment 0 (embed_next)" in f["message"] for f in errors), report["findings"]
+
+
+def test_preflight_predicted_the_row_model_vllm_recorded(run) -> None:
+    """What `tracediff preflight` says vLLM builds for this checkpoint, from configs and vLLM's rule,
+    is what vLLM really fed: the recorded row model and zeroed positions."""
+    from tracediff.preflight import run_preflight
+
+    stream = _stream(run["store"])
+    (view,) = run_preflight(run["target"], None, ("vllm",), versions={"vllm": "0.32.0"}).engines
+    assert view.row_model["row_model"] == stream.row_model.to_json()
+    assert view.row_model["zeroed_embedding_positions"] == stream.attrs["zeroed_slots"][0]["positions"]

@@ -28,8 +28,10 @@ from tracediff.adapters.engine_rules import (
     choose_rule,
     config_field,
     draft_ids,
+    engine_row_model,
     fix_ids,
     installed_version,
+    mtp_layers_of,
     resolve,
     target_family,
 )
@@ -124,6 +126,8 @@ class DraftFacts:
     t2d: dict[str, Any]
     speculators_format: bool
     files: list[str] = field(default_factory=list)
+    mtp_layers: list[int] = field(default_factory=list)  # an MTP checkpoint's layers with eh_proj
+    eh_proj_shape: list[int] | None = None
 
 
 @dataclass
@@ -170,6 +174,10 @@ def read_draft(folder: Path) -> tuple[DraftFacts, dict[str, Any]]:
         {"present": d2t is not None, **({"dtype": d2t.dtype, "shape": d2t.shape} if d2t else {})},
         {"present": t2d is not None, **({"dtype": t2d.dtype, "shape": t2d.shape} if t2d else {})},
         "speculators_model_type" in cfg or "speculators_config" in cfg, [f.name for f in files])
+    facts.mtp_layers = mtp_layers_of(cfg, tensors)
+    if facts.mtp_layers:
+        eh = _find(tensors, f"layers.{facts.mtp_layers[0]}.eh_proj.weight")
+        facts.eh_proj_shape = eh.shape if eh else None
     if d2t is not None:
         facts.d2t["_tensor"] = d2t
     if t2d is not None:
@@ -215,9 +223,12 @@ class EngineView:
     resolution: Resolution
     verdict: str  # same | different | unknown
     fix: dict[str, Any] | None = None
+    #: The row model the engine builds for this draft (engine_rules.engine_row_model): EAGLE-3 with K
+    #: slots, or MTP with the hidden state before / after the final norm.
+    row_model: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.resolution.to_dict(), "verdict": self.verdict, "fix": self.fix}
+        return {**self.resolution.to_dict(), "verdict": self.verdict, "fix": self.fix, "row_model": self.row_model}
 
 
 @dataclass
@@ -264,10 +275,14 @@ def run_preflight(draft_dir: Path, target_dir: Path | None = None, engines: tupl
     store's path; ``trainer_layers``: the layers the trainer fed, as HF ``hidden_states`` indices;
     ``versions``: engine versions the server runs (else the installed ones, else unknown)."""
     draft, cfg = read_draft(draft_dir)
-    target = read_target(target_dir)
+    target = read_target(target_dir if target_dir is not None or not draft.mtp_layers else draft_dir)
     versions = dict(versions or {})
     depth = target.num_layers
     checks: list[Check] = []
+    if draft.mtp_layers:  # an MTP head ships inside its target's checkpoint
+        from tracediff.preflight_mtp import mtp_preflight  # noqa: PLC0415
+
+        return mtp_preflight(draft, target, engines, trainer, versions, checks)
 
     def version_of(name: str) -> tuple[str | None, str]:
         if versions.get(name):
@@ -288,6 +303,7 @@ def run_preflight(draft_dir: Path, target_dir: Path | None = None, engines: tupl
         choice = choose_rule(name, target.family, version, source)
         res = resolve(choice, cfg, depth)
         views.append(_engine_view(res, choice.rule, trainer_view, depth, checks))
+        views[-1].row_model = engine_row_model(name, mtp=False, slots=len(res.capture) or None)
     if trainer_view.physical is None:
         known = [v for v in views if v.resolution.physical is not None]
         if len({tuple(map(str, v.resolution.physical or [])) for v in known}) > 1:
@@ -491,6 +507,10 @@ def resolution_for_record(engine: str, draft_dir: Any, target_dir: Any, version:
 # ------------------------------------------------------------------------------------------ text
 def render_text(pf: Preflight) -> str:
     """The report a person reads; computes nothing."""
+    if pf.draft.mtp_layers:
+        from tracediff.preflight_mtp import render_mtp_text  # noqa: PLC0415
+
+        return render_mtp_text(pf)
     t = pf.target
     lines = [f"tracediff preflight: {pf.draft.path}"
              + (f" for {t.path} ({t.model_type or '?'}, {t.num_layers} layers, hidden {t.hidden_size})" if t.path
@@ -510,6 +530,8 @@ def render_text(pf: Preflight) -> str:
         lines.append(f"      reads {r.ids if r.ids is not None else 'no ids'} from {r.ids_from}"
                      + (f"; ignores {r.ignored}" if r.ignored else ""))
         lines.append(f"      numbering: {r.numbering}; captures (its indices) {r.capture}")
+        if v.row_model is not None:
+            lines.append(f"      row model eagle3: {v.row_model['k']} hidden-state slots")
         lines.append(f"      feeds {_cat(r.physical)}  (HF hidden_states {format_layers(r.physical)})  -> {v.verdict}")
         if v.fix:
             lines.append(f"      fix: set {v.fix['field']} = {v.fix['ids']}" if v.fix["ids"] is not None

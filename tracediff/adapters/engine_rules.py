@@ -399,6 +399,69 @@ _MTP_INPUT = {
 }
 
 
+@dataclass(frozen=True)
+class MtpRule:
+    """What one engine feeds an MTP head (DeepSeek-V3 / Kimi / GLM ``eh_proj``), read from its source."""
+
+    framework: str
+    hidden_final_norm: bool  # h_p taken after the target's final norm
+    zeroed_embedding_positions: tuple[int, ...]  # positions whose embedding slot the engine zeroes
+    read_from: str
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+MTP_RULES: dict[str, MtpRule] = {
+    "vllm": MtpRule(
+        "vllm", True, (0,), "0.32.0",
+        "vllm/v1/worker/gpu_model_runner.py propose_draft_token_ids: target_hidden_states = hidden_states[...] "
+        "(the target's output), which vllm/model_executor/models/deepseek_v2.py DeepseekV2Model.forward returns "
+        "after self.norm(hidden_states, residual); deepseek_mtp.py DeepSeekMultiTokenPredictorLayer.forward zeroes "
+        "inputs_embeds where positions == 0, then eh_proj(cat(enorm(embed), hnorm(h)))"),
+    "sglang": MtpRule(
+        "sglang", True, (), "0.5.23",
+        "sglang/srt/models/deepseek_v2.py DeepseekV2Model.forward returns residual_batch.final_norm(hidden_states, "
+        "self.norm), the hidden states the logits processor keeps for the draft (layers/logits_processor.py "
+        "hidden_states_to_store); models/deepseek_nextn.py DeepseekModelNextN.forward: eh_proj(cat(enorm(embed), "
+        "hnorm(spec_info.hidden_states))), no position masking"),
+}
+
+
+def mtp_layers_of(config: dict[str, Any], tensor_names: Any) -> list[int]:
+    """The MTP layers a checkpoint ships (``model.layers.{i}.eh_proj.weight`` for i >= the target's
+    layer count, ``num_nextn_predict_layers`` > 0), or [] when it is no MTP checkpoint."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    n = text.get("num_nextn_predict_layers")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return []
+    found = sorted({int(m.group(1)) for name in tensor_names
+                    if (m := re.search(r"layers\.(\d+)\.eh_proj\.weight$", str(name)))})
+    return found
+
+
+def engine_row_model(framework: str, *, mtp: bool, slots: int | None = None) -> dict[str, Any] | None:
+    """The row model ``framework`` builds for a draft: ``{"name", "slots": [one line per slot],
+    "row_model": its JSON, ...}``; MTP: the hidden slot's final norm and the zeroed embedding
+    positions, with the rule's source. EAGLE-3 with ``slots`` K: K hidden slots (their layers are the
+    resolution's). None when it is not known."""
+    from tracediff.store.row_model import mtp as mtp_model  # noqa: PLC0415  (pure data)
+
+    if mtp:
+        rule = MTP_RULES.get(framework)
+        if rule is None:
+            return None
+        model = mtp_model(final_norm=rule.hidden_final_norm)
+        return {"name": model.name, "slots": model.describe(), "row_model": model.to_json(),
+                "hidden_final_norm": "after" if rule.hidden_final_norm else "before",
+                "zeroed_embedding_positions": list(rule.zeroed_embedding_positions), "rule": rule.to_dict()}
+    if not slots:
+        return None
+    return {"name": "eagle3", "slots": [f"{slots} hidden-state slots (the aux layers below), each before the final "
+                                        f"norm"], "row_model": None, "k": slots}
+
+
 def row_model_fix(kind: str, engine: str | None, params: dict[str, Any]) -> str:
     """The fix line of a row-model relation (compare's final_norm, rotation, embedding_scale,
     slot_token_offset, dimension_scale findings), in the candidate engine's words where known."""
@@ -427,7 +490,8 @@ def row_model_fix(kind: str, engine: str | None, params: dict[str, Any]) -> str:
     raise ValueError(f"no fix for {kind!r}")
 
 
-__all__ = ["DEEPSEEK_ARCHITECTURES", "ENGINES", "RULES", "TRAINERS", "Resolution", "Rule", "RuleChoice",
+__all__ = ["DEEPSEEK_ARCHITECTURES", "ENGINES", "MTP_RULES", "RULES", "TRAINERS", "MtpRule", "Resolution", "Rule",
+           "RuleChoice", "engine_row_model", "mtp_layers_of",
            "choose_rule", "config_field", "draft_ids", "fix_ids", "installed_version", "load_problem", "recorded_rule",
            "rule_named", "parse_version", "resolve", "row_model_fix",
            "target_family"]
