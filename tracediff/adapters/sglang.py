@@ -73,18 +73,20 @@ from tracediff.adapters.sglang_labels import (
 )
 from tracediff.adapters.sglang_provenance import (
     draft_provenance,
+    mtp_draft_provenance,
     publish_meta,
     server_args,
     sglang_version,
     target_provenance,
 )
 from tracediff.record.recorder import Recorder
+from tracediff.store.row_model import mtp as mtp_row_model
 
 log = logging.getLogger("tracediff")
 
 #: Draft classes by name; other ``*Eagle3*`` modules owning ``model.fc`` are found by their target's
 #: logits processor. ``LogitsProcessor`` gives the target's aux hidden states.
-DRAFT_CLASSES: tuple[str, ...] = ("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM")
+DRAFT_CLASSES: tuple[str, ...] = ("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM", "DeepseekV3ForCausalLMNextN")
 WATCH: tuple[str, ...] = ("LogitsProcessor", *DRAFT_CLASSES)
 
 FC_TAP = "fc_in"
@@ -172,11 +174,22 @@ def _is_eagle3_draft(module: torch.nn.Module) -> bool:
 
 
 def _fc_owner(module: torch.nn.Module) -> torch.nn.Module | None:
-    """The module whose forward applies ``fc`` (``draft.model``), or None."""
+    """The module whose forward applies ``fc`` (``draft.model``), or an MTP head's ``eh_proj``
+    (DeepSeek NextN: ``model.eh_proj`` next to ``enorm`` / ``hnorm``), or None."""
     for candidate in (getattr(module, "model", None), module):
-        fc = getattr(candidate, "fc", None)
-        if isinstance(candidate, torch.nn.Module) and isinstance(fc, torch.nn.Module) and _in_features(fc):
+        if isinstance(candidate, torch.nn.Module) and _input_projection(candidate) is not None:
             return candidate
+    return None
+
+
+def _input_projection(owner: torch.nn.Module) -> torch.nn.Module | None:
+    fc = getattr(owner, "fc", None)
+    if isinstance(fc, torch.nn.Module) and _in_features(fc):
+        return fc
+    proj = getattr(owner, "eh_proj", None)
+    if isinstance(proj, torch.nn.Module) and _in_features(proj) and all(
+            isinstance(getattr(owner, n, None), torch.nn.Module) for n in ("enorm", "hnorm")):
+        return proj
     return None
 
 
@@ -325,12 +338,15 @@ def _first_aux_capture(recorder: Recorder, packed: torch.Tensor, owner: torch.nn
 def _attach_draft(recorder: Recorder, draft: torch.nn.Module, fc_owner: torch.nn.Module) -> bool:
     if _already_attached(fc_owner, recorder):
         return True
-    fc = fc_owner.fc
-    assert isinstance(fc, torch.nn.Module)  # _fc_owner checked it
+    fc = _input_projection(fc_owner)
+    assert fc is not None  # _fc_owner checked it
     in_features = _in_features(fc)
     if in_features is None:
         _skip_point(FC_TAP, f"{type(fc_owner).__qualname__}.fc has no in_features")
         return False
+    mtp = fc is getattr(fc_owner, "eh_proj", None)
+    # An MTP head's eh_proj takes [enorm(embed) | hnorm(h)]: spec_info.hidden_states is h, half as wide.
+    hidden_width = in_features // 2 if mtp else in_features
     try:
         params = list(inspect.signature(type(fc_owner).forward).parameters)[1:]
     except (TypeError, ValueError):
@@ -342,8 +358,10 @@ def _attach_draft(recorder: Recorder, draft: torch.nn.Module, fc_owner: torch.nn
     processor = getattr(draft, "logits_processor", None)
     if isinstance(processor, torch.nn.Module):
         processor.__dict__[_ROLE] = "draft"  # its aux is the draft's own state, not target data
-    raw_differs = getattr(fc_owner, "input_norm", None) is not None or getattr(fc_owner, "fc_norm", None) is not None
-    draft_info = draft_provenance(_state, draft, fc_owner, in_features, raw_differs)
+    raw_differs = not mtp and (getattr(fc_owner, "input_norm", None) is not None or
+                               getattr(fc_owner, "fc_norm", None) is not None)
+    draft_info = mtp_draft_provenance(draft, in_features) if mtp else \
+        draft_provenance(_state, draft, fc_owner, in_features, raw_differs)
     _state.draft.update(draft_info)
     _state.draft_module = weakref.ref(draft)
     segment = draft_info.get("target_hidden_size")
@@ -352,9 +370,16 @@ def _attach_draft(recorder: Recorder, draft: torch.nn.Module, fc_owner: torch.nn
     if isinstance(ids, list) and len(ids) == draft_info.get("num_aux_hidden_states"):
         seg_labels = [f"hs{i}" for i in draft_info.get("hf_hidden_states_indices", [])] or None
     size = segment if isinstance(segment, int) and segment > 0 and in_features % segment == 0 else None
-    recorder.declare(FC_TAP, segment_size=size, segment_labels=seg_labels, module=f"{type(draft).__qualname__}.model.fc",
+    mtp_kw: dict[str, Any] = {}
+    if mtp:
+        size, seg_labels = hidden_width, ["embed_next", "hidden"]
+        mtp_kw = {"row_model": mtp_row_model(final_norm=True),
+                  "note": "SGLang's NextN layer: eh_proj(cat(enorm(embed(x_{p+1})), hnorm(h_p))), h_p the target's "
+                          "hidden state after its final norm; no position is zeroed"}
+    recorder.declare(FC_TAP, segment_size=size, segment_labels=seg_labels,
+                     module=f"{type(draft).__qualname__}.model.{'eh_proj' if mtp else 'fc'}",
                      module_class=f"{type(fc).__module__}.{type(fc).__qualname__}", capture="input",
-                     in_features=in_features)
+                     in_features=in_features, **mtp_kw)
     if raw_differs:
         recorder.declare(FC_RAW_TAP, segment_size=size, segment_labels=seg_labels, module=f"{type(draft).__qualname__} spec_info.hidden_states",
                          capture="raw_concatenation",
@@ -372,7 +397,7 @@ def _attach_draft(recorder: Recorder, draft: torch.nn.Module, fc_owner: torch.nn
         try:
             batch = call_argument(args, kwargs, index, "forward_batch")
             hidden = getattr(getattr(batch, "spec_info", None), "hidden_states", None)
-            if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[-1] != in_features:
+            if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[-1] != hidden_width:
                 return  # draft decode: fc is not applied to these rows
             if hidden.shape[0] == 0 or capturing_graph(hidden):
                 return

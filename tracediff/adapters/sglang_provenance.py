@@ -46,6 +46,25 @@ def target_provenance(owner: torch.nn.Module | None) -> dict[str, Any]:
     return out
 
 
+def mtp_draft_provenance(draft: torch.nn.Module, in_features: int) -> dict[str, Any]:
+    """An MTP head (DeepSeek NextN) as SGLang built it: its config's sizes, and where the hidden half
+    of its ``eh_proj`` input comes from (read from SGLang 0.5.23's source)."""
+    config = getattr(draft, "config", None)
+    out: dict[str, Any] = {"class": type(draft).__qualname__, "eh_proj_in_features": in_features, "mtp": True,
+                           "target_hidden_size": in_features // 2}
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "num_nextn_predict_layers", "vocab_size",
+                "_name_or_path", "rms_norm_eps"):
+        value = getattr(config, key, None)
+        if isinstance(value, (int, float, str, bool)) and value != "":
+            out[key.lstrip("_")] = value
+    out["hidden_final_norm"] = "after"
+    out["hidden_source"] = ("spec_info.hidden_states: the target's hidden states the logits processor keeps, which "
+                            "DeepseekV2Model.forward returns after its final norm (srt/models/deepseek_v2.py); "
+                            "deepseek_nextn.py concatenates enorm(embed) and hnorm(hidden) with no position masking")
+    out["embedding_zeroed_at_position0"] = False
+    return out
+
+
 def draft_provenance(state: Any, draft: torch.nn.Module, fc_owner: torch.nn.Module, in_features: int,
                       raw_differs: bool) -> dict[str, Any]:
     config = getattr(draft, "config", None)

@@ -162,19 +162,14 @@ def greedy_continuation(path: str | Path, sequences: Sequence[Sequence[int]], ne
     return out
 
 
-def mtp_head_inputs(path: str | Path, sequences: Sequence[Sequence[int]], *, final_norm: str = "post",
-                    zero_position0: bool = False) -> list[torch.Tensor]:
-    """Per sequence of token ids x_0..x_{n-1}: the MTP head's input rows ``[n - 1, 2H]`` (float32),
-    row p = ``[enorm(embed(x_{p+1})) | hnorm(h_p)]`` for p = 0..n-2, ``h_p`` the target's last hidden
-    state at p taken ``final_norm="post"`` (after the target's final norm) or ``"pre"`` (before it).
-    ``zero_position0`` zeroes the embedding half of row 0 (what vLLM's MTP layer feeds)."""
+def target_hidden_states(path: str | Path, sequences: Sequence[Sequence[int]], *,
+                         final_norm: str = "post") -> list[torch.Tensor]:
+    """Per sequence: the target's last hidden state at every position ``[n, H]`` (float32), taken
+    ``final_norm="post"`` (after the target's final norm) or ``"pre"`` (before it), from a
+    transformers forward of the checkpoint."""
     if final_norm not in ("pre", "post"):
         raise ValueError(f"final_norm must be 'pre' or 'post', not {final_norm!r}")
-    path = Path(path)
-    model, weights = _target(path)
-    eps = float(model.config.rms_norm_eps)
-    prefix = f"model.layers.{LAYERS}."
-    embed = weights["model.embed_tokens.weight"]
+    model, _ = _target(Path(path))
     captured: list[torch.Tensor] = []
     hook = model.model.norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0].detach()))
     out: list[torch.Tensor] = []
@@ -182,14 +177,29 @@ def mtp_head_inputs(path: str | Path, sequences: Sequence[Sequence[int]], *, fin
         with torch.no_grad():
             for ids in sequences:
                 captured.clear()
-                x = torch.tensor([list(ids)], dtype=torch.long)
-                post = model.model(input_ids=x).last_hidden_state[0]
-                h = (captured[0][0] if final_norm == "pre" else post)[:-1]
-                e = embed[x[0, 1:]].float()
-                if zero_position0:
-                    e[0] = 0.0
-                out.append(torch.cat([_rms_norm(e, weights[prefix + "enorm.weight"], eps),
-                                      _rms_norm(h, weights[prefix + "hnorm.weight"], eps)], dim=-1))
+                post = model.model(input_ids=torch.tensor([list(ids)], dtype=torch.long)).last_hidden_state[0]
+                out.append((captured[0][0] if final_norm == "pre" else post).float())
     finally:
         hook.remove()
+    return out
+
+
+def mtp_head_inputs(path: str | Path, sequences: Sequence[Sequence[int]], *, final_norm: str = "post",
+                    zero_position0: bool = False) -> list[torch.Tensor]:
+    """Per sequence of token ids x_0..x_{n-1}: the MTP head's input rows ``[n - 1, 2H]`` (float32),
+    row p = ``[enorm(embed(x_{p+1})) | hnorm(h_p)]`` for p = 0..n-2, ``h_p`` the target's last hidden
+    state at p taken ``final_norm="post"`` (after the target's final norm) or ``"pre"`` (before it).
+    ``zero_position0`` zeroes the embedding half of row 0 (what vLLM's MTP layer feeds)."""
+    path = Path(path)
+    weights = load_file(str(path / "model.safetensors"))
+    eps = float(_config(LAYERS).rms_norm_eps)
+    prefix = f"model.layers.{LAYERS}."
+    embed = weights["model.embed_tokens.weight"]
+    out: list[torch.Tensor] = []
+    for ids, hidden in zip(sequences, target_hidden_states(path, sequences, final_norm=final_norm), strict=True):
+        e = embed[torch.tensor(list(ids)[1:], dtype=torch.long)].float()
+        if zero_position0:
+            e[0] = 0.0
+        out.append(torch.cat([_rms_norm(e, weights[prefix + "enorm.weight"], eps),
+                              _rms_norm(hidden[:-1], weights[prefix + "hnorm.weight"], eps)], dim=-1))
     return out
