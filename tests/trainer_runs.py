@@ -53,14 +53,17 @@ def write_speculators_data(folder: Path, seed: int = 0) -> None:
     dataset.save_to_disk(str(folder))
 
 
-def build_speculators_draft(seed: int = 0) -> torch.nn.Module:
+def build_speculators_draft(seed: int = 0, **layer_config: Any) -> torch.nn.Module:
+    """speculators' Eagle3DraftModel with a one-layer Llama decoder; ``layer_config``: more fields of
+    that layer's config (``layer_types``, ``sliding_window``; ``vocab_size``: the target's vocabulary,
+    which the draft's ``VOCAB`` then prunes)."""
     from speculators.config import SpeculatorsConfig, VerifierConfig  # noqa: PLC0415
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig  # noqa: PLC0415
     from speculators.proposals.greedy import GreedyTokenProposalConfig  # noqa: PLC0415
     from transformers import LlamaConfig  # noqa: PLC0415
 
     layer = LlamaConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, vocab_size=VOCAB)
+                        num_key_value_heads=2, head_dim=8, **{"vocab_size": VOCAB, **layer_config})
     layer._attn_implementation = "sdpa"  # flex attention has no CPU backward
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer,

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from tracediff.adapters._chain import attach_chain
 from tracediff.adapters._fc import argument, framework_version, hf_labels, previous_in_row, tap_fc_input
 from tracediff.record.recorder import Recorder
 
@@ -194,4 +195,21 @@ def attach(recorder: Recorder, module: torch.nn.Module) -> bool:
 
     recorder.keep_handle(module.register_forward_pre_hook(label_rows, with_kwargs=True))
     tap_fc_input(recorder, fc, TAP, module_path=module_path)
+    if recorder.draft_chain:
+        _attach_chain(recorder, module, hidden)
     return True
+
+
+def _attach_chain(recorder: Recorder, module: torch.nn.Module, hidden: int) -> None:
+    """``record --draft-chain``: speculators' forward runs ``fc`` once, then per TTT step the decoder
+    layers (``module.layers``), ``module.norm`` and ``module.lm_head``; ``d2t`` holds offsets."""
+    layers = getattr(module, "layers", None)
+    parts = [getattr(module, name, None) for name in ("norm", "lm_head")]
+    if not layers or any(not isinstance(p, torch.nn.Module) for p in parts):
+        log.warning("tracediff: speculators adapter: %s has no layers / norm / lm_head; no draft chain recorded",
+                    type(module).__qualname__)
+        return
+    d2t = getattr(module, "d2t", None)
+    attach_chain(recorder, draft=module, fc=module.fc, first_layer=layers[0], last_layer=layers[-1], norm=parts[0],
+                 head=parts[1], hidden=hidden, d2t=d2t if isinstance(d2t, torch.Tensor) else None,
+                 prefix=type(module).__qualname__)

@@ -49,6 +49,8 @@ FINDING_KINDS: tuple[str, ...] = (
     "embedding_scale",
     "slot_token_offset",
     "dimension_scale",
+    # The first divergent tap inside the draft's forward (issue #53: tracediff/compare/chain.py)
+    "draft_chain",
 )
 SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
 
@@ -295,6 +297,9 @@ class Report:
     # What each kind of conclusion needed and whether this compare had it (tracediff.compare.findings.evidence);
     # an unmet one withholds the conclusions that need it (verdict cannot_tell).
     preconditions: list[Precondition] = field(default_factory=list)
+    # The draft chain (record --draft-chain on both sides): one entry per tap in forward order
+    # (tracediff.compare.chain.ChainLink); None (absent from the JSON) without one.
+    chain: list[dict[str, Any]] | None = None
 
     @property
     def verdict(self) -> str:
@@ -339,6 +344,8 @@ class Report:
         for side in ("reference", "candidate"):  # (absent rather than null: reports of stores without one unchanged)
             if isinstance(out.get(side), dict) and out[side].get("row_model") is None:
                 out[side].pop("row_model", None)
+        if out.get("chain") is None:
+            out.pop("chain", None)
         out["verdict"] = self.verdict
         out["counts"] = self.counts()
         out["causes"] = [asdict(c) for c in self.causes()]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
 from tracediff.compare.align.pairing import check_token_pairing
 from tracediff.compare.align.rowpairs import RowPairs, content_keys, pair_rows
 from tracediff.compare.align.sequences import Alignment, align_sequences
+from tracediff.compare.chain import chain_findings, chain_json, has_chain, walk_chain
 from tracediff.compare.findings.build import build_findings
 from tracediff.compare.findings.evidence import (
     Evidence,
@@ -83,10 +84,27 @@ def compare_stores(reference_path: Locations, candidate_path: Locations, opts: C
         ref_store.close()
         raise
     try:
-        return _compare(ref_store, cand_store, opts)
+        report = _compare(ref_store, cand_store, opts)
+        if not (opts.tap or opts.reference_tap or opts.candidate_tap or opts.bank) and has_chain(ref_store, cand_store):
+            _walk_chain(report, ref_store, cand_store, opts)
+        return report
     finally:
         ref_store.close()
         cand_store.close()
+
+
+def _walk_chain(report: Report, ref_store: Side_, cand_store: Side_, opts: CompareOptions) -> None:
+    """Both stores hold a draft chain (record --draft-chain): each tap compared in forward order, the
+    first that diverges named (tracediff/compare/chain.py)."""
+    _stage(opts, "walking the draft chain")
+
+    def compare_tap(rtap: str, ctap: str) -> Report:
+        one = replace(opts, reference_tap=rtap, candidate_tap=ctap, extra_notes=[], stage=None)
+        return _compare(ref_store, cand_store, one)
+
+    links = walk_chain(ref_store, cand_store, report, compare_tap)
+    report.chain = chain_json(links)
+    report.findings.extend(chain_findings(links, report))
 
 
 def _stage(opts: CompareOptions, name: str) -> None:

@@ -92,6 +92,7 @@ class _Context:
                 on_close=lambda rec: _note_for_record("recorder", rec.outcome()),
                 ledger=_ledger(),
                 row_model=cfg.get("row_model"),  # record --row-model: every tap that declares none
+                draft_chain=bool(cfg.get("draft_chain")),  # record --draft-chain
                 **({"retry_seconds": float(cfg["retry_seconds"])} if cfg.get("retry_seconds") is not None else {}),
             )
             for spec in self.specs:

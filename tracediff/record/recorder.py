@@ -129,6 +129,8 @@ class Recorder(CapturePath, WriterThread):
     unreachable, connection reset, timeout) is sent again before the writer stops for good.
     ``max_queue_batches``: the most batches queued at once (default: one per 256 KiB of
     ``max_queue_bytes``, 64 to 4096).
+    ``draft_chain``: the trainer adapters tap the draft's whole forward, in order (fc output, decoder
+    layer input and output, final norm, the logits' top k), each step labelled (docs/draft-chain.md).
     ``ledger``: where to keep this recorder's row counts so that they outlive a SIGKILL (how
     `tracediff record` learns what a killed process lost; :mod:`tracediff.record.ledger`).
     """
@@ -161,6 +163,7 @@ class Recorder(CapturePath, WriterThread):
         retry_seconds: float = DEFAULT_RETRY_SECONDS,
         ledger: Ledger | None = None,
         row_model: RowModel | Mapping[str, Any] | None = None,
+        draft_chain: bool = False,
     ) -> None:
         if on_full not in ("drop", "block"):
             raise UsageError(f"on_full must be 'drop' or 'block', got {on_full!r}")
@@ -179,6 +182,8 @@ class Recorder(CapturePath, WriterThread):
         self.role = role
         # The row model of taps that declare none (record --row-model); checked before any I/O.
         self.row_model: RowModel | None = None if row_model is None else row_model_from_json(row_model)
+        # record --draft-chain: the trainer adapters also tap the draft's forward in order (docs/draft-chain.md).
+        self.draft_chain = bool(draft_chain)
         self.limits = limits or Limits()
         self.on_full = on_full
         self.block_timeout = float(block_timeout)

@@ -91,7 +91,10 @@ def recorded_compute_dtype(meta: dict[str, Any]) -> tuple[str | None, str]:
             found = canonical_dtype(value)
             if found is not None:
                 return found, f"{part}.{'.'.join(path)}"
-    return None, ""
+    # A tap that captured a module's own output in the dtype it computed (record --draft-chain)
+    # records that dtype with the tap: the rows' own compute dtype, not how they were stored.
+    found = canonical_dtype((meta.get("tap") or {}).get("compute_dtype"))
+    return (found, "tap.compute_dtype") if found is not None else (None, "")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,208 @@
+"""The draft chain walked: the first tap inside the draft's forward that diverges beyond numerics.
+
+Stores recorded with ``record --draft-chain`` hold several taps of one draft forward, each with a
+``chain`` attribute (its point, its order in the forward, its draft step; docs/draft-chain.md). When
+both sides hold them, compare takes the taps in forward order (step by step: fc input, fc output,
+decoder layer input and output, final norm, logits' top k) on the same aligned rows (every tap of a
+forward carries that forward's labels) and
+
+* compares each hidden-state tap as a trace of its own (``compare_tap``: the whole compare, its noise
+  model measured for that tap, so an attention output is allowed the drift it shows and a residual
+  its own; norm ratio and relative error decide where the cosine cannot);
+* compares the logits' top k by top-1 agreement: a row whose top-1 differs counts only where the
+  reference's margin between its first and second logit exceeds what numerics move a logit (the
+  drift of the top logit on the rows that agree, and the preceding tap's budget carried to the
+  logits' scale); draft ids that agree with target ids that do not name the d2t map.
+
+The first diverged tap is the root cause (finding ``draft_chain``); each later divergence is
+``explained_by`` it. Metadata and row reads only; no framework knowledge, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tracediff.compare.align.rowpairs import pair_rows
+from tracediff.compare.align.sequences import align_sequences
+from tracediff.compare.plan.decide import read_rows
+from tracediff.compare.results import Finding, Report
+from tracediff.compare.rows.index import RowIndex
+
+#: What a divergence first seen at a point comes from, in an EAGLE-3 draft's forward.
+POINT_CAUSES = {
+    "fc_in": "the aux hidden states the draft is fed (the main report above)",
+    "fc_out": "the fc weights (another checkpoint, or fc loaded transposed)",
+    "layer_in": "the decoder layer's input: the token embedding (shared with the target or not, another "
+                "checkpoint) or, after step 0, the hidden state recycled from the previous step",
+    "layer_out": "the decoder layer: attention (RoPE theta / scaling, a sliding window ignored), its norms, "
+                 "its weights",
+    "norm_out": "the draft's final norm: its weight or its epsilon",
+    "logits_topk": "the lm_head (another checkpoint, or the target's head in place of the draft's) or the "
+                   "d2t map",
+}
+POINT_NAMES = {"fc_in": "fc input", "fc_out": "fc output", "layer_in": "decoder layer input",
+               "layer_out": "decoder layer output", "norm_out": "final norm output", "logits_topk": "logits (top k)"}
+
+
+@dataclass
+class ChainLink:
+    """One tap of the chain, compared."""
+
+    tap_reference: str
+    tap_candidate: str
+    point: str
+    order: int
+    step: int
+    status: str  # match | diverged | cannot_tell | missing
+    rows: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+    found: list[str] = field(default_factory=list)  # the per-tap compare's error findings, "kind: summary"
+    explained_by: str | None = None  # the root link's tap, for a later divergence
+
+    @property
+    def label(self) -> str:
+        return f"{self.tap_candidate} ({POINT_NAMES.get(self.point, self.point)}, step {self.step})"
+
+
+def chain_taps(store: Any) -> dict[tuple[int, int], tuple[str, dict[str, Any]]]:
+    """(step, order) -> (tap, its chain attribute) for every tap with rows that is part of a draft chain."""
+    out: dict[tuple[int, int], tuple[str, dict[str, Any]]] = {}
+    for tap in store.taps:
+        if not store.rows(tap):
+            continue
+        for stream in store.tap_streams(tap):
+            chain = (getattr(stream, "attrs", None) or {}).get("chain")
+            if isinstance(chain, dict) and "order" in chain and "point" in chain:
+                out[(int(chain.get("step", 0)), int(chain["order"]))] = (tap, chain)
+                break
+    return out
+
+
+def has_chain(ref_store: Any, cand_store: Any) -> bool:
+    """Both sides hold a chain of taps beyond the fc input."""
+    ref, cand = chain_taps(ref_store), chain_taps(cand_store)
+    return len(set(ref) & set(cand)) > 1
+
+
+def walk_chain(ref_store: Any, cand_store: Any, main: Report, compare_tap: Callable[[str, str], Report]) -> list[ChainLink]:
+    """Every chain tap both sides hold, in forward order, compared; the main report is the fc input's."""
+    ref, cand = chain_taps(ref_store), chain_taps(cand_store)
+    links: list[ChainLink] = []
+    previous_budget = 0.0
+    for key in sorted(set(ref) | set(cand)):
+        rtap, rchain = ref.get(key, ("", {}))
+        ctap, cchain = cand.get(key, ("", {}))
+        point = str((rchain or cchain).get("point"))
+        link = ChainLink(rtap, ctap, point, key[1], key[0], "missing")
+        if rtap and ctap:
+            if rtap == main.plan.tap_reference and ctap == main.plan.tap_candidate:
+                _from_report(link, main)
+            elif point == "logits_topk":
+                _topk_link(link, ref_store, cand_store, previous_budget)
+            else:
+                _from_report(link, compare_tap(rtap, ctap))
+            previous_budget = link.metrics.get("numerics_budget", previous_budget)
+        links.append(link)
+    root = next((x for x in links if x.status == "diverged"), None)
+    for x in links:
+        if root is not None and x is not root and x.status == "diverged":
+            x.explained_by = root.tap_candidate
+    return links
+
+
+def _from_report(link: ChainLink, report: Report) -> None:
+    link.rows = report.plan.pairs
+    link.status = {"match": "match", "mismatch": "diverged"}.get(report.verdict, "cannot_tell")
+    worst = max(report.metrics, key=lambda m: m.rel_l2, default=None)
+    link.metrics = {"numerics_budget": report.plan.numerics_budget, "compute_dtype": report.plan.compute_dtype}
+    if worst is not None:
+        link.metrics.update(cos_mean=worst.cos_mean, rel_l2=worst.rel_l2, norm_ratio_p50=worst.norm_ratio_p50,
+                            max_abs_diff=worst.max_abs_diff)
+    link.found = [f"{f.kind}: {f.summary or f.message}" for f in report.findings if f.severity == "error"]
+
+
+def _topk_link(link: ChainLink, ref_store: Any, cand_store: Any, budget: float) -> None:
+    ref_index, cand_index = RowIndex.load(ref_store, link.tap_reference), RowIndex.load(cand_store, link.tap_candidate)
+    pairs = pair_rows(align_sequences(ref_index, cand_index), 0)
+    link.rows = len(pairs)
+    if not len(pairs):
+        link.status = "cannot_tell"
+        link.found = ["no aligned rows"]
+        return
+    r = read_rows(ref_index, pairs.reference)
+    c = read_rows(cand_index, pairs.candidate)
+    k = r.shape[1] // 3
+    top1 = topk_agreement(r, c, k, budget)
+    link.metrics = top1
+    link.status = "diverged" if top1["rows_beyond_noise"] else "match"
+    if top1["rows_beyond_noise"]:
+        what = ("the draft's top-1 ids agree but their target ids do not: the d2t map differs"
+                if top1["draft_top1_agreement"] == 1.0 else "the top-1 token differs where numerics cannot flip it")
+        link.found = [f"{what} ({top1['rows_beyond_noise']} of {link.rows} rows)"]
+
+
+def topk_agreement(r: np.ndarray, c: np.ndarray, k: int, budget: float) -> dict[str, Any]:
+    """Top-1 agreement of two ``[rows, 3k]`` top-k rows (values, draft ids, target ids), and how many
+    disagreeing rows numerics cannot explain.
+
+    A logit moves by numerics at most ``noise``: the budget of the tap before the head (a relative
+    error, from that tap's noise model) times the logits' scale. The drift of the logits themselves
+    is no measure of it: a head of another checkpoint moves every logit, the rows that keep their
+    top-1 too. A row whose top-1 differs is beyond numerics when the reference's margin between its
+    first and second logit exceeds twice that (both sides move)."""
+    rv, cv = r[:, :k], c[:, :k]
+    rd, cd, rt, ct = r[:, k], c[:, k], r[:, 2 * k], c[:, 2 * k]
+    same_draft, same_target = rd == cd, rt == ct
+    scale = float(np.max(np.abs(rv), initial=0.0))
+    noise = budget * scale
+    margin = rv[:, 0] - (rv[:, 1] if k > 1 else rv[:, 0])
+    beyond = ~same_target & (margin > 2 * noise)
+    return {
+        "draft_top1_agreement": float(same_draft.mean()),
+        "target_top1_agreement": float(same_target.mean()),
+        "rows_beyond_noise": int(beyond.sum()),
+        "logit_noise": noise,
+        "top_logit_rel_error": float(np.linalg.norm(cv[:, 0] - rv[:, 0]) / max(np.linalg.norm(rv[:, 0]), 1e-30)),
+        "numerics_budget": budget,
+    }
+
+
+def chain_findings(links: list[ChainLink], main: Report) -> list[Finding]:
+    """``draft_chain`` findings: the first diverged tap inside the draft (a root cause unless it is the
+    fc input, which the main report already explains), every later divergence explained by it."""
+    root = next((x for x in links if x.status == "diverged"), None)
+    if root is None:
+        return []
+    main_root = next((f.kind for f in main.findings if f.severity == "error"
+                      and not (f.evidence or {}).get("explained_by")), None)
+    out: list[Finding] = []
+    for x in links:
+        if x.status != "diverged" or (x is root and x.point == "fc_in"):
+            continue
+        evidence: dict[str, Any] = {"tap_reference": x.tap_reference, "tap_candidate": x.tap_candidate,
+                                    "point": x.point, "step": x.step, "rows": x.rows, "metrics": x.metrics,
+                                    "found": x.found}
+        if x is root:
+            before = [y.tap_candidate for y in links if (y.step, y.order) < (x.step, x.order) and y.status == "match"]
+            evidence["matched_before"] = before
+            out.append(Finding(
+                "draft_chain", "error",
+                f"the draft's forward first diverges at {x.label}: every earlier tap matches within numerics "
+                f"({', '.join(before) or 'none recorded'}); look at {POINT_CAUSES.get(x.point, x.point)}. "
+                + "; ".join(x.found),
+                evidence, summary=f"the draft diverges first at {x.label}"))
+        else:
+            evidence["explained_by"] = "draft_chain" if root.point != "fc_in" else (main_root or "draft_chain")
+            out.append(Finding("draft_chain", "error",
+                               f"{x.label} diverges too, downstream of {root.label}", evidence,
+                               summary=f"{x.tap_candidate} diverges downstream of {root.tap_candidate}"))
+    return out
+
+
+def chain_json(links: list[ChainLink]) -> list[dict[str, Any]]:
+    """The chain section of the report: one entry per tap, in forward order."""
+    return [asdict(x) for x in links]
