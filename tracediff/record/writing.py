@@ -160,16 +160,22 @@ class WriterThread:
         rows = array.shape[0]
         labels = {k: (np.broadcast_to(np.asarray(v), (rows,)) if np.ndim(v) == 0 else v) for k, v in labels.items()}
         self._sync_counts(writer, item.tap)
-        self._check_rows(item.tap, writer, array)
+        self._check_rows(item.tap, writer, array, labels.get("position"))
         writer.append(array, labels)
         self._account(item.tap, COMMITTED, rows)
 
-    def _check_rows(self, tap: str, writer: TraceWriter, array: np.ndarray) -> None:
+    def _check_rows(self, tap: str, writer: TraceWriter, array: np.ndarray, position: Any = None) -> None:
         """The light lint (:mod:`tracediff.lint.light`): all-zero rows per segment, counted as the
-        batches are written, kept in the writer group's ``row_checks`` (committed with the batch)."""
+        batches are written, kept in the writer group's ``row_checks`` (committed with the batch).
+        Rows at the positions a tap's ``zeroed_slots`` attribute declares the engine zeroes (vLLM's
+        MTP embedding at position 0) are its design, not a slot left unfilled: not counted."""
         from tracediff.lint.light import zero_rows  # noqa: PLC0415
 
         size = self._taps[tap].segment_size or (self._segment_layout(self._taps[tap])[0])
+        declared = self._taps[tap].attrs.get("zeroed_slots")
+        positions = [p for d in declared or [] if isinstance(d, dict) for p in d.get("positions") or []]
+        if positions and position is not None and np.shape(position) == (array.shape[0],):
+            array = array[~np.isin(np.asarray(position), positions)]
         counts = zero_rows(array, size)
         checks = self._row_checks.setdefault(tap, {"rows": 0, "zero_rows": [0] * len(counts)})
         if len(checks["zero_rows"]) != len(counts):
