@@ -183,6 +183,12 @@ def test_clean_pair_matches_at_every_tap(tmp_path: Path, batches: list[dict[str,
     assert len(report.chain) == 10
     assert {link["status"] for link in report.chain} == {"match"}
     assert not [f for f in report.findings if f.kind == "draft_chain"]
+    from tracediff.report.markdown import render_markdown  # noqa: PLC0415
+    from tracediff.report.text import render_text  # noqa: PLC0415
+
+    text = render_text(report)
+    assert "Draft chain" in text and "draft_logits_topk_s1" in text
+    assert "| draft\\_layer\\_out | 0 | match |" in render_markdown(report)
 
 
 @pytest.mark.parametrize(("case", "change", "layer_config", "tap"), CASES, ids=[c[0] for c in CASES])
@@ -262,6 +268,7 @@ def test_record_draft_chain_and_compare_as_a_user_types_them(tmp_path: Path, bat
                           timeout=300)
     assert done.returncode == 1, done.stderr
     assert "the draft diverges first at draft_norm_out" in done.stdout
+    assert "Draft chain (each tap of the draft's forward, in order)" in done.stdout
 
 
 def test_an_epsilon_below_numerics_is_a_match_at_every_tap(tmp_path: Path, batches: list[dict[str, Any]]) -> None:

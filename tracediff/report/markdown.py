@@ -27,6 +27,7 @@ from tracediff.report.wording import (
     assumed_evidence,
     box_steps,
     candidate_labels,
+    chain_rows,
     change_lines,
     clip,
     config_diff_items,
@@ -85,6 +86,10 @@ def render_markdown(report: Report) -> str:
     lines += _findings(report)
     lines += _segment_map(report)
     lines += _metrics(report)
+    if report.chain:
+        headers, rows = chain_rows(report.chain)
+        lines += ["", "### Draft chain: each tap of the draft's forward, in order", ""]
+        lines += _table(headers, [[_md(c) for c in r] for r in rows])
     lines += _plan(report)
     lines += _config_diff(report)
     if report.replay:

@@ -27,6 +27,7 @@ from tracediff.report.wording import (
     aux_config_text,
     box_steps,
     candidate_labels,
+    chain_rows,
     change_lines,
     clean,
     clip,
@@ -100,6 +101,7 @@ def render_text(report: Report, color: bool = False, *, verbose: bool = False) -
         lines += _findings(report, paint)
         lines += _segment_map(report, paint)
         lines += _metrics(report, paint)
+        lines += _chain(report, paint)
         lines += _plan(report, paint)
         lines += _config_diff(report, paint)
         lines += _replay(report, paint)
@@ -116,6 +118,7 @@ def render_text(report: Report, color: bool = False, *, verbose: bool = False) -
         lines += _findings_brief(report, paint)
         lines += _segment_map(report, paint)
         lines += _pairs(report, paint)
+        lines += _chain(report, paint)
         lines += _replay(report, paint)
         lines.append("")
         lines += [paint(t, "dim") for t in _wrap("More: --verbose (plan, metrics, worst rows, evidence, config diff); "
@@ -254,6 +257,15 @@ def _pairs(report: Report, paint: _Painter) -> list[str]:
     for m in report.metrics:
         lines += _wrap(clean(pair_line(m, report)), "  ", hang="      ")
     return lines
+
+
+def _chain(report: Report, paint: _Painter) -> list[str]:
+    """The draft chain (record --draft-chain on both sides): one row per tap in forward order."""
+    if not report.chain:
+        return []
+    headers, rows = chain_rows(report.chain)
+    lines = _heading("Draft chain (each tap of the draft's forward, in order)", paint)
+    return lines + _table(headers, [[clean(c) for c in r] for r in rows])
 
 
 def _replay(report: Report, paint: _Painter) -> list[str]:

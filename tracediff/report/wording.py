@@ -557,3 +557,18 @@ def grouped_findings(report: Report) -> tuple[list[tuple[Finding, list[Finding],
     placed = {i for c in causes for i in (c.finding, *c.consequences, *c.config)}
     rest = [f for s in SEVERITIES for i, f in enumerate(report.findings) if f.severity == s and i not in placed]
     return grouped, rest
+
+
+def chain_rows(chain: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The draft chain's table (Report.chain, tracediff/compare/chain.py): one row per tap."""
+
+    def num(metrics: dict[str, Any], key: str, spec: str) -> str:
+        value = metrics.get(key)
+        return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+
+    headers = ["tap", "step", "status", "cos mean", "rel L2", "norm ratio", "top-1"]
+    rows = [[str(x["tap_candidate"] or x["tap_reference"]), str(x["step"]), str(x["status"]),
+             num(x["metrics"], "cos_mean", ".6f"), num(x["metrics"], "rel_l2", ".3g"),
+             num(x["metrics"], "norm_ratio_p50", ".4g"), num(x["metrics"], "target_top1_agreement", ".3f")]
+            for x in chain]
+    return headers, rows
