@@ -471,6 +471,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # A shell without job control starts a background job (`.ci/run &`, a CI step sent to the
+    # background) with SIGINT ignored, and every process it starts inherits that: the tests that
+    # interrupt a command would then test nothing. The processes the tests start get the default.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     skip_gate.register(config)
     ci_record.register(config)
     config.addinivalue_line(

@@ -506,7 +506,8 @@ def _run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
 
     for sig in forwarded:
         previous[sig] = signal.signal(sig, forward)
-    previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
+    if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:  # started with it ignored (nohup, a background job): kept so
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
     try:
         returncode = child.wait()
     finally:
