@@ -93,3 +93,15 @@ def test_an_eagle3_draft_gets_k_hidden_state_slots(tmp_path: Path) -> None:
     (view,) = pf.engines
     assert view.row_model["name"] == "eagle3" and view.row_model["k"] == 4
     assert "row model eagle3: 4 hidden-state slots" in render_text(pf)
+
+
+def test_speculators_trains_the_mtp_head_on_the_state_before_the_final_norm_the_engines_feed_after(
+        checkpoint: Path) -> None:
+    """speculators 0.9's MTPDraftModel feeds its input_proj hidden_layernorm(verifier_last_hidden_states),
+    the verifier's last state before its final norm; vLLM 0.32 and SGLang 0.5.23 hand their MTP head
+    the state after it (read from the sources: engine_rules.MTP_TRAINER_RULES / MTP_RULES)."""
+    pf = run_preflight(checkpoint, None, ("sglang", "vllm"), trainer="speculators")
+    assert pf.trainer.detail["row_model"] == mtp(final_norm=False)
+    assert pf.exit_code == 1 and {v.verdict for v in pf.engines} == {"different"}
+    assert "trainer (speculators): slot 0: embedding of the next token (enorm); slot 1: the last layer's hidden " \
+           "state before the final norm" in render_text(pf)

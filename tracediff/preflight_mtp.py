@@ -15,10 +15,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tracediff.adapters.engine_rules import MTP_RULES, Resolution, engine_row_model, installed_version, row_model_fix
+from tracediff.adapters.engine_rules import (
+    MTP_RULES,
+    MTP_TRAINER_RULES,
+    Resolution,
+    engine_row_model,
+    installed_version,
+    row_model_fix,
+)
 from tracediff.errors import UsageError
 from tracediff.preflight import Check, DraftFacts, EngineView, Preflight, TargetFacts, TrainerView
-from tracediff.store.row_model import from_json
+from tracediff.store.row_model import from_json, mtp
 
 
 def mtp_preflight(draft: DraftFacts, target: TargetFacts, engines: tuple[str, ...], trainer: str | None,
@@ -70,9 +77,13 @@ def mtp_preflight(draft: DraftFacts, target: TargetFacts, engines: tuple[str, ..
 def _trainer_view(trainer: str | None, checks: list[Check]) -> TrainerView:
     if trainer is None:
         return TrainerView("unknown", None)
+    if trainer in MTP_TRAINER_RULES:
+        rule = MTP_TRAINER_RULES[trainer]
+        model = mtp(final_norm=rule.hidden_final_norm)
+        return TrainerView(trainer, None, {"row_model": model, "rule": rule.to_dict()})
     if trainer in ("speculators", "specforge"):
-        checks.append(Check("trainer", "warning", f"{trainer} trains EAGLE-3 drafts, not MTP heads: give the trainer "
-                                                  f"store of the MTP head's training (--trainer STORE)"))
+        checks.append(Check("trainer", "warning", f"{trainer} trains no MTP head: give the trainer store of the MTP "
+                                                  f"head's training (--trainer STORE)"))
         return TrainerView(trainer, None)
     model = _store_row_model(Path(trainer))
     return TrainerView(f"store {trainer}", None, {"row_model": model} if model is not None else {})

@@ -429,6 +429,19 @@ MTP_RULES: dict[str, MtpRule] = {
 }
 
 
+#: What a trainer of MTP heads feeds ``eh_proj`` (speculators 0.9's ``MTPDraftModel``; SpecForge 0.2
+#: trains none), read from its source.
+MTP_TRAINER_RULES: dict[str, MtpRule] = {
+    "speculators": MtpRule(
+        "speculators", False, (), "0.9.0",
+        "speculators/models/mtp/model_definitions.py MTPLayerMixin.forward: input_proj(cat(token_layernorm(embed), "
+        "hidden_layernorm(hidden_states))), hidden_states = verifier_last_hidden_states (models/mtp/data.py "
+        "shift_batch_mtp), the last of the datagen hidden states (train/data.py), taken before the verifier's "
+        "final norm: vLLM's layer id L is hidden_states + residual before model.norm, and speculators' EAGLE-3 "
+        "loss applies verifier_norm to the same tensor (models/eagle3/core.py)"),
+}
+
+
 def mtp_layers_of(config: dict[str, Any], tensor_names: Any) -> list[int]:
     """The MTP layers a checkpoint ships (``model.layers.{i}.eh_proj.weight`` for i >= the target's
     layer count, ``num_nextn_predict_layers`` > 0), or [] when it is no MTP checkpoint."""
@@ -490,7 +503,7 @@ def row_model_fix(kind: str, engine: str | None, params: dict[str, Any]) -> str:
     raise ValueError(f"no fix for {kind!r}")
 
 
-__all__ = ["DEEPSEEK_ARCHITECTURES", "ENGINES", "MTP_RULES", "RULES", "TRAINERS", "MtpRule", "Resolution", "Rule",
+__all__ = ["DEEPSEEK_ARCHITECTURES", "ENGINES", "MTP_RULES", "MTP_TRAINER_RULES", "RULES", "TRAINERS", "MtpRule", "Resolution", "Rule",
            "RuleChoice", "engine_row_model", "mtp_layers_of",
            "choose_rule", "config_field", "draft_ids", "fix_ids", "installed_version", "load_problem", "recorded_rule",
            "rule_named", "parse_version", "resolve", "row_model_fix",
