@@ -95,13 +95,20 @@ def test_an_eagle3_draft_gets_k_hidden_state_slots(tmp_path: Path) -> None:
     assert "row model eagle3: 4 hidden-state slots" in render_text(pf)
 
 
-def test_speculators_trains_the_mtp_head_on_the_state_before_the_final_norm_the_engines_feed_after(
-        checkpoint: Path) -> None:
-    """speculators 0.9's MTPDraftModel feeds its input_proj hidden_layernorm(verifier_last_hidden_states),
-    the verifier's last state before its final norm; vLLM 0.32 and SGLang 0.5.23 hand their MTP head
-    the state after it (read from the sources: engine_rules.MTP_TRAINER_RULES / MTP_RULES)."""
+def test_speculators_is_no_trainer_of_a_deepseek_mtp_head(checkpoint: Path) -> None:
+    """speculators 0.9 trains MTP heads of Qwen3-family models only (its mtp_model_classes): for a
+    DeepSeek-V3 checkpoint preflight says so instead of guessing what it fed."""
     pf = run_preflight(checkpoint, None, ("sglang", "vllm"), trainer="speculators")
-    assert pf.trainer.detail["row_model"] == mtp(final_norm=False)
-    assert pf.exit_code == 1 and {v.verdict for v in pf.engines} == {"different"}
-    assert "trainer (speculators): slot 0: embedding of the next token (enorm); slot 1: the last layer's hidden " \
-           "state before the final norm" in render_text(pf)
+    assert "row_model" not in pf.trainer.detail and {v.verdict for v in pf.engines} == {"unknown"}
+    (warning,) = [c for c in pf.checks if c.kind == "trainer" and c.severity == "warning"]
+    assert "qwen3_next" in warning.message and "not this deepseek_v3 target" in warning.message
+
+
+def test_speculators_mtp_rule_is_the_state_before_the_final_norm() -> None:
+    """speculators 0.9's MTPDraftModel feeds its input_proj hidden_layernorm(verifier_last_hidden_states),
+    the verifier's last state before its final norm (read from its source; the DeepSeek rules of vLLM
+    and SGLang take it after: engine_rules.MTP_RULES)."""
+    from tracediff.adapters.engine_rules import MTP_RULES, MTP_TRAINER_RULES
+
+    assert MTP_TRAINER_RULES["speculators"].hidden_final_norm is False
+    assert {r.hidden_final_norm for r in MTP_RULES.values()} == {True}

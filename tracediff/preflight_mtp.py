@@ -31,7 +31,7 @@ from tracediff.store.row_model import from_json, mtp
 def mtp_preflight(draft: DraftFacts, target: TargetFacts, engines: tuple[str, ...], trainer: str | None,
                   versions: dict[str, str], checks: list[Check]) -> Preflight:
     """What each engine feeds the MTP head of ``draft`` (the target's own checkpoint), as data."""
-    trainer_view = _trainer_view(trainer, checks)
+    trainer_view = _trainer_view(trainer, target.model_type, checks)
     trained = trainer_view.detail.get("row_model")
     views: list[EngineView] = []
     for name in engines:
@@ -42,11 +42,14 @@ def mtp_preflight(draft: DraftFacts, target: TargetFacts, engines: tuple[str, ..
                          rule.read_from if rule else "none", rule.source if rule else "", version, version_from,
                          None, "none: an MTP head reads no aux layer ids", numbering="MTP: the last layer's hidden "
                          "state and the next token's embedding", capture=[], physical=None)
-        model = engine_row_model(name, mtp=True)
+        model = engine_row_model(name, mtp=True, model_type=target.model_type)
         view = EngineView(res, "unknown", row_model=model)
         views.append(view)
         if model is None:
-            checks.append(Check("row_model", "warning", f"tracediff has no MTP rule for {name}", {"engine": name}))
+            checks.append(Check("row_model", "warning", f"tracediff has no MTP rule for {name} with a "
+                                                        f"{target.model_type or 'unknown'} target (read for: "
+                                                        f"{', '.join(MTP_RULES[name].model_types) if name in MTP_RULES else 'none'})",
+                                {"engine": name}))
             continue
         if model["zeroed_embedding_positions"]:
             checks.append(Check("zeroed_slot", "info",
@@ -74,11 +77,17 @@ def mtp_preflight(draft: DraftFacts, target: TargetFacts, engines: tuple[str, ..
     return Preflight(draft, target, trainer_view, views, checks)
 
 
-def _trainer_view(trainer: str | None, checks: list[Check]) -> TrainerView:
+def _trainer_view(trainer: str | None, model_type: str | None, checks: list[Check]) -> TrainerView:
     if trainer is None:
         return TrainerView("unknown", None)
-    if trainer in MTP_TRAINER_RULES:
-        rule = MTP_TRAINER_RULES[trainer]
+    rule = MTP_TRAINER_RULES.get(trainer)
+    if rule is not None and model_type not in rule.model_types:
+        checks.append(Check("trainer", "warning", f"{trainer} {rule.read_from} trains MTP heads of "
+                                                  f"{', '.join(rule.model_types)} models only, not this "
+                                                  f"{model_type or 'unknown'} target: give the trainer store of the "
+                                                  f"MTP head's training (--trainer STORE)"))
+        return TrainerView(trainer, None)
+    if rule is not None:
         model = mtp(final_norm=rule.hidden_final_norm)
         return TrainerView(trainer, None, {"row_model": model, "rule": rule.to_dict()})
     if trainer in ("speculators", "specforge"):

@@ -408,6 +408,7 @@ class MtpRule:
     zeroed_embedding_positions: tuple[int, ...]  # positions whose embedding slot the engine zeroes
     read_from: str
     source: str
+    model_types: tuple[str, ...] = ()  # the target families (config model_type) the rule was read for
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -419,13 +420,14 @@ MTP_RULES: dict[str, MtpRule] = {
         "vllm/v1/worker/gpu_model_runner.py propose_draft_token_ids: target_hidden_states = hidden_states[...] "
         "(the target's output), which vllm/model_executor/models/deepseek_v2.py DeepseekV2Model.forward returns "
         "after self.norm(hidden_states, residual); deepseek_mtp.py DeepSeekMultiTokenPredictorLayer.forward zeroes "
-        "inputs_embeds where positions == 0, then eh_proj(cat(enorm(embed), hnorm(h)))"),
+        "inputs_embeds where positions == 0, then eh_proj(cat(enorm(embed), hnorm(h)))",
+        tuple(sorted(DEEPSEEK_MODEL_TYPES))),
     "sglang": MtpRule(
         "sglang", True, (), "0.5.23",
         "sglang/srt/models/deepseek_v2.py DeepseekV2Model.forward returns residual_batch.final_norm(hidden_states, "
         "self.norm), the hidden states the logits processor keeps for the draft (layers/logits_processor.py "
         "hidden_states_to_store); models/deepseek_nextn.py DeepseekModelNextN.forward: eh_proj(cat(enorm(embed), "
-        "hnorm(spec_info.hidden_states))), no position masking"),
+        "hnorm(spec_info.hidden_states))), no position masking", tuple(sorted(DEEPSEEK_MODEL_TYPES))),
 }
 
 
@@ -438,7 +440,9 @@ MTP_TRAINER_RULES: dict[str, MtpRule] = {
         "hidden_layernorm(hidden_states))), hidden_states = verifier_last_hidden_states (models/mtp/data.py "
         "shift_batch_mtp), the last of the datagen hidden states (train/data.py), taken before the verifier's "
         "final norm: vLLM's layer id L is hidden_states + residual before model.norm, and speculators' EAGLE-3 "
-        "loss applies verifier_norm to the same tensor (models/eagle3/core.py)"),
+        "loss applies verifier_norm to the same tensor (models/eagle3/core.py)",
+        # models/mtp/model_definitions.py mtp_model_classes: Qwen3-family decoders only
+        ("qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next")),
 }
 
 
@@ -454,16 +458,18 @@ def mtp_layers_of(config: dict[str, Any], tensor_names: Any) -> list[int]:
     return found
 
 
-def engine_row_model(framework: str, *, mtp: bool, slots: int | None = None) -> dict[str, Any] | None:
+def engine_row_model(framework: str, *, mtp: bool, slots: int | None = None,
+                     model_type: str | None = None) -> dict[str, Any] | None:
     """The row model ``framework`` builds for a draft: ``{"name", "slots": [one line per slot],
     "row_model": its JSON, ...}``; MTP: the hidden slot's final norm and the zeroed embedding
     positions, with the rule's source. EAGLE-3 with ``slots`` K: K hidden slots (their layers are the
-    resolution's). None when it is not known."""
+    resolution's). None when it is not known (an MTP rule read for other target families than
+    ``model_type``)."""
     from tracediff.store.row_model import mtp as mtp_model  # noqa: PLC0415  (pure data)
 
     if mtp:
         rule = MTP_RULES.get(framework)
-        if rule is None:
+        if rule is None or (model_type is not None and model_type not in rule.model_types):
             return None
         model = mtp_model(final_norm=rule.hidden_final_norm)
         return {"name": model.name, "slots": model.describe(), "row_model": model.to_json(),
