@@ -279,3 +279,45 @@ def test_an_epsilon_below_numerics_is_a_match_at_every_tap(tmp_path: Path, batch
     report = compare_stores(a, b)
     assert report.verdict == "match"
     assert {link["status"] for link in report.chain} == {"match"}
+
+
+@pytest.mark.slow
+def test_specforge_draft_chain_names_the_final_norm(tmp_path: Path) -> None:
+    """SpecForge's own LlamaForCausalLMEagle3 trained through OnlineEagle3Model (bf16, two TTT
+    steps, its own offline reader): a clean pair matches at every tap; a final norm weight of
+    another checkpoint is named at draft_norm_out, with the logits downstream of it."""
+    skip_unless_installed("specforge", reason="specforge is not installed (requirements/frameworks-trainers.sh)")
+    from specforge.runtime.contracts import TrainBatch  # noqa: PLC0415
+
+    from tracediff.adapters import specforge as specforge_adapter  # noqa: PLC0415
+
+    data = tmp_path / "data"
+    tr.write_specforge_data(data)
+    batches = tr.specforge_batches(data)
+
+    def record(name: str, change: Callable[[torch.nn.Module], Any] | None = None) -> Path:
+        strategy, model, draft = tr.build_specforge(data, seed=0)
+        if change is not None:
+            change(draft)
+        with Recorder(tmp_path / name, draft_chain=True) as rec:
+            assert specforge_adapter.attach(rec, model)
+            with torch.no_grad():
+                for i, batch in enumerate(batches):
+                    strategy.forward_loss(TrainBatch([f"s{i}"], "eagle3", batch, {"target_repr": "hidden_state"}))
+        return tmp_path / name
+
+    def other_norm_weight(draft: torch.nn.Module) -> None:
+        gen = torch.Generator().manual_seed(5)
+        noise = 1 + 0.5 * torch.randn(draft.norm.weight.shape, generator=gen)
+        with torch.no_grad():
+            draft.norm.weight.mul_(noise.to(draft.norm.weight.dtype))
+
+    reference, clean, changed = record("train.zarr"), record("clean.zarr"), record("norm.zarr", other_norm_weight)
+    report = compare_stores(reference, clean)
+    assert report.verdict == "match" and len(report.chain) == 10
+    assert {link["status"] for link in report.chain} == {"match"}
+    assert {link["metrics"].get("compute_dtype") for link in report.chain[1:5]} == {"bfloat16"}  # as SpecForge trains
+    report = compare_stores(reference, changed)
+    root = [f for f in report.findings if f.kind == "draft_chain" and not f.evidence.get("explained_by")]
+    assert [f.evidence["tap_candidate"] for f in root] == ["draft_norm_out"]
+    assert _chain(report)["draft_logits_topk"]["explained_by"] == "draft_norm_out"

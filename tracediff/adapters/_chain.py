@@ -44,8 +44,8 @@ def chain_attrs(point: str, step: int, **extra: Any) -> dict[str, Any]:
 
 
 class DraftSteps:
-    """Which step of a multi-step draft forward is running: reset by the draft's forward pre-hook,
-    advanced each time the first decoder layer is entered."""
+    """Which step of a multi-step draft forward is running: reset when ``fc`` runs (once a forward,
+    before any decoder layer), advanced each time the first decoder layer is entered."""
 
     def __init__(self) -> None:
         self.step = -1
@@ -76,12 +76,21 @@ def _hook(recorder: Recorder, where: str, body: Callable[[], None]) -> None:
 
 
 
-def attach_chain(recorder: Recorder, *, draft: torch.nn.Module, fc: torch.nn.Module, first_layer: torch.nn.Module,
-                 last_layer: torch.nn.Module, norm: torch.nn.Module, head: torch.nn.Module, hidden: int,
-                 d2t: torch.Tensor | None, prefix: str) -> None:
+LayerInput = Callable[[tuple, dict], "torch.Tensor | None"]
+
+
+def first_argument(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A decoder layer that takes ``cat(embedding, hidden state)`` as its first argument."""
+    return args[0] if args else kwargs.get("hidden_states")
+
+
+def attach_chain(recorder: Recorder, *, fc: torch.nn.Module, first_layer: torch.nn.Module, last_layer: torch.nn.Module,
+                 norm: torch.nn.Module, head: torch.nn.Module, hidden: int, d2t: torch.Tensor | None, prefix: str,
+                 layer_input: LayerInput = first_argument) -> None:
     """Hook the draft's forward points (the fc input is the adapter's own tap: only its chain
     attribute is added here). ``d2t``: the draft-to-target offsets (``target = draft + d2t[draft]``),
-    None when the draft predicts target ids directly."""
+    None when the draft predicts target ids directly. ``layer_input``: the decoder layer's input as
+    ``cat(embedding, hidden state)`` from its arguments (every framework's tap holds that layout)."""
     declared: set[str] = set()
     recorder.declare("fc_in", chain=chain_attrs("fc_in", 0))
     steps = DraftSteps()
@@ -103,19 +112,17 @@ def attach_chain(recorder: Recorder, *, draft: torch.nn.Module, fc: torch.nn.Mod
             declared.add(name)
         recorder.capture(name, tensor)
 
-    def on_draft(_mod: torch.nn.Module, _args: tuple) -> None:
-        steps.reset()
-
     def on_fc(_mod: torch.nn.Module, _args: tuple, output: Any) -> None:
+        steps.reset()
         _hook(recorder, "fc output", lambda: capture("fc_out", f"{prefix}.fc", output))
 
     def on_layer_in(_mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         steps.advance()
-        value = args[0] if args else kwargs.get("hidden_states")
-        _hook(recorder, "decoder layer input", lambda: capture("layer_in", f"{prefix}.layers[0]", value))
+        _hook(recorder, "decoder layer input",
+              lambda: capture("layer_in", f"{prefix}.first decoder layer", layer_input(args, kwargs)))
 
     def on_layer_out(_mod: torch.nn.Module, _args: tuple, output: Any) -> None:
-        _hook(recorder, "decoder layer output", lambda: capture("layer_out", f"{prefix}.layers[-1]", output))
+        _hook(recorder, "decoder layer output", lambda: capture("layer_out", f"{prefix}.last decoder layer", output))
 
     def on_norm(_mod: torch.nn.Module, _args: tuple, output: Any) -> None:
         _hook(recorder, "final norm", lambda: capture("norm_out", f"{prefix}.norm", output))
@@ -132,7 +139,6 @@ def attach_chain(recorder: Recorder, *, draft: torch.nn.Module, fc: torch.nn.Mod
 
         _hook(recorder, "logits", body)
 
-    recorder.keep_handle(draft.register_forward_pre_hook(keep(on_draft)))
     recorder.keep_handle(fc.register_forward_hook(keep(on_fc)))
     recorder.keep_handle(first_layer.register_forward_pre_hook(keep(on_layer_in), with_kwargs=True))
     recorder.keep_handle(last_layer.register_forward_hook(keep(on_layer_out)))

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tracediff.adapters._chain import attach_chain
 from tracediff.adapters._fc import argument, framework_version, hf_labels, previous_in_row, tap_fc_input
 from tracediff.record.recorder import Recorder
 
@@ -212,7 +213,35 @@ def _attach_draft(recorder: Recorder, draft: torch.nn.Module, state: dict[str, i
     recorder.keep_handle(draft.register_forward_pre_hook(
         _label_hook(recorder, state, _draft_row_labels, where), with_kwargs=True))
     tap_fc_input(recorder, fc, TAP, module_path=module_path)
+    if recorder.draft_chain:
+        _attach_chain(recorder, draft, hidden)
     return True
+
+
+def _midlayer_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """SpecForge's decoder layer takes the embedding and the hidden state apart (``input_emb``,
+    ``hidden_states``) and concatenates them after its own norms: the chain stores them
+    concatenated as they come, ``cat(embedding, hidden state)`` like every framework's tap."""
+    emb = kwargs.get("input_emb", args[0] if args else None)
+    hidden = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
+    if not isinstance(emb, torch.Tensor) or not isinstance(hidden, torch.Tensor):
+        return None
+    return torch.cat([emb, hidden], dim=-1)
+
+
+def _attach_chain(recorder: Recorder, draft: torch.nn.Module, hidden: int) -> None:
+    """``record --draft-chain``: SpecForge 0.2's training step projects once (``fc``), then per TTT
+    step runs ``midlayer`` (``backbone``) and ``compute_logits`` (``norm`` when ``norm_output``,
+    then ``lm_head``); ``d2t`` holds offsets."""
+    parts = [getattr(draft, name, None) for name in ("midlayer", "norm", "lm_head")]
+    if any(not isinstance(p, torch.nn.Module) for p in parts):
+        log.warning("tracediff: specforge adapter: %s has no midlayer / norm / lm_head; no draft chain recorded",
+                    type(draft).__qualname__)
+        return
+    d2t = getattr(draft, "d2t", None)
+    attach_chain(recorder, fc=draft.fc, first_layer=parts[0], last_layer=parts[0], norm=parts[1], head=parts[2],
+                 hidden=hidden, d2t=d2t if isinstance(d2t, torch.Tensor) else None,
+                 prefix=type(draft).__qualname__, layer_input=_midlayer_input)
 
 
 def attach(recorder: Recorder, module: torch.nn.Module) -> bool:

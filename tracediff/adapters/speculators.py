@@ -210,6 +210,6 @@ def _attach_chain(recorder: Recorder, module: torch.nn.Module, hidden: int) -> N
                     type(module).__qualname__)
         return
     d2t = getattr(module, "d2t", None)
-    attach_chain(recorder, draft=module, fc=module.fc, first_layer=layers[0], last_layer=layers[-1], norm=parts[0],
+    attach_chain(recorder, fc=module.fc, first_layer=layers[0], last_layer=layers[-1], norm=parts[0],
                  head=parts[1], hidden=hidden, d2t=d2t if isinstance(d2t, torch.Tensor) else None,
                  prefix=type(module).__qualname__)
