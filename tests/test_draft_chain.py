@@ -45,9 +45,9 @@ def batches(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 def record_draft(path: Path, batches: list[dict[str, Any]], change: Callable[[torch.nn.Module], Any] | None = None,
-                 **layer_config: Any) -> Path:
+                 steps: int = 2, **layer_config: Any) -> Path:
     """One draft (seed 0: the same weights each time), ``change`` applied, recorded with its chain
-    over two TTT steps of its own forward."""
+    over ``steps`` TTT steps of its own forward."""
     model = tr.build_speculators_draft(seed=0, vocab_size=2 * tr.VOCAB, **layer_config)
     d2t = _d2t_offsets()
     t2d = torch.zeros(2 * tr.VOCAB, dtype=torch.bool)
@@ -61,7 +61,7 @@ def record_draft(path: Path, batches: list[dict[str, Any]], change: Callable[[to
         assert speculators_adapter.attach(rec, model)
         with torch.no_grad():
             for batch in batches:
-                model(**batch, ttt_steps=2)
+                model(**batch, ttt_steps=steps)
     return path
 
 
@@ -321,3 +321,15 @@ def test_specforge_draft_chain_names_the_final_norm(tmp_path: Path) -> None:
     root = [f for f in report.findings if f.kind == "draft_chain" and not f.evidence.get("explained_by")]
     assert [f.evidence["tap_candidate"] for f in root] == ["draft_norm_out"]
     assert _chain(report)["draft_logits_topk"]["explained_by"] == "draft_norm_out"
+
+
+def test_a_step_one_side_did_not_run_is_missing_not_a_divergence(tmp_path: Path, batches: list[dict[str, Any]]) -> None:
+    """The candidate drafts one step, the reference two: the step-1 taps are 'missing' on one side;
+    the taps both hold still match."""
+    a = record_draft(tmp_path / "a.zarr", batches)
+    b = record_draft(tmp_path / "b.zarr", batches, steps=1)
+    report = compare_stores(a, b)
+    status = {link["tap_reference"]: (link["status"], link["tap_candidate"]) for link in report.chain}
+    assert status["draft_layer_out_s1"] == ("missing", "")
+    assert status["draft_norm_out"] == ("match", "draft_norm_out")
+    assert report.verdict == "match"

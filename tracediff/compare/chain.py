@@ -31,6 +31,7 @@ from tracediff.compare.align.sequences import align_sequences
 from tracediff.compare.plan.decide import read_rows
 from tracediff.compare.results import Finding, Report
 from tracediff.compare.rows.index import RowIndex
+from tracediff.errors import CompareError
 
 #: What a divergence first seen at a point comes from, in an EAGLE-3 draft's forward.
 POINT_CAUSES = {
@@ -104,7 +105,10 @@ def walk_chain(ref_store: Any, cand_store: Any, main: Report, compare_tap: Calla
             elif point == "logits_topk":
                 _topk_link(link, ref_store, cand_store, previous_budget)
             else:
-                _from_report(link, compare_tap(rtap, ctap))
+                try:
+                    _from_report(link, compare_tap(rtap, ctap))
+                except CompareError as exc:  # this tap cannot be compared (no rows in common): say so, go on
+                    link.status, link.found = "cannot_tell", [str(exc)]
             previous_budget = link.metrics.get("numerics_budget", previous_budget)
         links.append(link)
     root = next((x for x in links if x.status == "diverged"), None)
