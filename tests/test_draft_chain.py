@@ -189,6 +189,9 @@ def test_clean_pair_matches_at_every_tap(tmp_path: Path, batches: list[dict[str,
     text = render_text(report)
     assert "Draft chain" in text and "draft_logits_topk_s1" in text
     assert "| draft\\_layer\\_out | 0 | match |" in render_markdown(report)
+    from tracediff.report.html import render_html  # noqa: PLC0415
+
+    assert '<section id="chain">' in render_html(report)
 
 
 @pytest.mark.parametrize(("case", "change", "layer_config", "tap"), CASES, ids=[c[0] for c in CASES])

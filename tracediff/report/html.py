@@ -39,6 +39,7 @@ from tracediff.report.wording import (
     TABLE_EVIDENCE,
     assumed_evidence,
     box_steps,
+    chain_rows,
     change_lines,
     config_diff_items,
     fix_assignment,
@@ -168,6 +169,7 @@ def render_html(report: Report) -> str:
         _what_differs(report),
         _segment_map(report),
         _metrics(report),
+        *([_chain(report)] if report.chain else []),  # (no line at all without one: reports unchanged)
         _plan(report),
         _config_diff(report),
         _replay(report),
@@ -313,6 +315,15 @@ def _segment_map(report: Report) -> str:
         )
     out.append("</section>")
     return "\n".join(out)
+
+
+def _chain(report: Report) -> str:
+    """The draft chain (record --draft-chain on both sides): one row per tap in forward order."""
+    if not report.chain:
+        return ""
+    headers, rows = chain_rows(report.chain)
+    return ('<section id="chain"><h2>Draft chain: each tap of the draft&#x27;s forward, in order</h2>'
+            f'<div class="scroll">{_table(headers, rows)}</div></section>')
 
 
 def _metrics(report: Report) -> str:
