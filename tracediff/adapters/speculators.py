@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from tracediff.adapters import speculators_mtp
 from tracediff.adapters._chain import attach_chain
 from tracediff.adapters._fc import argument, framework_version, hf_labels, previous_in_row, tap_fc_input
 from tracediff.record.recorder import Recorder
@@ -32,7 +33,7 @@ from tracediff.record.recorder import Recorder
 FRAMEWORK = "speculators"
 TAP = "fc_in"
 POSITION_OFFSET = 1
-WATCH: tuple[str, ...] = ("Eagle3DraftModel",)
+WATCH: tuple[str, ...] = ("Eagle3DraftModel", "MTPDraftModel")  # MTP heads: tracediff.adapters.speculators_mtp
 _DRAFT_CLASS = "Eagle3DraftModel"
 
 log = logging.getLogger("tracediff")
@@ -128,7 +129,10 @@ def row_labels(args: tuple, kwargs: dict, seq_base: torch.Tensor) -> tuple[dict[
 
 
 def attach(recorder: Recorder, module: torch.nn.Module) -> bool:
-    """Tap ``module.fc`` (its input) and label its rows from ``module.forward``'s arguments."""
+    """Tap ``module.fc`` (its input) and label its rows from ``module.forward``'s arguments; an MTP
+    head (``MTPDraftModel``): :func:`tracediff.adapters.speculators_mtp.attach`."""
+    if speculators_mtp.is_mtp_draft(module):
+        return speculators_mtp.attach(recorder, module)
     base = _draft_base(module)
     fc = getattr(module, "fc", None)
     if base is None or not isinstance(fc, torch.nn.Linear):
