@@ -336,3 +336,22 @@ def test_a_step_one_side_did_not_run_is_missing_not_a_divergence(tmp_path: Path,
     assert status["draft_layer_out_s1"] == ("missing", "")
     assert status["draft_norm_out"] == ("match", "draft_norm_out")
     assert report.verdict == "match"
+
+
+def test_an_fc_input_that_diverges_explains_the_whole_chain(tmp_path: Path, batches: list[dict[str, Any]]) -> None:
+    """The candidate's aux hidden states in another slot order: the main report's root cause
+    (segment_order) is the fc input's; every chain tap after it follows from it, no draft_chain root."""
+    def rotate(batch: dict[str, Any]) -> dict[str, Any]:
+        a, b, c = batch["hidden_states"].chunk(3, dim=-1)
+        return {**batch, "hidden_states": torch.cat([b, c, a], dim=-1)}
+
+    reference = record_draft(tmp_path / "a.zarr", batches)
+    candidate = record_draft(tmp_path / "b.zarr", [rotate(b) for b in batches])
+    report = compare_stores(reference, candidate)
+    chain = _chain(report)
+    assert chain["fc_in"]["status"] == "diverged"
+    assert chain["draft_fc_out"]["status"] == "diverged" and chain["draft_fc_out"]["explained_by"] == "fc_in"
+    roots = [report.findings[c.finding].kind for c in report.causes()]
+    assert "draft_chain" not in roots and roots[0] == "segment_order"
+    chained = [f for f in report.findings if f.kind == "draft_chain"]
+    assert chained and {f.evidence["explained_by"] for f in chained} == {"segment_order"}
