@@ -37,13 +37,15 @@ ADAPTERS: dict[str, AdapterInfo] = {
                       "a bank of every hidden state of a transformers decoder model (embedding, each layer, "
                       "final layer before and after the norm)"),
     "sglang": AdapterInfo("sglang", "tracediff.adapters.sglang", "sglang",
-                          "SGLang server: the EAGLE-3 draft's fc input and the target's packed aux hidden states",
+                          "SGLang server: the EAGLE-3 draft's fc input (a DeepSeek NextN head's eh_proj input) and the "
+                          "target's packed aux hidden states",
                           side="server"),
     "vllm": AdapterInfo("vllm", "tracediff.adapters.vllm", "vllm",
-                        "vLLM engine (V1): the EAGLE-3 draft's fc input and the target's aux concatenation, per drafter "
-                        "call", side="server"),
+                        "vLLM engine (V1): the EAGLE-3 draft's fc input (an MTP head's eh_proj input) and the target's "
+                        "aux concatenation, per drafter call", side="server"),
     "speculators": AdapterInfo("speculators", "tracediff.adapters.speculators", "speculators",
-                               "speculators trainer: Eagle3DraftModel.fc input with labels from its forward",
+                               "speculators trainer: Eagle3DraftModel.fc input (MTPDraftModel: its MTP layer's input_proj) "
+                               "with labels from its forward",
                                side="trainer"),
     "specforge": AdapterInfo("specforge", "tracediff.adapters.specforge", "specforge",
                              "SpecForge trainer: LlamaForCausalLMEagle3 / OnlineEagle3Model fc input",
