@@ -11,8 +11,8 @@ forward carries that forward's labels) and
   its own; norm ratio and relative error decide where the cosine cannot);
 * compares the logits' top k by top-1 agreement: a row whose top-1 differs counts only where the
   reference's margin between its first and second logit exceeds what numerics move a logit (the
-  drift of the top logit on the rows that agree, and the preceding tap's budget carried to the
-  logits' scale); draft ids that agree with target ids that do not name the d2t map.
+  preceding tap's budget carried to the row's logit scale); draft ids that agree with target ids
+  that do not name the d2t map.
 
 The first diverged tap is the root cause (finding ``draft_chain``); each later divergence is
 ``explained_by`` it. Metadata and row reads only; no framework knowledge, no torch.
@@ -28,7 +28,7 @@ import numpy as np
 
 from tracediff.compare.align.rowpairs import pair_rows
 from tracediff.compare.align.sequences import align_sequences
-from tracediff.compare.plan.decide import read_rows
+from tracediff.compare.plan.decide import read_rows, stream_layout
 from tracediff.compare.results import Finding, Report
 from tracediff.compare.rows.index import RowIndex
 from tracediff.errors import CompareError
@@ -129,49 +129,66 @@ def _from_report(link: ChainLink, report: Report) -> None:
     link.found = [f"{f.kind}: {f.summary or f.message}" for f in report.findings if f.severity == "error"]
 
 
+#: Row pairs of the logits' top k read at once (24 floats a row: 25 MiB a side).
+TOPK_BLOCK = 1 << 18
+
+
 def _topk_link(link: ChainLink, ref_store: Any, cand_store: Any, budget: float) -> None:
+    width, cand_width = stream_layout(ref_store, link.tap_reference).width, stream_layout(cand_store, link.tap_candidate).width
+    if width != cand_width or width % 3:
+        link.status, link.found = "cannot_tell", [f"top-k rows of {width} and {cand_width} values: recorded with "
+                                                  "another top k"]
+        return
     ref_index, cand_index = RowIndex.load(ref_store, link.tap_reference), RowIndex.load(cand_store, link.tap_candidate)
     pairs = pair_rows(align_sequences(ref_index, cand_index), 0)
     link.rows = len(pairs)
     if not len(pairs):
-        link.status = "cannot_tell"
-        link.found = ["no aligned rows"]
+        link.status, link.found = "cannot_tell", ["no aligned rows"]
         return
-    r = read_rows(ref_index, pairs.reference)
-    c = read_rows(cand_index, pairs.candidate)
-    k = r.shape[1] // 3
-    top1 = topk_agreement(r, c, k, budget)
-    link.metrics = top1
-    link.status = "diverged" if top1["rows_beyond_noise"] else "match"
-    if top1["rows_beyond_noise"]:
+    counts: dict[str, float] = {}
+    for start in range(0, len(pairs), TOPK_BLOCK):
+        block = slice(start, start + TOPK_BLOCK)
+        one = topk_counts(read_rows(ref_index, pairs.reference[block]), read_rows(cand_index, pairs.candidate[block]),
+                          width // 3, budget)
+        for key, value in one.items():
+            counts[key] = max(counts.get(key, 0.0), value) if key == "logit_noise_max" else counts.get(key, 0.0) + value
+    rows = link.rows
+    link.metrics = {
+        "draft_top1_agreement": counts["same_draft"] / rows,
+        "target_top1_agreement": counts["same_target"] / rows,
+        "rows_beyond_noise": int(counts["beyond"]),
+        "logit_noise_max": counts["logit_noise_max"],
+        "top_logit_rel_error": float(np.sqrt(counts["diff_sq"] / max(counts["ref_sq"], 1e-30))),
+        "numerics_budget": budget,
+    }
+    link.status = "diverged" if counts["beyond"] else "match"
+    if counts["beyond"]:
         what = ("the draft's top-1 ids agree but their target ids do not: the d2t map differs"
-                if top1["draft_top1_agreement"] == 1.0 else "the top-1 token differs where numerics cannot flip it")
-        link.found = [f"{what} ({top1['rows_beyond_noise']} of {link.rows} rows)"]
+                if counts["same_draft"] == rows else "the top-1 token differs where numerics cannot flip it")
+        link.found = [f"{what} ({int(counts['beyond'])} of {rows} rows)"]
 
 
-def topk_agreement(r: np.ndarray, c: np.ndarray, k: int, budget: float) -> dict[str, Any]:
-    """Top-1 agreement of two ``[rows, 3k]`` top-k rows (values, draft ids, target ids), and how many
-    disagreeing rows numerics cannot explain.
+def topk_counts(r: np.ndarray, c: np.ndarray, k: int, budget: float) -> dict[str, float]:
+    """Top-1 agreement counts of two ``[rows, 3k]`` blocks of top-k rows (values, draft ids, target
+    ids), and how many disagreeing rows numerics cannot explain.
 
-    A logit moves by numerics at most ``noise``: the budget of the tap before the head (a relative
-    error, from that tap's noise model) times the logits' scale. The drift of the logits themselves
-    is no measure of it: a head of another checkpoint moves every logit, the rows that keep their
-    top-1 too. A row whose top-1 differs is beyond numerics when the reference's margin between its
-    first and second logit exceeds twice that (both sides move)."""
+    A row's logits move by numerics at most ``noise``: the budget of the tap before the head (a
+    relative error, from that tap's noise model) times the row's largest logit. The drift of the
+    logits themselves is no measure of it: a head of another checkpoint moves every logit, those of
+    the rows that keep their top-1 too. A row whose top-1 differs is beyond numerics when the
+    reference's margin between its first and second logit exceeds twice that (both sides move)."""
     rv, cv = r[:, :k], c[:, :k]
-    rd, cd, rt, ct = r[:, k], c[:, k], r[:, 2 * k], c[:, 2 * k]
-    same_draft, same_target = rd == cd, rt == ct
-    scale = float(np.max(np.abs(rv), initial=0.0))
-    noise = budget * scale
+    same_draft, same_target = r[:, k] == c[:, k], r[:, 2 * k] == c[:, 2 * k]
+    noise = budget * np.max(np.abs(rv), axis=1)
     margin = rv[:, 0] - (rv[:, 1] if k > 1 else rv[:, 0])
     beyond = ~same_target & (margin > 2 * noise)
     return {
-        "draft_top1_agreement": float(same_draft.mean()),
-        "target_top1_agreement": float(same_target.mean()),
-        "rows_beyond_noise": int(beyond.sum()),
-        "logit_noise": noise,
-        "top_logit_rel_error": float(np.linalg.norm(cv[:, 0] - rv[:, 0]) / max(np.linalg.norm(rv[:, 0]), 1e-30)),
-        "numerics_budget": budget,
+        "same_draft": float(same_draft.sum()),
+        "same_target": float(same_target.sum()),
+        "beyond": float(beyond.sum()),
+        "logit_noise_max": float(np.max(noise, initial=0.0)),
+        "diff_sq": float(np.square(cv[:, 0] - rv[:, 0], dtype=np.float64).sum()),
+        "ref_sq": float(np.square(rv[:, 0], dtype=np.float64).sum()),
     }
 
 
