@@ -107,6 +107,7 @@ def attach_chain(recorder: Recorder, *, fc: torch.nn.Module, first_layer: torch.
         name = tap_name(point, step)
         if name not in declared:  # declared on first use: a draft's step count is known only as it runs
             recorder.declare(name, segment_size=hidden if point != "logits_topk" else None, module=module_path,
+                             segment_labels=["embedding", "hidden_state"] if point == "layer_in" else None,
                              phase="train", chain=chain_attrs(point, step),
                              compute_dtype=attrs.pop("compute_dtype", str(tensor.dtype).removeprefix("torch.")), **attrs)
             declared.add(name)
