@@ -355,3 +355,12 @@ def test_an_fc_input_that_diverges_explains_the_whole_chain(tmp_path: Path, batc
     assert "draft_chain" not in roots and roots[0] == "segment_order"
     chained = [f for f in report.findings if f.kind == "draft_chain"]
     assert chained and {f.evidence["explained_by"] for f in chained} == {"segment_order"}
+
+
+def test_draft_chain_without_a_trainer_adapter_is_a_usage_error(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "tracediff", "record", "--adapter", "generic", "--draft-chain", "-o",
+                           str(tmp_path / "x.zarr"), "--", sys.executable, "-c", "pass"],
+                          env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--draft-chain taps the draft of --adapter speculators or --adapter specforge" in done.stderr
+    assert not (tmp_path / "x.zarr").exists()

@@ -169,6 +169,9 @@ def record(
         check_installed(name)
     if not specs and not adapters:
         raise UsageError("nothing to record: give --tap SPEC and/or --adapter NAME")
+    if draft_chain and not {"speculators", "specforge"} & set(adapters):
+        raise UsageError("--draft-chain taps the draft of --adapter speculators or --adapter specforge; the servers' "
+                         "draft chains are not recorded yet (docs/draft-chain.md)")
     if segment_size is not None and segment_size <= 0:
         raise UsageError(f"--segment-size must be positive, got {segment_size}")
     labels_list = [x.strip() for x in segment_labels.split(",")] if segment_labels else None
