@@ -369,8 +369,6 @@ def test_per_dimension_scale_on_one_slot_is_a_dimension_scale(eagle):
 
 @slow
 def test_compare_cli_names_the_slots_and_the_root_cause(mtp_pair, tmp_path):
-    if mtp_pair["model"].arch != "deepseek_v3":
-        pytest.skip("one architecture is enough for the command line")
     cand = _mtp(mtp_pair, "post-cli", mtp(final_norm=True), post_norm=True)
     result = run_tracediff("compare", mtp_pair["ref"], cand, "--json", tmp_path / "r.json")
     assert result.returncode == 1, result.stderr
