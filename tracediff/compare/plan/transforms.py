@@ -191,6 +191,11 @@ def scaled_diagonal_error(cand: np.ndarray, ref: np.ndarray, cand_mean: np.ndarr
     """Held-out error of ``cand = lambda_row * w * ref`` (weights fitted on one half, each test row
     given its best factor): what a per-dimension scale leaves once rows may differ in magnitude. A
     norm on one side leaves little; a plain per-dimension scale leaves what the diagonal fit does."""
+    with np.errstate(over="ignore", invalid="ignore"):  # (rows float32 cannot square score inf: not decided)
+        return _scaled_diagonal_error(cand, ref, cand_mean, cand_scale)
+
+
+def _scaled_diagonal_error(cand: np.ndarray, ref: np.ndarray, cand_mean: np.ndarray, cand_scale: np.ndarray) -> float:
     keep = np.isfinite(cand).all(axis=1) & np.isfinite(ref).all(axis=1)
     c, r = cand[keep][:FIT_ROWS].astype(np.float32), ref[keep][:FIT_ROWS].astype(np.float32)
     if c.shape[0] < 4:
@@ -208,7 +213,10 @@ def scaled_diagonal_error(cand: np.ndarray, ref: np.ndarray, cand_mean: np.ndarr
 
 def _fit_rotation(src: np.ndarray, tgt: np.ndarray) -> tuple[Any, dict[str, Any]]:
     """Orthogonal Procrustes: the ``Q`` minimising ``|src Q - tgt|``, ``U V^T`` of ``src^T tgt``."""
-    u, _, vt = np.linalg.svd(src.astype(np.float64).T @ tgt.astype(np.float64))
+    m = src.astype(np.float64).T @ tgt.astype(np.float64)
+    if not np.isfinite(m).all():  # rows float64 cannot multiply out: no map to fit (scored as nan)
+        return (lambda x: np.full_like(x, np.nan)), {"hidden": int(m.shape[0]), "non_finite": True}
+    u, _, vt = np.linalg.svd(m)
     q = u @ vt
     h = q.shape[0]
     params = {"hidden": h, "det": float(np.sign(np.linalg.det(q))),
@@ -233,6 +241,12 @@ def fit_slot_transform(kind: str, cand: np.ndarray, ref: np.ndarray, cand_mean: 
                        cand_scale: np.ndarray) -> TransformFit:
     """One transform of :data:`SLOT_KINDS` (``diagonal`` or ``rotation``) predicting the candidate from
     the reference, cross-validated as :func:`fit_transforms` does, in the candidate's scale."""
+    with np.errstate(over="ignore", invalid="ignore"):  # (rows float32 cannot square score inf: not decided)
+        return _fit_slot_transform(kind, cand, ref, cand_mean, cand_scale)
+
+
+def _fit_slot_transform(kind: str, cand: np.ndarray, ref: np.ndarray, cand_mean: np.ndarray,
+                        cand_scale: np.ndarray) -> TransformFit:
     keep = np.isfinite(cand).all(axis=1) & np.isfinite(ref).all(axis=1)
     c, r = cand[keep][:FIT_ROWS].astype(np.float32), ref[keep][:FIT_ROWS].astype(np.float32)
     cm, cs = np.asarray(cand_mean, dtype=np.float32), np.asarray(cand_scale, dtype=np.float32)
