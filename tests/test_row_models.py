@@ -299,6 +299,9 @@ def test_rotated_target_is_a_rotation_on_every_slot_with_the_fold_fix(eagle):
     assert all("fold Q^T into the draft's fc" in f.evidence["fix_line"] for f in rotations)
     assert all(abs(f.evidence["norm_ratio_p50"] - 1) < 0.01 and abs(f.evidence["cos_mean"]) < 0.5 for f in rotations)
     assert not _kinds(report) & {"segment_missing", "segment_extra"}
+    # One root cause, the rotated target; the other slots' rotations follow from it.
+    (cause,) = [c for c in report.causes() if c.kind == "rotation"]
+    assert len(cause.consequences) == 4
 
 
 @slow

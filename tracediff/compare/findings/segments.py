@@ -13,7 +13,7 @@ from typing import Any
 
 from tracediff.adapters.conventions import AuxLayers, engine_of, format_layers
 from tracediff.compare.findings.remedy import Fix, propose_fix
-from tracediff.compare.findings.slots import relation_finding, row_model_findings
+from tracediff.compare.findings.slots import one_rotation_cause, relation_finding, row_model_findings
 from tracediff.compare.plan.decide import Relation, SegmentPlan
 from tracediff.compare.plan.metadata import is_aux_key, num_layers
 from tracediff.compare.plan.noise import ASSUMED_LIMIT_FACTOR, CONSISTENT_FACTOR, OUTLIER_FACTOR
@@ -63,6 +63,7 @@ def segment_findings(report: Report, segplan: SegmentPlan, stream: StreamResult,
         fix = propose_fix(decisions, report.reference.segments, ref_aux, cand_aux, engine, bank, layers,
                           engine_rule=recorded_rule(report.candidate.meta, engine))
         _attach_fix((wiring or wrong_layer)[0], fix)
+    one_rotation_cause(values)
     return (row_model_findings(report) + wiring + subset_findings + values
             + _layer_config_findings(report, segplan, ref_aux, cand_aux, subsets, wiring + values))
 

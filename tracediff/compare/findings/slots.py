@@ -112,6 +112,14 @@ def relation_finding(report: Report, rel: Relation, m: SegmentMetrics, evidence:
     return Finding(kind, "error", f"{cause}. Fix: {fix}.", {**evidence, "transform": t.to_dict(), "fix_line": fix}, summary)
 
 
+def one_rotation_cause(findings: list[Finding]) -> None:
+    """A rotated target rotates every hidden state it hands over: one root cause (the first slot's
+    rotation, its fix folds Q^T into the fc), the other slots' rotations follow from it."""
+    rotations = [f for f in findings if f.kind == "rotation"]
+    for f in rotations[1:]:
+        f.evidence["explained_by"] = "rotation"
+
+
 def row_model_findings(report: Report) -> list[Finding]:
     """Both stores record a row model and the slots differ: one finding naming both (the metadata),
     whatever the data say (they are reported on their own)."""
@@ -133,4 +141,4 @@ def row_model_findings(report: Report) -> list[Finding]:
         f"the stores record different row models ({r['name']} vs {c['name']})")]
 
 
-__all__ = ["relation_finding", "row_model_findings", "side_slot"]
+__all__ = ["one_rotation_cause", "relation_finding", "row_model_findings", "side_slot"]
