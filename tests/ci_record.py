@@ -54,6 +54,7 @@ class CiRecord:
         self.config = config
         self.started = time.time()
         self.counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+        self.at_start = load_readme_costs().git_commit()  # the tree the tests are collected from
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when == "call" or (report.when == "setup" and not report.passed):
@@ -74,8 +75,11 @@ class CiRecord:
             return
         ended = time.time()
         costs = load_readme_costs()
+        at_end = costs.git_commit()
+        # Measured on the commit the run started from; a commit or an edit while it ran makes it dirty.
+        dirty = bool(self.at_start["dirty"] or at_end["dirty"] or at_end["commit"] != self.at_start["commit"])
         record: dict[str, Any] = {
-            **costs.git_commit(),
+            "commit": self.at_start["commit"], "dirty": dirty,
             "date": dt.datetime.fromtimestamp(ended, dt.timezone.utc).strftime("%Y-%m-%d"),
             "collected": session.testscollected,
             **self.counts,
