@@ -42,7 +42,8 @@ def load_readme_costs():  # noqa: ANN201
 
 def _whole_suite(config: pytest.Config, session: pytest.Session) -> bool:
     option = config.option
-    if option.keyword or option.markexpr or getattr(option, "deselect", None) or option.lf or option.exitfirst:
+    narrowed = [getattr(option, name, None) for name in ("keyword", "markexpr", "deselect", "lf", "last_failed")]
+    if any(narrowed) or (getattr(option, "maxfail", 0) or 0) > 0:  # -x is maxfail=1
         return False
     testpaths = [str((ROOT / p).resolve()) for p in config.getini("testpaths")]
     given = [str(Path(a).resolve()) for a in config.args]
@@ -71,6 +72,12 @@ class CiRecord:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        try:
+            self._write(session)
+        except Exception as exc:  # noqa: BLE001  (the record is a by-product: never the run's outcome)
+            print(f"\ntests/ci_record.py: no run record written: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    def _write(self, session: pytest.Session) -> None:
         if not _whole_suite(self.config, session):
             return
         ended = time.time()
