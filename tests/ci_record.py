@@ -55,6 +55,7 @@ class CiRecord:
         self.config = config
         self.started = time.time()
         self.counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+        self.failed_ids: list[str] = []
         self.at_start = load_readme_costs().git_commit()  # the tree the tests are collected from
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -67,6 +68,7 @@ class CiRecord:
                 self.counts["errors"] += 1
             else:
                 self.counts["failed"] += 1
+                self.failed_ids.append(report.nodeid)
         elif report.when == "teardown" and report.failed:
             self.counts["errors"] += 1
 
@@ -90,6 +92,7 @@ class CiRecord:
             "date": dt.datetime.fromtimestamp(ended, dt.timezone.utc).strftime("%Y-%m-%d"),
             "collected": session.testscollected,
             **self.counts,
+            "failed_ids": self.failed_ids,
             "exit_status": int(session.exitstatus),
             "pytest_seconds": round(ended - self.started, 1),
             "setup_seconds": _setup_seconds(self.started),
