@@ -38,9 +38,17 @@ def tap_name(point: str, step: int) -> str:
     return f"{CHAIN}_{point}" + (f"_s{step}" if step else "")
 
 
-def chain_attrs(point: str, step: int, **extra: Any) -> dict[str, Any]:
-    """The ``chain`` attribute of one tap: where it sits in the draft's forward."""
-    return {"name": CHAIN, "point": point, "order": POINTS.index(point), "step": int(step), **extra}
+#: How a draft step >= 1 reads its input (the ``step_inputs`` of a tap's chain attribute): a trainer's
+#: step s is teacher forced (the data's next token, its hidden state recycled from its own step s-1 at
+#: every position), a server's step k reads its own proposal of step k-1. compare pairs steps >= 1 only
+#: between sides that read the same.
+TEACHER_FORCED, PROPOSED = "teacher_forced", "proposed"
+
+
+def chain_attrs(point: str, step: int, step_inputs: str = TEACHER_FORCED, **extra: Any) -> dict[str, Any]:
+    """The ``chain`` attribute of one tap: where it sits in the draft's forward, how its steps read input."""
+    return {"name": CHAIN, "point": point, "order": POINTS.index(point), "step": int(step),
+            "step_inputs": step_inputs, **extra}
 
 
 class DraftSteps:

@@ -58,7 +58,7 @@ class ChainLink:
     point: str
     order: int
     step: int
-    status: str  # match | diverged | cannot_tell | missing
+    status: str  # match | diverged | cannot_tell | missing | not_comparable
     rows: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
     found: list[str] = field(default_factory=list)  # the per-tap compare's error findings, "kind: summary"
@@ -99,7 +99,10 @@ def walk_chain(ref_store: Any, cand_store: Any, main: Report, compare_tap: Calla
         ctap, cchain = cand.get(key, ("", {}))
         point = str((rchain or cchain).get("point"))
         link = ChainLink(rtap, ctap, point, key[1], key[0], "missing")
-        if rtap and ctap:
+        unpaired = step_inputs_differ(key[0], rchain, cchain) if rtap and ctap else None
+        if unpaired:
+            link.status, link.found = "not_comparable", [unpaired]
+        elif rtap and ctap:
             if rtap == main.plan.tap_reference and ctap == main.plan.tap_candidate:
                 _from_report(link, main)
             elif point == "logits_topk":
@@ -120,6 +123,25 @@ def walk_chain(ref_store: Any, cand_store: Any, main: Report, compare_tap: Calla
 
 def _from_report(link: ChainLink, report: Report) -> None:
     link.rows = report.plan.pairs
+#: How a draft step s >= 1 gets its input (the chain attribute ``step_inputs``): a trainer's is teacher
+#: forced (the data's next token, its hidden state recycled from its own step s-1 at every position;
+#: absent = teacher forced), a server's reads its own proposal of step s-1.
+TEACHER_FORCED, PROPOSED = "teacher_forced", "proposed"
+_READS = {TEACHER_FORCED: "the data's tokens", PROPOSED: "its own proposals"}
+
+
+def step_inputs_differ(step: int, ref_chain: dict[str, Any], cand_chain: dict[str, Any]) -> str | None:
+    """Why a step >= 1 tap of two sides cannot be paired (one reads the data's tokens, the other its own
+    proposals: the rows of one label are different computations), None when it can."""
+    ref, cand = (str(c.get("step_inputs") or TEACHER_FORCED) for c in (ref_chain, cand_chain))
+    if step < 1 or ref == cand:
+        return None
+    sides = sorted([("reference", ref), ("candidate", cand)], key=lambda s: s[1] != PROPOSED)
+    (first, how), (second, other) = sides
+    return (f"step {step} of the {first} reads {_READS.get(how, how)}, of the {second} "
+            f"{_READS.get(other, other)}: only step 0 pairs")
+
+
     link.status = {"match": "match", "mismatch": "diverged"}.get(report.verdict, "cannot_tell")
     worst = max(report.metrics, key=lambda m: m.rel_l2, default=None)
     link.metrics = {"numerics_budget": report.plan.numerics_budget, "compute_dtype": report.plan.compute_dtype}

@@ -39,6 +39,7 @@ from tracediff.report.wording import (
     TABLE_EVIDENCE,
     assumed_evidence,
     box_steps,
+    chain_note,
     chain_rows,
     change_lines,
     config_diff_items,
@@ -322,8 +323,10 @@ def _chain(report: Report) -> str:
     if not report.chain:
         return ""
     headers, rows = chain_rows(report.chain)
+    note = chain_note(report.chain)
     return ('<section id="chain"><h2>Draft chain: each tap of the draft&#x27;s forward, in order</h2>'
-            f'<div class="scroll">{_table(headers, rows)}</div></section>')
+            f'<div class="scroll">{_table(headers, rows)}</div>'
+            + (f'<p class="muted">{esc(note)}</p>' if note else "") + '</section>')
 
 
 def _metrics(report: Report) -> str:

@@ -27,6 +27,7 @@ from tracediff.report.wording import (
     assumed_evidence,
     box_steps,
     candidate_labels,
+    chain_note,
     chain_rows,
     change_lines,
     clip,
@@ -90,6 +91,8 @@ def render_markdown(report: Report) -> str:
         headers, rows = chain_rows(report.chain)
         lines += ["", "### Draft chain: each tap of the draft's forward, in order", ""]
         lines += _table(headers, [[_md(c) for c in r] for r in rows])
+        note = chain_note(report.chain)
+        lines += ["", _md(note)] if note else []
     lines += _plan(report)
     lines += _config_diff(report)
     if report.replay:

@@ -27,6 +27,7 @@ from tracediff.report.wording import (
     aux_config_text,
     box_steps,
     candidate_labels,
+    chain_note,
     chain_rows,
     change_lines,
     clean,
@@ -265,7 +266,8 @@ def _chain(report: Report, paint: _Painter) -> list[str]:
         return []
     headers, rows = chain_rows(report.chain)
     lines = _heading("Draft chain (each tap of the draft's forward, in order)", paint)
-    return lines + _table(headers, [[clean(c) for c in r] for r in rows])
+    note = chain_note(report.chain)
+    return lines + _table(headers, [[clean(c) for c in r] for r in rows]) + (_wrap(clean(note), "  ") if note else [])
 
 
 def _replay(report: Report, paint: _Painter) -> list[str]:

@@ -572,3 +572,10 @@ def chain_rows(chain: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]
              num(x["metrics"], "norm_ratio_p50", ".4g"), num(x["metrics"], "target_top1_agreement", ".3f")]
             for x in chain]
     return headers, rows
+
+
+def chain_note(chain: list[dict[str, Any]]) -> str | None:
+    """Why the chain's not_comparable taps were not judged (one line: the first such tap's reason),
+    None when every tap was."""
+    reasons = [x["found"][0] for x in chain if x.get("status") == "not_comparable" and x.get("found")]
+    return f"not_comparable: {reasons[0]}" if reasons else None
