@@ -45,6 +45,8 @@ POINT_CAUSES = {
     "logits_topk": "the lm_head (another checkpoint, or the target's head in place of the draft's) or the "
                    "d2t map",
 }
+#: The chain's ``order`` from which a tap is past the draft's decoder layer (layer_out, norm_out, logits).
+POINTS_PAST_LAYER = 3
 POINT_NAMES = {"fc_in": "fc input", "fc_out": "fc output", "layer_in": "decoder layer input",
                "layer_out": "decoder layer output", "norm_out": "final norm output", "logits_topk": "logits (top k)"}
 
@@ -121,8 +123,6 @@ def walk_chain(ref_store: Any, cand_store: Any, main: Report, compare_tap: Calla
     return links
 
 
-def _from_report(link: ChainLink, report: Report) -> None:
-    link.rows = report.plan.pairs
 #: How a draft step s >= 1 gets its input (the chain attribute ``step_inputs``): a trainer's is teacher
 #: forced (the data's next token, its hidden state recycled from its own step s-1 at every position;
 #: absent = teacher forced), a server's reads its own proposal of step s-1.
@@ -142,9 +142,12 @@ def step_inputs_differ(step: int, ref_chain: dict[str, Any], cand_chain: dict[st
             f"{_READS.get(other, other)}: only step 0 pairs")
 
 
+def _from_report(link: ChainLink, report: Report) -> None:
+    link.rows = report.plan.pairs
     link.status = {"match": "match", "mismatch": "diverged"}.get(report.verdict, "cannot_tell")
     worst = max(report.metrics, key=lambda m: m.rel_l2, default=None)
-    link.metrics = {"numerics_budget": report.plan.numerics_budget, "compute_dtype": report.plan.compute_dtype}
+    link.metrics = {"numerics_budget": report.plan.numerics_budget, "compute_dtype": report.plan.compute_dtype,
+                    "budget_depth": max((d for d in report.plan.budget_depths if d is not None), default=None)}
     if worst is not None:
         link.metrics.update(cos_mean=worst.cos_mean, rel_l2=worst.rel_l2, norm_ratio_p50=worst.norm_ratio_p50,
                             max_abs_diff=worst.max_abs_diff)
@@ -249,3 +252,28 @@ def chain_findings(links: list[ChainLink], main: Report) -> list[Finding]:
 def chain_json(links: list[ChainLink]) -> list[dict[str, Any]]:
     """The chain section of the report: one entry per tap, in forward order."""
     return [asdict(x) for x in links]
+
+
+def chain_report(report: Report, ref_store: Any, cand_store: Any,
+                 compare_tap: Callable[[str, str, int | None], Report]) -> None:
+    """Walk the chain after the fc input's compare (``report``) and add its table and findings to it.
+    ``compare_tap(reference tap, candidate tap, depth)``: one tap's compare, its numerics prior
+    assuming ``depth`` decoder layers (:func:`chain_tap_depth`)."""
+    fc_depth = max((int(d) for d in report.plan.budget_depths or [] if d is not None), default=None)
+    links = walk_chain(ref_store, cand_store, report,
+                       lambda rtap, ctap: compare_tap(rtap, ctap, chain_tap_depth(fc_depth, ref_store, rtap)))
+    report.chain = chain_json(links)
+    report.findings.extend(chain_findings(links, report))
+
+
+def chain_tap_depth(fc_depth: int | None, store: Any, tap: str) -> int | None:
+    """How many layers of rounding a chain tap carries: the fc input's deepest slot (drift of the
+    target, which the draft reads), one more for every draft step whose decoder layer the tap is past
+    (the fc and the layer's input add a matmul, not a layer). None when the fc input's depth is not known
+    (the model's depth is assumed then)."""
+    if fc_depth is None:
+        return None
+    chains = ((getattr(s, "attrs", None) or {}).get("chain") for s in store.tap_streams(tap))
+    chain = next((c for c in chains if isinstance(c, dict)), None) or {}
+    step, order = int(chain.get("step", 0)), int(chain.get("order", 0))
+    return fc_depth + step + (1 if order >= POINTS_PAST_LAYER else 0)

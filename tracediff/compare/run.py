@@ -21,7 +21,7 @@ from tracediff.adapters.conventions import FINAL_NORM, AuxLayers
 from tracediff.compare.align.pairing import check_token_pairing
 from tracediff.compare.align.rowpairs import RowPairs, content_keys, pair_rows
 from tracediff.compare.align.sequences import Alignment, align_sequences
-from tracediff.compare.chain import chain_findings, chain_json, has_chain, walk_chain
+from tracediff.compare.chain import chain_report, has_chain
 from tracediff.compare.findings.build import build_findings
 from tracediff.compare.findings.evidence import (
     Evidence,
@@ -97,14 +97,9 @@ def _walk_chain(report: Report, ref_store: Side_, cand_store: Side_, opts: Compa
     """Both stores hold a draft chain (record --draft-chain): each tap compared in forward order, the
     first that diverges named (tracediff/compare/chain.py)."""
     _stage(opts, "walking the draft chain")
-
-    def compare_tap(rtap: str, ctap: str) -> Report:
-        one = replace(opts, reference_tap=rtap, candidate_tap=ctap, extra_notes=[], stage=None)
-        return _compare(ref_store, cand_store, one)
-
-    links = walk_chain(ref_store, cand_store, report, compare_tap)
-    report.chain = chain_json(links)
-    report.findings.extend(chain_findings(links, report))
+    chain_report(report, ref_store, cand_store, lambda rtap, ctap, depth: _compare(ref_store, cand_store, replace(
+        opts, reference_tap=rtap, candidate_tap=ctap, extra_notes=[], stage=None, assumed_depth=depth)))
+    attach_next_steps(report)  # a chain root cause has its own Fix box
 
 
 def _stage(opts: CompareOptions, name: str) -> None:
@@ -286,7 +281,7 @@ def _plan(sides: _Sides, aligned: _Aligned, size: int, meta: _Metadata, evidence
     depths = _segment_depths(rl.width // size, meta.ref_aux, meta.cand_aux, meta.ref_meta, meta.cand_meta)
     calibration = _calibration_rows(sides.ref_store, sides.rtap, ref_index, rl.width, compute.dtype, notes)
     segplan = plan_segments(c_sample, r_sample, size, rl.dtype, cl.dtype, depths, seed=opts.seed, compute=compute,
-                            assumed_depth=num_layers(meta.ref_meta) or num_layers(meta.cand_meta),
+                            assumed_depth=opts.assumed_depth or num_layers(meta.ref_meta) or num_layers(meta.cand_meta),
                             calibration=calibration)
     notes += refine_relations(segplan, c_sample, r_sample, side_row_model(ref_index.streams), side_row_model(cand_index.streams),
                               lambda: _sample_tokens(pairs, ref_index, cand_index, opts), opts.final_norm)

@@ -503,6 +503,8 @@ def fix_heading(fix: dict[str, Any]) -> str:
     """The Fix box's title: where the change goes."""
     if fix.get("how") == "engine":
         return "Fix: the aux-layer ids in the candidate engine's numbering"
+    if fix.get("how") == "draft":
+        return "Fix: in the candidate's draft (its checkpoint, config or code), not its inputs"
     if not (fix.get("config_can_fix") and fix.get("value") is not None):
         return "Fix: in code, not a config value"
     where = f"on the candidate ({fix['engine']})" if fix.get("engine") else "on the candidate"

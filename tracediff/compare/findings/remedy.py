@@ -217,10 +217,42 @@ def _recorded_command(side: Any) -> str | None:
     return shlex.join(argv)
 
 
+#: Where a draft-chain root cause's tensor is decided: what to diff between the draft checkpoint and
+#: config each side loaded (docs/draft-chain.md).
+DRAFT_CHAIN_LOOK = {
+    "fc_out": "the fc weight (fc.weight: another checkpoint, loaded transposed, or quantised on one side)",
+    "layer_in": "the token embedding (embed_tokens.weight, or the target's when the draft shares it) and, after "
+                "step 0, which hidden state the draft recycles into its next step (code)",
+    "layer_out": "the decoder layer's config and weights: rope_theta, rope_scaling, sliding_window / layer_types, "
+                 "rms_norm_eps of its norms, num_key_value_heads, head_dim, and its attention and MLP weights",
+    "norm_out": "the final norm: norm.weight and rms_norm_eps",
+    "logits_topk": "the head: lm_head.weight (the draft's own, not the target's), draft_vocab_size, and the d2t map "
+                   "(offsets, draft id + d2t[id]; not absolute ids)",
+}
+
+
+def _draft_chain_fix(report: Any, finding: Any) -> dict[str, Any]:
+    """The Fix box of a root cause inside the draft: no fc wiring value fixes it; where to look, and the
+    commands to record the candidate's chain again and compare."""
+    ev = finding.evidence
+    point, tap = str(ev.get("point")), str(ev.get("tap_candidate"))
+    commands = _rerecord_commands(report, None)
+    if commands and commands[0].startswith("tracediff record ") and "--draft-chain" not in commands[0]:
+        commands[0] = commands[0].replace("tracediff record ", "tracediff record --draft-chain ", 1)
+    steps = [{"text": f"The draft's inputs match up to {tap}; the draft itself differs there. Diff what each side's "
+                      f"draft loaded: {DRAFT_CHAIN_LOOK.get(point, point)}.", "commands": []},
+             {"text": "Once the candidate's draft is changed, record its chain again and compare:", "commands": commands}]
+    return {"engine": None, "field": None, "field_location": None, "value": None, "convention": None,
+            "target_layers": [], "target_from": f"the draft chain ({tap})", "config_can_fix": False,
+            "finding": finding.kind, "how": "draft", "steps": steps}
+
+
 def _root_fix(report: Any) -> tuple[Any, dict[str, Any]] | None:
     """The first root cause that carries a fix, and that fix."""
     for cause in report.causes():
         finding = report.findings[cause.finding]
+        if finding.kind == "draft_chain":
+            return finding, {"draft_chain": True}
         fix = finding.evidence.get("fix")
         if isinstance(fix, dict):
             return finding, fix
@@ -239,6 +271,8 @@ def fix_box(report: Any) -> dict[str, Any] | None:
     if found is None:
         return None
     finding, fix = found
+    if fix.get("draft_chain"):
+        return _draft_chain_fix(report, finding)
     if _target_unknown(fix):
         return None
     box = {key: fix.get(key) for key in ("engine", "field", "value", "convention", "target_layers", "target_from",

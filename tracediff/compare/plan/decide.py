@@ -103,6 +103,9 @@ class CompareOptions:
     #: The target's final norm weight and where it was read (``compare --target DIR``): names a slot
     #: normalised on one side only as the final norm when that weight explains it (compare/plan/slots.py).
     final_norm: tuple[np.ndarray, str] | None = None
+    #: Decoder layers deep the compared tap is, where its segments record no layer (a draft chain tap:
+    #: the fc input's deepest slot plus the draft layers before it); None: the model's depth.
+    assumed_depth: int | None = None
 
 
 # ------------------------------------------------------------------------------------------ taps
