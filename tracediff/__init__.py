@@ -67,6 +67,16 @@ def open_labels(store: Any, tap: str = "fc_in", writer: str | None = None) -> An
     return _open_labels(store, tap, writer)
 
 
+def sampled(token_ids: Any, rate: float) -> bool:
+    """Whether ``record --sample-requests rate`` keeps the request (or trainer sample) whose prompt is
+    ``token_ids``: sha256 of the ids as little-endian int64, first 8 bytes as a big-endian integer,
+    divided by 2**64, below ``rate`` (:func:`tracediff.record.sampling.sampled`). Run it on the
+    dataset side to pick the prompts a sampled server recording holds."""
+    from tracediff.record.sampling import sampled as _sampled  # noqa: PLC0415
+
+    return _sampled(token_ids, rate)
+
+
 def current() -> Any:
     """The recorder active in this process (in-process or injected by `tracediff record`), or None."""
     import sys  # noqa: PLC0415
@@ -84,4 +94,4 @@ def labels(**fields: Any) -> None:
         rec.labels(**fields)
 
 
-__all__ = ["__version__", "calibrate", "current", "labels", "open_labels", "open_store", "open_values", "record"]
+__all__ = ["__version__", "calibrate", "current", "labels", "open_labels", "open_store", "open_values", "record", "sampled"]

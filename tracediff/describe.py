@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from tracediff.store import PHASES, TraceStore, TraceStream
+from tracediff.store.ring import ring_of, ring_summary
 
 
 def describe_stream(stream: TraceStream) -> dict[str, Any]:
@@ -46,6 +47,9 @@ def describe_stream(stream: TraceStream) -> dict[str, Any]:
         "skipped_rows": commit.get("skipped_rows", 0),
         # The light lint record ran as it wrote (tracediff.lint.light): all-zero rows per segment.
         "row_checks": stream.attrs.get("row_checks") if isinstance(stream.attrs.get("row_checks"), dict) else None,
+        # A segment of a ring (record --max-bytes SIZE --ring): tracediff.store.ring.
+        "ring": ring_of(stream.attrs),
+        "limits": stream.attrs.get("limits") if isinstance(stream.attrs.get("limits"), dict) else None,
     }
 
 
@@ -62,10 +66,28 @@ def describe_store(store: TraceStore) -> dict[str, Any]:
             tap: {
                 "rows": sum(s["rows"] for s in streams if s["tap"] == tap),
                 "writers": [s for s in streams if s["tap"] == tap],
+                "rings": ring_summary([s for s in streams if s["tap"] == tap]),
             }
             for tap in store.taps
         },
     }
+
+
+def keeping_lines(info: dict[str, Any]) -> list[str]:
+    """What a tap's sampling and rings left out on purpose (``describe_store``'s tap entry): the
+    request sampling rate, and per ring the segments kept and what it dropped."""
+    out = []
+    rates = {(w.get("limits") or {}).get("sample_requests") for w in info["writers"]} - {None}
+    caps = {(w.get("limits") or {}).get("max_requests") for w in info["writers"]} - {None}
+    if rates or caps:
+        what = [f"rate {', '.join(map(str, sorted(rates)))} by prompt hash (tracediff.sampled)"] if rates else []
+        what += [f"at most {', '.join(map(str, sorted(caps)))} requests"] if caps else []
+        out.append(f"sampled requests: {'; '.join(what)}; the others are skipped rows")
+    for name, ring in info.get("rings", {}).items():
+        out.append(f"ring {name}: {len(ring['segments'])} segment(s), {ring['rows']} rows kept within "
+                   f"{ring['budget_bytes']} bytes; dropped {ring['dropped_rows']} rows in {ring['dropped_batches']} "
+                   f"batches ({ring['dropped_bytes']} bytes, {ring['dropped_segments']} segments), oldest first")
+    return out
 
 
 def warnings_for(desc: dict[str, Any], expected_taps: list[str] | None = None) -> list[str]:
@@ -181,6 +203,7 @@ def render_text(desc: dict[str, Any]) -> str:
                 lines.append(f"  {'':<22} module {w['module']} ({w['capture']})")
             if w.get("labelled_by"):
                 lines.append(f"  {'':<22} labelled by {_source_text(w['labelled_by'])}")
+        lines += [f"  {line}" for line in keeping_lines(info)]
     for warning in warnings_for(desc):
         lines.append(f"warning: {warning}")
     return "\n".join(lines)

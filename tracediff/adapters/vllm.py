@@ -79,7 +79,7 @@ from tracediff.adapters._serving import (
     claim_rank,
     command_flags,
 )
-from tracediff.adapters.vllm_labels import batch_labels
+from tracediff.adapters.vllm_labels import batch_labels, register_prompts
 from tracediff.adapters.vllm_mtp import declare_mtp_taps, mtp_layer_modules, mtp_provenance
 from tracediff.adapters.vllm_provenance import canonical_aux_layers, draft_config_facts, provenance, vllm_version
 from tracediff.record.recorder import Recorder
@@ -394,6 +394,7 @@ class _Binding:
                 self._lose(int(hidden.shape[0]), "a drafter batch whose rows do not match its query_start_loc "
                            "(parallel drafting / extra slots?) cannot be labelled")
                 return
+            register_prompts(self.recorder.request_sampler(), runner, labels.pop("_requests"))
             if not self.published:
                 self.published = True
                 self.publish(proposer, runner, hidden)

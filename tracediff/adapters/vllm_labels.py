@@ -88,6 +88,25 @@ def batch_labels(state: Any, bound: dict[str, Any], runner: Any, step: int) -> d
     clients = [client_request_id(r) for r in req_ids]
     seq = np.repeat(np.array(clients, dtype=object), counts)
     draft = {"seq": np.array(clients, dtype=object), "pos0": pos[last], "inputs": nxt[last], "k": 0, "step": step,
-             "n": num_reqs}
+             "n": num_reqs, "last": last}
     return {"seq": seq, "position": pos, "token_id": tok, "next_token_id": nxt, "valid": valid, "step": step,
-            "phase": phase, "fc_phase": "draft_extend", "_draft": draft}
+            "phase": phase, "fc_phase": "draft_extend", "_draft": draft, "_requests": (clients, req_ids)}
+
+
+def register_prompts(sampler: Any, runner: Any, requests: tuple[list[str], list[str]]) -> None:
+    """Request sampling (``--sample-requests``): each request of this drafter call decided once from
+    its prompt's token ids (the model runner's ``requests[engine id].prompt_token_ids``), keyed by
+    the client id its rows carry as ``seq``; the decisions of requests the runner no longer holds
+    (finished) are freed. A request whose prompt is not reachable (prompt embeddings) is decided by
+    its rows' own token ids in the recorder (:meth:`RequestSampler.row_mask`)."""
+    if sampler is None:
+        return
+    clients, req_ids = requests
+    states = getattr(runner, "requests", None) or {}
+    for client, engine_id in zip(clients, req_ids, strict=False):
+        if sampler.decided(client) is None:
+            prompt = getattr(states.get(engine_id), "prompt_token_ids", None)
+            if prompt is not None:
+                sampler.prompt(client, prompt)
+    if len(sampler) > len(clients):
+        sampler.forget([client_request_id(r) for r in states] or clients)

@@ -73,7 +73,16 @@ from tracediff.errors import TracediffError, UsageError
 @section(
     "What to keep",
     click.option("--max-rows", type=int, help="Rows to record at most, per tap and process."),
-    click.option("--max-bytes", help="Bytes to record at most, per tap and process (e.g. 4GiB)."),
+    click.option("--max-bytes", help="Bytes to record at most, per tap and process (e.g. 4GiB); with --ring the "
+                                     "disk budget of the most recent rows instead."),
+    click.option("--ring", is_flag=True,
+                 help="With --max-bytes SIZE: keep recording, holding the most recent rows within SIZE on disk per "
+                      "tap and process (the oldest dropped a whole segment at a time, counted; local stores)."),
+    click.option("--sample-requests", "sample_requests", type=float, metavar="RATE",
+                 help="Record whole requests (trainer samples) chosen by a hash of their prompt's token ids, a share "
+                      "RATE (0 < RATE <= 1) of them; tracediff.sampled(token_ids, RATE) says which."),
+    click.option("--max-requests", "max_requests", type=int, metavar="N",
+                 help="Record the first N requests (of those sampled) whole, per process (vllm)."),
     click.option("--every-n-steps", type=int, default=1, show_default=True, help="Record one step in N."),
     click.option("--first-n-steps", type=int, help="Record only steps 0..N-1."),
     click.option("--phases", help="Comma-separated phases to record (train, prefill, draft_extend, decode...)."),
@@ -116,6 +125,9 @@ def record(
     join: bool,
     max_rows: int | None,
     max_bytes: str | None,
+    ring: bool,
+    sample_requests: float | None,
+    max_requests: int | None,
     every_n_steps: int,
     first_n_steps: int | None,
     phases: str | None,
@@ -187,6 +199,9 @@ def record(
         every_n_steps=every_n_steps,
         first_n_steps=first_n_steps,
         phases=frozenset(p.strip() for p in phases.split(",") if p.strip()) if phases else None,
+        sample_requests=sample_requests,
+        max_requests=max_requests,
+        ring=ring,
     )
     queue_limit = parse_size(queue_bytes, "--queue-bytes") or 0
     if queue_limit <= 0:
@@ -203,6 +218,9 @@ def record(
     from tracediff.store.location import Location  # noqa: PLC0415
 
     location = Location.of(output)
+    if ring and location.remote:
+        raise UsageError(f"--ring keeps a local store within --max-bytes; {location.display} is at a URL: record "
+                         f"into a local folder (tracediff push uploads it), or drop --ring")
     config = {
         "store": location.url if location.remote else str(Path(output).resolve()),
         "role": role,
@@ -295,8 +313,9 @@ def record(
         sys.exit(code)
     # Again with the rows each group committed, as its commit record says: a killed process's own
     # count may miss its last commit.
-    problems = recording_problems(notes, {f"{tap}/{w['writer']}": w["rows"] for tap, info in desc["taps"].items()
-                                          for w in info["writers"]}, on_full=on_full, **advice)
+    from tracediff.store.ring import committed_rows  # noqa: PLC0415
+
+    problems = recording_problems(notes, committed_rows(desc), on_full=on_full, **advice)
     click.echo(_record_summary(desc, returncode), err=True)
     warnings = warnings_for(desc, expected_taps=names) + _adapter_warnings(adapters, command, desc)
     recorded_nothing = not join and not any(info["rows"] for info in desc["taps"].values())
@@ -538,6 +557,10 @@ def _record_summary(desc: dict[str, Any], returncode: int) -> str:
             if isinstance(checks.get("zero_rows"), list):
                 lines += [f"tracediff: warning: {text}" for text in zero_row_warnings(
                     f"{tap}/{w['writer']}", checks["zero_rows"], int(checks.get("rows") or 0), w.get("segment_labels"))]
+    from tracediff.describe import keeping_lines  # noqa: PLC0415
+
+    for tap, info in desc["taps"].items():
+        lines += [f"tracediff:   {tap}: {line}" for line in keeping_lines(info)]
     notes, no_tokens = labelling_lines(desc)
     lines += [f"tracediff:   {note}" for note in notes]
     lines += [f"tracediff: warning: {line}" for line in no_tokens]

@@ -30,9 +30,19 @@ def start(*args: Any, **kwargs: Any) -> Any:
     framework adapter to the models of this process: those alive now and those built while recording
     (see :func:`tracediff.adapters.attach_in_process`). An unknown adapter or one whose framework is
     not installed raises before the store is created.
+
+    ``sample_requests=RATE``, ``max_requests=N``, ``max_bytes=SIZE`` and ``ring=True`` set those limits
+    (:class:`tracediff.record.limits.Limits`; ``ring`` keeps the newest rows within ``max_bytes``).
     """
     from tracediff.record.recorder import Recorder  # noqa: PLC0415
 
+    keep = {k: kwargs.pop(k) for k in ("sample_requests", "max_requests", "ring", "max_bytes") if k in kwargs}
+    if keep:  # tracediff.record(..., sample_requests=0.1): the same as Limits(sample_requests=0.1)
+        import dataclasses  # noqa: PLC0415
+
+        from tracediff.record.limits import Limits  # noqa: PLC0415
+
+        kwargs["limits"] = dataclasses.replace(kwargs.get("limits") or Limits(), **keep)
     adapter = kwargs.get("adapter")
     if adapter:
         from tracediff.adapters import adapter_names, attach_in_process  # noqa: PLC0415

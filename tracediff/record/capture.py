@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -24,12 +25,19 @@ from tracediff.record.parts import (
     label_rows,
     labels_fit,
 )
+from tracediff.record.sampling import RequestSampler
 from tracediff.store import (
     PHASES,
     phase_code,
 )
 
 log = logging.getLogger("tracediff")
+_SAMPLER_LOCK = threading.Lock()
+
+
+def _host(value: Any) -> Any:
+    """A label as numpy (host tensors only reach here: device labels are host copies by now)."""
+    return value.numpy() if isinstance(value, torch.Tensor) else value
 
 
 class CapturePath:
@@ -77,10 +85,21 @@ class CapturePath:
             self._add_skip(state, rows)
             self._tls.offered = 0
             return
+        if self.limits.samples_requests:
+            picked = self._sample_requests(state, tensor, label_fields, rows, width)
+            if picked is None:
+                self._tls.offered = 0
+                return
+            tensor, label_fields, cut, kept = picked
+            fresh = fresh or cut
+            if kept < rows:
+                self._tls.offered = rows = kept
+                nbytes = rows * width * tensor.element_size()
         take = rows
         if self.limits.max_rows is not None:
             take = min(take, self.limits.max_rows - state.rows_queued)
-        if self.limits.max_bytes is not None:
+        # --ring: a budget the writer keeps (tracediff.store.ring), not a cap; local stores only
+        if self.limits.max_bytes is not None and not (self.limits.ring and not self.location.remote):
             take = min(take, (self.limits.max_bytes - state.bytes_queued) // (width * tensor.element_size()))
         if take <= 0:
             self._add_skip(state, rows)
@@ -121,6 +140,51 @@ class CapturePath:
             raise
         state.rows_queued += take
         state.bytes_queued += nbytes
+
+    def request_sampler(self) -> RequestSampler | None:
+        """The recorder's request decisions (``--sample-requests`` / ``--max-requests``), None when it
+        records every request. An adapter that knows each row's request registers its prompt here
+        (:meth:`RequestSampler.prompt`) before the capture, and frees the requests that ended."""
+        if not self.limits.samples_requests:
+            return None
+        sampler = getattr(self, "_request_sampler", None)
+        if sampler is None:
+            with _SAMPLER_LOCK:
+                sampler = getattr(self, "_request_sampler", None)
+                if sampler is None:
+                    sampler = RequestSampler(self.limits.sample_requests, self.limits.max_requests)
+                    self._request_sampler = sampler
+        return sampler
+
+    def _sample_requests(self, state: TapState, tensor: torch.Tensor, fields: dict[str, Any], rows: int,
+                         width: int) -> tuple[torch.Tensor, dict[str, Any], bool, int] | None:
+        """The rows of the requests chosen (:mod:`tracediff.record.sampling`); the others counted as
+        skipped (left out on purpose). None: no row of this batch is kept. A batch cut in part is
+        one copy of the kept rows (it replaces the usual copy off the forward path)."""
+        sampler = self.request_sampler()
+        assert sampler is not None
+        labels = {k: v.array() if isinstance(v, DefaultLabels) else v for k, v in fields.items()}
+        if any(isinstance(v, torch.Tensor) and v.is_pinned() for v in labels.values()):
+            torch.cuda.current_stream().synchronize()  # labels copied asynchronously from the device
+        seq, token = labels.get("seq"), labels.get("token_id")
+        mask = sampler.row_mask(_host(seq), _host(token))
+        if mask is None or bool(mask.all()):
+            return tensor, fields, False, rows
+        kept = int(mask.sum())
+        if kept == 0:
+            self._add_skip(state, rows)
+            return None
+        self._add_skip(state, rows - kept, batches=0)
+        index = np.flatnonzero(mask)
+        flat = tensor.detach().reshape(rows, width)
+        picked = flat.index_select(0, torch.from_numpy(index).to(flat.device, non_blocking=True))
+        cut: dict[str, Any] = {}
+        for key, value in labels.items():
+            if isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim and value.shape[0] == rows:
+                cut[key] = value[index] if isinstance(value, np.ndarray) else value[torch.from_numpy(index)]
+            else:
+                cut[key] = value
+        return picked, cut, True, kept
 
     def _note_drop_reason(self, state: TapState, why: str) -> None:
         """The first reason a tap dropped rows (in its outcome and its ledger: once, a file write)."""

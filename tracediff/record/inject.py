@@ -72,7 +72,7 @@ class _Context:
             from tracediff.store import DEFAULT_CHUNK_ROWS  # noqa: PLC0415
 
             cfg = self.config
-            limits = Limits(**{k: v for k, v in (cfg.get("limits") or {}).items() if v is not None})
+            limits = Limits.from_dict(cfg.get("limits"))
             rank = _env_int("RANK")
             self.recorder_obj = Recorder(
                 cfg["store"],

@@ -23,6 +23,7 @@ from tracediff.store import (
 from tracediff.store.remote_writer import (
     RemoteTraceWriter,
 )
+from tracediff.store.ring import RingWriter
 
 log = logging.getLogger("tracediff")
 
@@ -99,6 +100,8 @@ class WriterThread:
             retry = self.retry_seconds if retry_seconds is None else retry_seconds
             writer = RemoteTraceWriter(self.location, state.name, self.writer_name, retry_seconds=retry, **common)
             writer.give_up_at = self._give_up_at
+        elif self.limits.ring and self.limits.max_bytes:  # --max-bytes SIZE --ring (tracediff.store.ring)
+            writer = RingWriter(self.path, state.name, self.writer_name, budget=self.limits.max_bytes, **common)
         else:
             writer = TraceWriter(self.path, state.name, self.writer_name, **common)
         self._writers[state.name] = writer
