@@ -229,7 +229,8 @@ def test_two_reports_to_one_file_are_refused_before_the_compare_starts(long_pass
     (["pack", TRAIN, "-o", "/proc/train.zarr.zip"], "-o /proc/train.zarr.zip"),
     (["import", "speculators", "no-such-folder", "-o", "/proc/train.zarr"], "-o /proc/train.zarr"),
     (["import", "specforge", "no-such-folder", "-o", "/proc/train.zarr"], "-o /proc/train.zarr"),
-], ids=["identify", "replay", "send", "pack", "import speculators", "import specforge"])
+    (["lint", TRAIN, "--json", "/proc/lint.json"], "--json /proc/lint.json"),
+], ids=["identify", "replay", "send", "pack", "import speculators", "import specforge", "lint"])
 def test_every_command_writing_a_file_refuses_an_unwritable_path_first(args: list, option: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "tracediff", *map(str, args)], capture_output=True, text=True,
                           env=cli_env(), timeout=120)
@@ -288,8 +289,25 @@ def test_a_send_report_that_fails_to_write_at_the_end_leaves_the_summary_then_th
 
 
 # ------------------------------------------------------------------------------------------ help
-COMMANDS = ["compare", "identify", "calibrate", "demo", "send", "push", "inspect", "pack", "replay", "import",
-            "import speculators", "import specforge", "record", "preflight"]
+def _commands() -> list[str]:
+    """Every command the program has, sub-commands too (a new command is checked without a list to update)."""
+    import click  # noqa: PLC0415
+
+    from tracediff.cli import main  # noqa: PLC0415
+
+    out: list[str] = []
+
+    def walk(group: click.Group, prefix: str) -> None:
+        for name, command in sorted(group.commands.items()):
+            out.append(prefix + name)
+            if isinstance(command, click.Group):
+                walk(command, prefix + name + " ")
+
+    walk(main, "")
+    return out
+
+
+COMMANDS = _commands()
 
 
 @pytest.mark.parametrize("command", COMMANDS)
