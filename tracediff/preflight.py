@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,9 @@ from tracediff.adapters.engine_rules import (
 )
 from tracediff.drafts import read_json_config
 from tracediff.errors import UsageError
+from tracediff.preflight_facts import Check, DraftFacts, EngineView, Preflight, TargetFacts, TrainerView
+from tracediff.preflight_mtp import mtp_preflight, render_mtp_text
 
-FORMAT = 1
 _MAX_HEADER = 100 << 20  # safetensors' own limit on a header
 
 
@@ -108,41 +109,6 @@ def _find(tensors: dict[str, TensorInfo], *suffixes: str) -> TensorInfo | None:
     return None
 
 
-@dataclass
-class DraftFacts:
-    path: str
-    architectures: list[str]
-    ids: dict[str, list[int] | None]  # top / eagle_config
-    hidden_size: int | None
-    target_hidden_size: int | None
-    vocab_size: int | None
-    draft_vocab_size: int | None
-    norm_before_fc: bool | None
-    fc_shape: list[int] | None
-    has_embedding: bool
-    has_lm_head: bool
-    lm_head_rows: int | None
-    d2t: dict[str, Any]
-    t2d: dict[str, Any]
-    speculators_format: bool
-    files: list[str] = field(default_factory=list)
-    mtp_layers: list[int] = field(default_factory=list)  # an MTP checkpoint's layers with eh_proj
-    eh_proj_shape: list[int] | None = None
-
-
-@dataclass
-class TargetFacts:
-    path: str | None
-    model_type: str | None
-    architectures: list[str]
-    num_layers: int | None
-    hidden_size: int | None
-    vocab_size: int | None
-    tie_word_embeddings: bool | None
-    family: str
-    embedding_scale: str | None
-
-
 def read_draft(folder: Path) -> tuple[DraftFacts, dict[str, Any]]:
     if not folder.is_dir():
         raise UsageError(f"{folder}: not a folder; give the draft checkpoint's folder (config.json + *.safetensors)")
@@ -209,64 +175,6 @@ def read_target(folder: Path | None) -> TargetFacts:
                        _int(text.get("vocab_size")), tie if isinstance(tie, bool) else None, target_family(cfg), scale)
 
 
-# ------------------------------------------------------------------------------------------ results
-@dataclass
-class Check:
-    kind: str  # layers | default_layers | ignored_ids | missing_slot | engine_error | fc_shape | d2t | vocab | ...
-    severity: str  # error | warning | info
-    message: str
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class EngineView:
-    resolution: Resolution
-    verdict: str  # same | different | unknown
-    fix: dict[str, Any] | None = None
-    #: The row model the engine builds for this draft (engine_rules.engine_row_model): EAGLE-3 with K
-    #: slots, or MTP with the hidden state before / after the final norm.
-    row_model: dict[str, Any] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**self.resolution.to_dict(), "verdict": self.verdict, "fix": self.fix, "row_model": self.row_model}
-
-
-@dataclass
-class TrainerView:
-    source: str  # "speculators", "specforge", "store PATH", "--trainer-layers", or "unknown"
-    physical: list[PhysicalLayer] | None
-    detail: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Preflight:
-    draft: DraftFacts
-    target: TargetFacts
-    trainer: TrainerView
-    engines: list[EngineView]
-    checks: list[Check]
-
-    @property
-    def verdict(self) -> str:
-        """``same``, ``different``, or ``unknown`` when the only errors are layers it cannot tell."""
-        errors = [c for c in self.checks if c.severity == "error"]
-        if not errors:
-            return "same"
-        return "unknown" if all(c.kind == "layers_unknown" for c in errors) else "different"
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.verdict == "same" else 1
-
-    def to_dict(self) -> dict[str, Any]:
-        draft = asdict(self.draft)
-        for key in ("d2t", "t2d"):
-            draft[key] = {k: v for k, v in draft[key].items() if not k.startswith("_")}
-        return {"preflight": {"format": FORMAT}, "verdict": self.verdict, "exit_code": self.exit_code,
-                "draft": draft, "target": asdict(self.target), "trainer": asdict(self.trainer),
-                "engines": [e.to_dict() for e in self.engines], "checks": [asdict(c) for c in self.checks]}
-
-
 # ------------------------------------------------------------------------------------------ planning
 def run_preflight(draft_dir: Path, target_dir: Path | None = None, engines: tuple[str, ...] = ENGINES,
                   trainer: str | None = None, trainer_layers: list[int] | None = None,
@@ -280,7 +188,6 @@ def run_preflight(draft_dir: Path, target_dir: Path | None = None, engines: tupl
     depth = target.num_layers
     checks: list[Check] = []
     if draft.mtp_layers:  # an MTP head ships inside its target's checkpoint
-        from tracediff.preflight_mtp import mtp_preflight  # noqa: PLC0415
 
         return mtp_preflight(draft, target, engines, trainer, versions, checks)
 
@@ -508,7 +415,6 @@ def resolution_for_record(engine: str, draft_dir: Any, target_dir: Any, version:
 def render_text(pf: Preflight) -> str:
     """The report a person reads; computes nothing."""
     if pf.draft.mtp_layers:
-        from tracediff.preflight_mtp import render_mtp_text  # noqa: PLC0415
 
         return render_mtp_text(pf)
     t = pf.target

@@ -24,7 +24,7 @@ from tracediff.adapters.engine_rules import (
     row_model_fix,
 )
 from tracediff.errors import UsageError
-from tracediff.preflight import Check, DraftFacts, EngineView, Preflight, TargetFacts, TrainerView
+from tracediff.preflight_facts import Check, DraftFacts, EngineView, Preflight, TargetFacts, TrainerView
 from tracediff.store.row_model import from_json, mtp
 
 
