@@ -357,10 +357,10 @@ def test_an_fc_input_that_diverges_explains_the_whole_chain(tmp_path: Path, batc
     assert chained and {f.evidence["explained_by"] for f in chained} == {"segment_order"}
 
 
-def test_draft_chain_without_a_trainer_adapter_is_a_usage_error(tmp_path: Path) -> None:
+def test_draft_chain_without_an_adapter_that_taps_it_is_a_usage_error(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "tracediff", "record", "--adapter", "generic", "--draft-chain", "-o",
                            str(tmp_path / "x.zarr"), "--", sys.executable, "-c", "pass"],
                           env=cli_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "--draft-chain taps the draft of --adapter speculators or --adapter specforge" in done.stderr
+    assert "--draft-chain taps the draft of --adapter speculators, specforge or vllm" in done.stderr
     assert not (tmp_path / "x.zarr").exists()

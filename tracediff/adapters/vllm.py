@@ -79,6 +79,7 @@ from tracediff.adapters._serving import (
     claim_rank,
     command_flags,
 )
+from tracediff.adapters.vllm_chain import attach_vllm_chain
 from tracediff.adapters.vllm_labels import batch_labels, register_prompts
 from tracediff.adapters.vllm_mtp import declare_mtp_taps, mtp_layer_modules, mtp_provenance
 from tracediff.adapters.vllm_provenance import canonical_aux_layers, draft_config_facts, provenance, vllm_version
@@ -267,6 +268,8 @@ def _wrap_propose(original: Any) -> Any:
         finally:
             _state.local.fc = None
             _state.local.draft = None
+            if binding is not None and binding.chain is not None:
+                binding.chain.end()
             # step: before vLLM returns this step's tokens, a client that has its response has its rows
             # committed, even if vLLM SIGKILLs this worker right after (default --shutdown-timeout 0).
             # background: the writer overlaps serving, at most BACKGROUND_BEHIND batches behind.
@@ -315,6 +318,7 @@ class _Binding:
             self.info = declare_mtp_taps(recorder, draft, fc, mtp_layers or {}, MTP_TAP, AUX_TAP)
         else:
             self._declare_eagle3(draft, fc)
+        self.chain = None if self.mtp else attach_vllm_chain(recorder, draft, fc)  # record --draft-chain
         recorder.declare(DRAFT_TAP, module=f"{type(draft).__qualname__}.compute_logits",
                          capture="draft_top_k_target_ids", top_k=TOPK)
         for point in self._taps() + (DRAFT_TAP,):
@@ -412,6 +416,8 @@ class _Binding:
                 self.recorder.capture(FC_RAW_TAP, hidden, labels=fc_labels)
             _state.local.fc = (rows, fc_labels)
             _state.local.draft = labels.get("_draft")
+            if self.chain is not None:
+                self.chain.begin(rows, fc_labels, labels.get("_draft"))
         except Exception as exc:  # noqa: BLE001
             _skip_point(AUX_TAP, f"{type(exc).__name__}: {exc}")
             _skip_point(self.in_tap, f"{type(exc).__name__}: {exc}")
@@ -424,6 +430,8 @@ class _Binding:
         for tap in self._taps():
             self.recorder.count_lost(tap, rows, why)
         _state.local.draft = {"lost": why}
+        if self.chain is not None:
+            self.chain.begin(rows, None, _state.local.draft)
 
     def _wrap_logits(self, method: Any, top1_only: bool) -> Any:
         """The draft's ``compute_logits`` / ``get_top_tokens``: record each draft step's top ids."""
