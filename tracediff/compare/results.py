@@ -300,6 +300,9 @@ class Report:
     # The draft chain (record --draft-chain on both sides): one entry per tap in forward order
     # (tracediff.compare.chain.ChainLink); None (absent from the JSON) without one.
     chain: list[dict[str, Any]] | None = None
+    # `tracediff replay SERVER --against-chain`: the checkpoint replayed on the server's chain inputs, per
+    # draft step (tracediff.replay.chain.summarise); None (absent from the JSON) otherwise.
+    replay_chain: dict[str, Any] | None = None
 
     @property
     def verdict(self) -> str:
@@ -344,8 +347,9 @@ class Report:
         for side in ("reference", "candidate"):  # (absent rather than null: reports of stores without one unchanged)
             if isinstance(out.get(side), dict) and out[side].get("row_model") is None:
                 out[side].pop("row_model", None)
-        if out.get("chain") is None:
-            out.pop("chain", None)
+        for key in ("chain", "replay_chain"):
+            if out.get(key) is None:
+                out.pop(key, None)
         out["verdict"] = self.verdict
         out["counts"] = self.counts()
         out["causes"] = [asdict(c) for c in self.causes()]

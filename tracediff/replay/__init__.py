@@ -33,7 +33,7 @@ import torch
 from tracediff.compare.results import Finding, Report
 from tracediff.drafts import compare_provenance
 from tracediff.errors import UsageError
-from tracediff.replay.draft import Eagle3Draft
+from tracediff.replay.draft import Eagle3Draft, replay_dtype
 from tracediff.replay.rows import SideRows, SideSequence
 from tracediff.replay.score import Tally, draft_sequence
 from tracediff.store import open_store
@@ -99,23 +99,6 @@ def fixed_rows(cand: np.ndarray, ref: np.ndarray, segment_map: list[Any], ref_si
             out[:, dst] = ref[:, dst]
             borrowed.append(j)
     return out, borrowed
-
-
-def _dtype(name: str, folder: str) -> torch.dtype:
-    if name == "float32":
-        return torch.float32
-    if name == "bfloat16":
-        return torch.bfloat16
-    if name != "auto":
-        raise UsageError(f"--replay-dtype {name!r}: auto, float32 or bfloat16")
-    from safetensors import safe_open  # noqa: PLC0415
-
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():  # noqa: SIM118  (safe_open has no __iter__)
-                if key.endswith("fc.weight"):
-                    return torch.bfloat16 if st.get_slice(key).get_dtype() in ("BF16", "F16") else torch.float32
-    return torch.float32
 
 
 def _fix_is_identity(segment_map: list[Any], k_ref: int, ref_size: int, cand_size: int) -> bool:
@@ -187,8 +170,8 @@ def run_replay(report: Report, opts: ReplayOptions) -> ReplayResult:
     if opts.multi_step_starts < 1 or opts.score_rows < 1:
         raise UsageError(f"--score-rows and --multi-step-starts must be >= 1, got {opts.score_rows}, "
                          f"{opts.multi_step_starts}")
-    draft = Eagle3Draft(opts.draft, opts.target, dtype=_dtype(opts.dtype, opts.draft))
-    server_draft = (Eagle3Draft(opts.server_draft, opts.target, dtype=_dtype(opts.dtype, opts.server_draft))
+    draft = Eagle3Draft(opts.draft, opts.target, dtype=replay_dtype(opts.dtype, opts.draft))
+    server_draft = (Eagle3Draft(opts.server_draft, opts.target, dtype=replay_dtype(opts.dtype, opts.server_draft))
                     if opts.server_draft else draft)
     k_ref, size_ref = report.reference.segments, report.reference.segment_size
     size_cand = report.candidate.segment_size

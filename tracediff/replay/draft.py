@@ -219,7 +219,7 @@ class Eagle3Draft(torch.nn.Module):
     def step(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
              keys: list[torch.Tensor], values: list[torch.Tensor], step: int,
              starts: torch.Tensor | None = None, query: torch.Tensor | None = None,
-             block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+             block: int = 1024, taps: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafting step over this step's input rows.
 
         Step 0 takes every row of a sequence (row p is start p) and appends every row's key/value, but
@@ -227,7 +227,9 @@ class Eagle3Draft(torch.nn.Module):
         all): the rows to score. A later step takes the starts ``starts`` (row indices of step 0), each
         attending to the step-0 keys of rows 0..start and its own keys of steps 1..k. ``hidden`` is
         ``fc``'s output at step 0 and the previous step's fed-back state later. Returns (logits over the
-        draft vocabulary, fed-back state) of the query rows."""
+        draft vocabulary, fed-back state) of the query rows. ``taps``, when given, receives the query
+        rows' points of the draft chain (docs/draft-chain.md): ``layer_in`` (``cat(embed(token), hidden
+        state)``), ``layer_out`` (the decoder layer's output), ``norm_out`` (the final norm's)."""
         n = hidden.shape[0]
         emb = self._rms(self.embed_ids(ids), self.ln_in)
         h_norm = self._rms(hidden, self.ln_hidden)
@@ -266,7 +268,27 @@ class Eagle3Draft(torch.nn.Module):
         h = residual + (F.silu(h2 @ self.gate.T) * (h2 @ self.up.T)) @ self.down.T
         normed = self._rms(h, self.norm)
         logits = normed @ self.lm_head.T
+        if taps is not None:
+            taps.update(layer_in=torch.cat([self.embed_ids(ids[qi]), hq], -1), layer_out=h, norm_out=normed)
         return logits, (normed if self.norm_output else h)
+
+
+def replay_dtype(name: str, folder: str | Path) -> torch.dtype:
+    """The dtype replay runs a checkpoint in (``--replay-dtype``; auto: its fc weight's, bf16 / fp16 as bf16)."""
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    if name != "auto":
+        raise UsageError(f"--replay-dtype {name!r}: auto, float32 or bfloat16")
+    from safetensors import safe_open  # noqa: PLC0415
+
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118  (safe_open has no __iter__)
+                if key.endswith("fc.weight"):
+                    return torch.bfloat16 if st.get_slice(key).get_dtype() in ("BF16", "F16") else torch.float32
+    return torch.float32
 
 
 def _inv_freq(cfg: dict[str, Any], head_dim: int) -> torch.Tensor:
@@ -292,4 +314,4 @@ def _inv_freq(cfg: dict[str, Any], head_dim: int) -> torch.Tensor:
     raise UsageError(f"rope scaling {kind!r} of the draft config is not supported by replay (default, linear, llama3)")
 
 
-__all__ = ["DraftCheckpoint", "Eagle3Draft"]
+__all__ = ["DraftCheckpoint", "Eagle3Draft", "replay_dtype"]

@@ -170,6 +170,7 @@ def render_html(report: Report) -> str:
         _what_differs(report),
         _segment_map(report),
         _metrics(report),
+        *([_replay_chain(report)] if report.replay_chain else []),
         *([_chain(report)] if report.chain else []),  # (no line at all without one: reports unchanged)
         _plan(report),
         _config_diff(report),
@@ -316,6 +317,16 @@ def _segment_map(report: Report) -> str:
         )
     out.append("</section>")
     return "\n".join(out)
+
+
+def _replay_chain(report: Report) -> str:
+    """replay --against-chain: the checkpoint on the server's inputs against the served draft, per step."""
+    from tracediff.report.replay import CHAIN_TITLE, chain_steps  # noqa: PLC0415
+
+    summary = report.replay_chain or {}
+    headers, rows = chain_steps(summary)
+    return (f'<section id="replay-chain"><h2>{esc(CHAIN_TITLE)}</h2><p>{esc(summary.get("conclusion", ""))}</p>'
+            f'<div class="scroll">{_table(headers, rows, numeric_last=False)}</div></section>')
 
 
 def _chain(report: Report) -> str:

@@ -87,6 +87,12 @@ def render_markdown(report: Report) -> str:
     lines += _findings(report)
     lines += _segment_map(report)
     lines += _metrics(report)
+    if report.replay_chain:
+        from tracediff.report.replay import CHAIN_TITLE, chain_steps  # noqa: PLC0415
+
+        headers, rows = chain_steps(report.replay_chain)
+        lines += ["", f"### {CHAIN_TITLE}", "", _md(report.replay_chain.get("conclusion", "")), ""]
+        lines += _table(headers, [[_md(c) for c in r] for r in rows])
     if report.chain:
         headers, rows = chain_rows(report.chain)
         lines += ["", "### Draft chain: each tap of the draft's forward, in order", ""]

@@ -92,3 +92,16 @@ def html_table(replay: dict[str, Any], escape: Any) -> str:
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in r) + "</tr>" for r in rows)
     return f"<table class='replay'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def chain_steps(replay_chain: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of ``replay --against-chain``'s per-step table: the checkpoint replayed on the
+    server's inputs against what the served draft produced (Report.replay_chain)."""
+    header = ["step", "status", "rows", "top-1 agreement", "first diverging tap"]
+    rows = [[str(s["step"]), str(s["status"]), str(s["rows"]), _pct(s.get("top1_agreement")),
+             str(s.get("first_diverging") or ("; ".join(s.get("why_cannot_tell") or []) or "-"))]
+            for s in replay_chain.get("steps") or []]
+    return header, rows
+
+
+CHAIN_TITLE = "Replay against the server's draft chain (the checkpoint on the server's inputs, per draft step)"

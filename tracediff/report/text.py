@@ -292,6 +292,25 @@ def render_replay(report: Report, color: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_replay_chain(report: Report, color: bool = False) -> str:
+    """``tracediff replay SERVER --against-chain``: the verdict, the conclusion, the per-step table,
+    the chain table and the errors."""
+    from tracediff.report.replay import CHAIN_TITLE, chain_steps  # noqa: PLC0415
+
+    paint = _Painter(color)
+    summary = report.replay_chain or {}
+    lines = _summary(report, paint)[:1] + _heading(CHAIN_TITLE, paint)
+    lines += _wrap(clean(summary.get("conclusion", "")), "  ")
+    headers, rows = chain_steps(summary)
+    lines += [""] + _table(headers, [[clean(c) for c in r] for r in rows], text_last=True) + _chain(report, paint)
+    problems = [f for f in report.findings if f.severity in ("error", "warning")]
+    if problems:
+        lines += _heading("Findings", paint)
+        for f in problems:
+            lines += _wrap(f"{f.severity.upper()} {f.kind}: {clean(f.message)}", "  ")
+    return "\n".join(lines) + "\n"
+
+
 def render_summary(report: Report, color: bool = False) -> str:
     """The top of :func:`render_text` alone: the verdict, every error finding, both sides' aux layers."""
     return "\n".join(_summary(report, _Painter(color))).rstrip("\n") + "\n"
