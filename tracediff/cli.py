@@ -28,6 +28,7 @@ import click
 
 from tracediff import __version__
 from tracediff.commands.compare import calibrate, compare, demo, identify
+from tracediff.commands.control import control
 from tracediff.commands.lint import lint
 from tracediff.commands.options import CommandGroup, exit_codes
 from tracediff.commands.preflight import preflight
@@ -46,8 +47,8 @@ def main() -> None:
     """Record and compare the fc-input rows an EAGLE-3 draft sees in training and in serving."""
 
 
-for _command in (preflight, lint, record, compare, replay, identify, calibrate, import_group, demo, send, inspect, pack,
-                 push):
+for _command in (preflight, lint, record, control, compare, replay, identify, calibrate, import_group, demo, send,
+                 inspect, pack, push):
     main.add_command(_command)
 
 

@@ -47,6 +47,10 @@ def describe_stream(stream: TraceStream) -> dict[str, Any]:
         "skipped_rows": commit.get("skipped_rows", 0),
         # The light lint record ran as it wrote (tracediff.lint.light): all-zero rows per segment.
         "row_checks": stream.attrs.get("row_checks") if isinstance(stream.attrs.get("row_checks"), dict) else None,
+        # Recording switched on and off (tracediff.record.switch), and where the writer thread ran.
+        "switch": stream.attrs.get("switch") if isinstance(stream.attrs.get("switch"), list) else None,
+        "skip_reasons": stream.attrs.get("skip_reasons") if isinstance(stream.attrs.get("skip_reasons"), dict) else None,
+        "threads": stream.attrs.get("threads") if isinstance(stream.attrs.get("threads"), dict) else None,
         # A segment of a ring (record --max-bytes SIZE --ring): tracediff.store.ring.
         "ring": ring_of(stream.attrs),
         "limits": stream.attrs.get("limits") if isinstance(stream.attrs.get("limits"), dict) else None,
@@ -88,6 +92,17 @@ def keeping_lines(info: dict[str, Any]) -> list[str]:
                    f"{ring['budget_bytes']} bytes; dropped {ring['dropped_rows']} rows in {ring['dropped_batches']} "
                    f"batches ({ring['dropped_bytes']} bytes, {ring['dropped_segments']} segments), oldest first")
     return out
+
+
+def switch_lines(writer: dict[str, Any]) -> list[str]:
+    """A writer's on/off history (``describe_stream``'s entry), when it was ever switched off: each
+    change with its time and who made it, and the rows skipped while off."""
+    history = [e for e in writer.get("switch") or [] if isinstance(e, dict)]
+    if not any(e.get("state") == "off" for e in history):
+        return []
+    changes = ", ".join(f"{e.get('state')} at {e.get('time')} ({e.get('by')})" for e in history)
+    off = (writer.get("skip_reasons") or {}).get("switched off", 0)
+    return [f"switched off {off} rows: {changes}"]
 
 
 def warnings_for(desc: dict[str, Any], expected_taps: list[str] | None = None) -> list[str]:
@@ -203,6 +218,7 @@ def render_text(desc: dict[str, Any]) -> str:
                 lines.append(f"  {'':<22} module {w['module']} ({w['capture']})")
             if w.get("labelled_by"):
                 lines.append(f"  {'':<22} labelled by {_source_text(w['labelled_by'])}")
+            lines += [f"  {'':<22} {line}" for line in switch_lines(w)]
         lines += [f"  {line}" for line in keeping_lines(info)]
     for warning in warnings_for(desc):
         lines.append(f"warning: {warning}")

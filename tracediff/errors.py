@@ -79,6 +79,10 @@ class ImportFormatError(TracediffError, ValueError):
     the layout that framework writes (keys, shapes, files of two different models)."""
 
 
+class ControlError(TracediffError, ConnectionError):
+    """A recording's control endpoint cannot be reached or answered nonsense (`tracediff control`)."""
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (at most 300 characters), or its type's name: what
     a one-line error quotes of a library's exception."""

@@ -28,6 +28,9 @@ class AdapterInfo:
     framework: str | None  # top-level import name of the framework, None for the generic adapter
     summary: str
     side: str | None = None  # what a recording with it is: "trainer", "server", or None (either)
+    # a stdlib-only module whose engine_cores() says which cores the engine pinned its model to (the
+    # recorder's threads go to the others: tracediff.record.cores), or None
+    engine_cores: str | None = None
 
 
 ADAPTERS: dict[str, AdapterInfo] = {
@@ -42,7 +45,8 @@ ADAPTERS: dict[str, AdapterInfo] = {
                           side="server"),
     "vllm": AdapterInfo("vllm", "tracediff.adapters.vllm", "vllm",
                         "vLLM engine (V1): the EAGLE-3 draft's fc input (an MTP head's eh_proj input) and the target's "
-                        "aux concatenation, per drafter call", side="server"),
+                        "aux concatenation, per drafter call", side="server",
+                        engine_cores="tracediff.adapters.vllm_cores"),
     "speculators": AdapterInfo("speculators", "tracediff.adapters.speculators", "speculators",
                                "speculators trainer: Eagle3DraftModel.fc input (MTPDraftModel: its MTP layer's input_proj) "
                                "with labels from its forward",

@@ -384,6 +384,9 @@ class _Binding:
                 return
             if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
                 return  # a copy made now would be baked into a graph
+            if not self.recorder.recording_on:  # switched off: nothing labelled or copied, the rows counted skipped
+                self._lose(int(hidden.shape[0]), self.recorder.off_reason)
+                return
             skipped = _state.point(AUX_TAP)["skipped"]
             if not self.recorder.enabled or skipped is not None:
                 # Rows the drafter reads that are not recorded are counted lost: the run then says so.

@@ -88,6 +88,15 @@ from tracediff.errors import TracediffError, UsageError
     click.option("--phases", help="Comma-separated phases to record (train, prefill, draft_extend, decode...)."),
 )
 @section(
+    "Switching on and off",
+    click.option("--control-port", "control_port", type=click.IntRange(0, 65535), metavar="PORT",
+                 help="Open an endpoint on 127.0.0.1:PORT in each recording process (0: a free port each; a taken "
+                      "port: a free one) that `tracediff control STORE on|off|status` switches recording with, "
+                      "without a restart (docs/recording.md). SIGUSR1 / SIGUSR2 to a recording process switch it too."),
+    click.option("--start-off", "start_off", is_flag=True,
+                 help="Begin with recording switched off (rows counted as skipped) until switched on."),
+)
+@section(
     "Writing",
     click.option("--on-full", type=click.Choice(["drop", "block"]), default="drop", show_default=True,
                  help="When the writer falls behind: drop and count the batch, or wait (bounded) for it."),
@@ -139,6 +148,8 @@ def record(
     retry_seconds: float,
     all_ranks: bool,
     commit: str,
+    control_port: int | None,
+    start_off: bool,
     command: tuple[str, ...],
 ) -> None:
     """Run COMMAND with recording injected into each of its Python processes.
@@ -240,6 +251,8 @@ def record(
         "retry_seconds": retry_seconds,
         "all_ranks": all_ranks,
         "commit": commit,
+        "control_port": control_port,  # tracediff.record.control
+        "start_off": start_off,
     }
     source = default_source(role)
     source["argv"] = list(command)

@@ -57,6 +57,7 @@ class _Context:
         self.recorder_obj: Any = None
         self.failed = False
         self.attached: list[str] = []
+        self.control: Any = None  # the switch's endpoint (tracediff.record.control), once recording
 
     def watched_names(self) -> set[str]:
         from tracediff.adapters import load_adapter  # noqa: PLC0415
@@ -74,6 +75,7 @@ class _Context:
             cfg = self.config
             limits = Limits.from_dict(cfg.get("limits"))
             rank = _env_int("RANK")
+            _engine_cores_hints(self.adapters)  # before the writer thread starts and places itself
             self.recorder_obj = Recorder(
                 cfg["store"],
                 role=cfg.get("role", ""),
@@ -95,6 +97,9 @@ class _Context:
                 draft_chain=bool(cfg.get("draft_chain")),  # record --draft-chain
                 **({"retry_seconds": float(cfg["retry_seconds"])} if cfg.get("retry_seconds") is not None else {}),
             )
+            from tracediff.record.control import setup_switch  # noqa: PLC0415
+
+            self.control = setup_switch(self.recorder_obj, cfg)  # record --start-off, --control-port, signals
             for spec in self.specs:
                 self.recorder_obj.declare(spec.name, **_segment_kw(cfg, spec.name))
             for module in list(self.candidates):
@@ -168,6 +173,23 @@ def _ledger() -> Any:
         log.error("tracediff: no row accounting in pid %d (%s): rows lost if this process is killed are not "
                   "counted", os.getpid(), exc)
         return None
+
+
+def _engine_cores_hints(adapters: list[str]) -> None:
+    """What each adapter knows of the cores its engine pinned (its registry entry's ``engine_cores``
+    module), for the placement of the recorder's threads (:mod:`tracediff.record.cores`)."""
+    import importlib  # noqa: PLC0415
+
+    from tracediff.adapters import adapter_info  # noqa: PLC0415
+    from tracediff.record.cores import add_engine_cores_hint  # noqa: PLC0415
+
+    for name in adapters:
+        try:
+            module = adapter_info(name).engine_cores
+            if module:
+                add_engine_cores_hint(importlib.import_module(module).engine_cores)
+        except Exception as exc:  # noqa: BLE001  (advice only: the threads are placed from their affinity)
+            log.info("tracediff: adapter %s cannot say its engine's cores: %s", name, exc)
 
 
 def _segment_kw(cfg: dict[str, Any], tap: str) -> dict[str, Any]:

@@ -66,6 +66,7 @@ from tracediff.record.parts import (  # noqa: E402
     pick_input,
     pick_output,
 )
+from tracediff.record.switch import Switchable  # noqa: E402
 from tracediff.record.writing import WriterThread  # noqa: E402
 
 _active: list[weakref.ReferenceType[Recorder]] = []
@@ -113,7 +114,7 @@ def _register_exit_hook() -> None:
 _register_exit_hook()
 
 
-class Recorder(CapturePath, WriterThread):
+class Recorder(CapturePath, WriterThread, Switchable):
     """Records tapped tensors of this process into a trace store.
 
     Use as a context manager (``with tracediff.record(path) as rec:``) or call :meth:`close`.
@@ -360,7 +361,7 @@ class Recorder(CapturePath, WriterThread):
     ) -> None:
         """The body of every tap hook. Never raises: a failure stops this tap (logged once, reason
         kept for the store); rows a stopped tap or recorder sees are counted as dropped."""
-        if self.closed:
+        if self.closed or self.skips_off(state, pick):  # switched off: no copy, the rows counted skipped
             return
         try:
             tensor = pick()
@@ -384,9 +385,13 @@ class Recorder(CapturePath, WriterThread):
     def count_lost(self, name: str, rows: int, why: str) -> None:
         """Rows of tap ``name`` the host produced that cannot be captured (an adapter that cannot
         label or pick them): counted as dropped, with ``why`` (the first reason a tap gives is kept),
-        so that a run that lost them says so. Never raises."""
+        so that a run that lost them says so; ``why`` :attr:`off_reason`: skipped while switched off,
+        counted as such (:meth:`skip_off`). Never raises."""
         try:
             if rows <= 0:
+                return
+            if why == self.off_reason:
+                self.skip_off(name, rows)
                 return
             state = self._taps.get(name) or self.declare(name)
             self._note_drop_reason(state, why)
@@ -447,6 +452,8 @@ class Recorder(CapturePath, WriterThread):
         if self.closed:  # a capture racing close(): the rows are lost, and counted
             if state is not None:
                 self._count_lost(state, tensor)
+            return
+        if self.skips_off(name, tensor):
             return
         if not self.enabled or (state is not None and state.error is not None):
             if state is not None:
@@ -574,22 +581,9 @@ class Recorder(CapturePath, WriterThread):
                 log.error("tracediff: the writer did not finish within %.0f s; %s keeps its committed rows, the %d "
                           "rows still queued are lost", timeout, self.location.display, sum(self._unfinished.values()))
                 self._report()
-            self._settle_previous()
+            if self._previous is not None:
+                self._previous.settle_and_say()
             self._restore_sigterm()
-
-    def _settle_previous(self) -> None:
-        if self._previous is None:
-            return
-        try:
-            outcome = self._previous.settle()
-        except OSError as exc:  # the host goes on; the old rows are still at one of the two names
-            log.error("tracediff: could not settle the previous store %s: %s", self._previous.aside, exc)
-            return
-        if outcome == "restored":
-            log.warning("tracediff: this run committed no row: the previous store is back at %s", self.path)
-        elif outcome == "kept aside":
-            log.warning("tracediff: the previous store stays at %s (%s now holds something else)",
-                        self._previous.aside, self.path)
 
     # ------------------------------------------------------------------ host-thread internals
     def _warn_tap(self, state: TapState, key: str, message: str) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tracediff.record.cores import place_this_thread
 from tracediff.record.ledger import COMMITTED
 from tracediff.record.parts import Batch, DefaultLabels, TapState, one_line
 from tracediff.store import (
@@ -32,7 +33,10 @@ class WriterThread:
     """The writer-thread half of a :class:`~tracediff.record.recorder.Recorder` (a mixin: the state it
     reads is the Recorder's)."""
 
+    threads: dict[str, Any] | None = None  # where the writer runs (tracediff.record.cores), for the store
+
     def _writer_loop(self) -> None:
+        self.threads = place_this_thread("writer")  # off the engine's cores, before any write
         closing = False
         while True:
             if closing:
@@ -90,6 +94,7 @@ class WriterThread:
                 "source": self.source,
                 "meta": self.meta,
                 "limits": self.limits.as_dict(),
+                "threads": self.threads,
                 "phases": list(PHASES),
             }
         )
@@ -194,6 +199,7 @@ class WriterThread:
         writer.counts.drop_reason = state.drop_reason if state.dropped_rows else ""
         writer.counts.skipped_rows = state.skipped_rows
         writer.counts.skipped_batches = state.skipped_batches
+        self.note_switch(writer, tap)  # the on/off history and the rows skipped while off (switch.py)
 
     def _count_drop(self, item: Batch) -> None:
         state = self._taps.get(item.tap)
@@ -225,6 +231,7 @@ class WriterThread:
                 if not (self._taps[name].error or self.error):  # else said below, with the count
                     log.error("tracediff: closing %s/%s: %s (committed rows stay readable)", self.path, name, exc)
         self._log_losses()
+        self.switch_closed()  # the switch's endpoint leaves the store (control.py)
         self._report()
 
     def _log_losses(self) -> None:

@@ -14,6 +14,7 @@ the store (a URL's old store is deleted before the command starts, as ``record -
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import threading
@@ -22,6 +23,7 @@ from pathlib import Path
 from tracediff.errors import StoreExistsError, StoreWriteError
 from tracediff.store.writer import as_good_as_empty, check_replaceable, looks_like_trace_store
 
+log = logging.getLogger("tracediff")
 SUFFIX = ".previous"
 POLL_SECONDS = 0.5
 
@@ -149,3 +151,16 @@ class PreviousStore:
                 return self.outcome
             self.outcome = "restored"
         return self.outcome
+
+    def settle_and_say(self) -> None:
+        """:meth:`settle`, from a recorder's close: what became of the old store said in the log,
+        never raised (the host goes on; the old rows are at one of the two names)."""
+        try:
+            outcome = self.settle()
+        except OSError as exc:
+            log.error("tracediff: could not settle the previous store %s: %s", self.aside, exc)
+            return
+        if outcome == "restored":
+            log.warning("tracediff: this run committed no row: the previous store is back at %s", self.path)
+        elif outcome == "kept aside":
+            log.warning("tracediff: the previous store stays at %s (%s now holds something else)", self.aside, self.path)
