@@ -74,15 +74,30 @@ def test_a_ring_keeps_the_newest_whole_batches_within_its_budget_and_counts_what
     assert sum(w["dropped_rows"] + w["skipped_rows"] for w in desc["taps"]["fc_in"]["writers"]) == 0
 
 
-def test_a_ring_lowers_the_chunk_rows_so_that_a_chunk_fits_a_segment(tmp_path) -> None:
-    store, budget = tmp_path / "ring.zarr", 100_000  # a segment of 20,000 bytes: 19 rows of 1 KiB
+def test_request_ids_are_named_by_the_segment_that_holds_their_rows(tmp_path) -> None:
+    """String sequence keys (a server's request ids) get their integers from the segment the batch
+    goes to, also in the batch that starts a new segment."""
+    store = tmp_path / "ring.zarr"
+    with tracediff.record(store, max_bytes=200_000, ring=True) as rec:
+        for i in range(30):
+            values, labels = _batch(i)
+            rec.capture("fc_in", values, labels=dict(labels, seq=np.array([f"req-{i}"] * ROWS, dtype=object)))
+    with TraceStore(store) as st:
+        assert len(st.streams["fc_in"]) > 1
+        for stream in st.streams["fc_in"]:
+            seq, step = stream.labels(("seq", "step")).values()
+            assert [stream.seq_names[int(k)] for k in seq] == [f"req-{int(s)}" for s in step]
+
+
+def test_a_ring_lowers_the_chunk_rows_to_an_eighth_of_a_segment(tmp_path) -> None:
+    store, budget = tmp_path / "ring.zarr", 400_000  # a segment of 80,000 bytes: 78 rows of 1 KiB
     with tracediff.record(store, max_bytes=budget, ring=True, chunk_rows=1024) as rec:
         for i in range(30):
             rec.capture("fc_in", *(_batch(i)[:1]), labels=_batch(i)[1])
             assert rec.flush()
             assert _disk_bytes(store / "fc_in") <= budget
     doc = json.loads((store / "fc_in" / _kept(store)[2][-1] / "values" / "zarr.json").read_text())
-    assert doc["chunk_grid"]["configuration"]["chunk_shape"][0] == 19
+    assert doc["chunk_grid"]["configuration"]["chunk_shape"][0] == 78 // 8
 
 
 def test_without_ring_max_bytes_is_still_a_cap(tmp_path) -> None:

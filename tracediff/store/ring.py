@@ -39,6 +39,7 @@ from tracediff.store.writer import TraceWriter
 #: A ring rotates to a new segment once the current one holds this share of the budget (1 / 5: four
 #: segments of rows, and room for a dropped one whose files wait for deletion).
 SEGMENTS = 5
+CHUNKS_PER_SEGMENT = 8
 _LABEL_BYTES = sum(dtype.itemsize for dtype in LABEL_DTYPES.values())
 _COUNT_FIELDS = ("dropped_rows", "dropped_batches", "skipped_rows", "skipped_batches", "drop_reason")
 
@@ -72,7 +73,7 @@ class _RingCounts:
 
 class RingWriter:
     """The most recent rows of one (tap, process) within ``budget`` bytes (see the module docstring).
-    ``chunk_rows`` is lowered so that a chunk fits a segment (a chunk is written whole)."""
+    ``chunk_rows`` is lowered to at most an eighth of a segment (a chunk is written whole)."""
 
     def __init__(
         self,
@@ -94,7 +95,9 @@ class RingWriter:
         self.segment_budget = max(1, self.budget // SEGMENTS)
         row_bytes = int(width) * VALUE_DTYPES[dtype].itemsize if dtype in VALUE_DTYPES else int(width)
         self.row_bytes = row_bytes
-        self.chunk_rows = max(1, min(int(chunk_rows), self.segment_budget // max(row_bytes, 1)))
+        # A chunk is written whole (a partial one padded): at most an eighth of a segment, so that
+        # padding never holds more than that of the budget.
+        self.chunk_rows = max(1, min(int(chunk_rows), self.segment_budget // CHUNKS_PER_SEGMENT // max(row_bytes, 1)))
         self._make = {"width": width, "dtype": dtype, "chunk_rows": self.chunk_rows, "compressor": compressor,
                       "durable": durable}
         self._attrs = dict(attrs or {})
@@ -124,14 +127,15 @@ class RingWriter:
         self.current.note_attr(name, value)
 
     def seq_id(self, key: Any) -> int:
+        # The segment the batch will go to names its sequences: a rotation comes first.
+        self._rotate_when_full()
         return self.current.seq_id(key)
 
     def append(self, values: np.ndarray, labels: Mapping[str, np.ndarray]) -> None:
         rows = int(values.shape[0])
         if rows == 0:
             return
-        if self.current.counts.rows and self._current_bytes(0) >= self.segment_budget:
-            self._rotate()
+        self._rotate_when_full()
         self._make_room(rows)
         self.current.note_attr("ring", self._ring_attr())
         self.current.append(values, labels)
@@ -163,6 +167,10 @@ class RingWriter:
     def _ring_attr(self) -> dict[str, Any]:
         return {"writer": getattr(self, "writer", None), "segment": self.index, "budget_bytes": self.budget,
                 "segment_bytes": self.segment_budget, **{f"dropped_{k}": v for k, v in self.dropped.items()}}
+
+    def _rotate_when_full(self) -> None:
+        if self.current.counts.rows and self._current_bytes(0) >= self.segment_budget:
+            self._rotate()
 
     def _rotate(self) -> None:
         """Close the current segment (its recorder counts moved on to the next) and open the next."""
