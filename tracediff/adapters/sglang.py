@@ -59,6 +59,7 @@ from tracediff.adapters._serving import (
     claim_rank,
     command_flags,
 )
+from tracediff.adapters.sglang_graphs import GraphReplays, install_replay_wrappers
 from tracediff.adapters.sglang_labels import (
     call_argument,
     capturing_graph,
@@ -110,6 +111,8 @@ class _Process(CaptureState):
         self.draft: dict[str, Any] = {}
         self.recorders: weakref.WeakSet[Recorder] = weakref.WeakSet()
         self.draft_module: weakref.ref[torch.nn.Module] | None = None
+        self.replays = GraphReplays(self, AUX_TAP)  # graph replays run no hooks: read from their tensors
+        self.replay_wrappers = 0  # graph runner methods wrapped (sglang_graphs)
 
 
 _state = _Process()
@@ -238,6 +241,8 @@ def _attach_logits_processor(recorder: Recorder, processor: torch.nn.Module, own
     index = list(params).index("aux_hidden_states") - 1  # without self
     processor.__dict__[_ROLE] = "target"
     _mark_attached(processor, recorder)
+    _state.replays.add_target(recorder, AUX_TAP, _record_target_rows)
+    _state.replay_wrappers = install_replay_wrappers(lambda: _state.replays)
     owner_ref = weakref.ref(owner) if owner is not None else None
     _state.point(AUX_TAP)["attached"] += 1
 
@@ -277,6 +282,12 @@ def _on_target_forward(recorder: Recorder, args: tuple, kwargs: dict, aux_index:
     input_ids = args[0] if args else kwargs.get("input_ids")
     batch = args[3] if len(args) > 3 else kwargs.get("logits_metadata")
     aux = args[aux_index] if len(args) > aux_index else kwargs.get("aux_hidden_states")
+    _record_target_rows(recorder, input_ids, batch, aux, owner)
+
+
+def _record_target_rows(recorder: Recorder, input_ids: Any, batch: Any, aux: Any, owner: torch.nn.Module | None) -> None:
+    """One target forward (hooked, or replayed from a graph: sglang_graphs): the step, the draft's
+    first tokens, and the aux rows with their labels."""
     if not isinstance(input_ids, torch.Tensor) or batch is None or not hasattr(batch, "forward_mode"):
         return  # not a model forward (a sampler-only call): nothing to label
     mode = mode_name(batch)
@@ -389,6 +400,8 @@ def _attach_draft(recorder: Recorder, draft: torch.nn.Module, fc_owner: torch.nn
     _state.point(FC_TAP)["attached"] += 1
     if raw_differs:
         _state.point(FC_RAW_TAP)["attached"] += 1
+    _state.replays.add_draft(recorder, FC_TAP, FC_RAW_TAP if raw_differs else None, hidden_width)
+    _state.replay_wrappers = install_replay_wrappers(lambda: _state.replays)
 
     def owner_pre_hook(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         local.labels = None
@@ -507,8 +520,8 @@ def _state_args() -> dict[str, Any]:
 
 
 def never_fired_hint(point: str, args: dict[str, Any]) -> str:
-    if args.get("cuda_graphs"):
-        return "CUDA-graph replay bypasses Python hooks; add --disable-cuda-graph"
+    if args.get("cuda_graphs") and not _state.replay_wrappers:
+        return "CUDA-graph replay bypasses Python hooks and no graph runner of this SGLang was found; add --disable-cuda-graph"
     if point == AUX_TAP:
         return ("the target captured no aux hidden states; add --enable-return-aux-hidden-states "
                 "--speculative-algorithm EAGLE3 (or run an EAGLE-3 draft)")
@@ -536,20 +549,31 @@ def record_warnings(command: Sequence[str], desc: dict[str, Any]) -> list[str]:
                    "--speculative-algorithm EAGLE3 with --speculative-draft-model-path, or "
                    "--enable-return-aux-hidden-states --speculative-algorithm EAGLE3")
         return out
-    if not rows.get(AUX_TAP):
-        hint = "add --disable-cuda-graph (graph replay bypasses Python hooks)" if graphs else (
-            "did any request reach the server? send one with tracediff send")
-        out.append(f"sglang: capture point {AUX_TAP} (the target's packed aux hidden states) never fired: {hint}")
-    if draft and not rows.get(FC_TAP):
-        hint = "add --disable-cuda-graph (graph replay bypasses Python hooks)" if graphs else (
-            "no draft-extend forward ran")
-        out.append(f"sglang: capture point {FC_TAP} (the EAGLE-3 draft's fc input) never fired: {hint}")
-    elif draft and graphs:
-        out.append("sglang: CUDA graphs were on: decode, verify and draft-extend replays were not recorded; "
-                   "add --disable-cuda-graph for full coverage")
+    # Graph replays are recorded from the runners' tensors (sglang_graphs); the flag is named only for
+    # the rows that path lost (each such loss says "inside a graph replay").
+    lost_in_graphs = {tap: n for tap, n in _graph_losses(taps).items() if n} if graphs else {}
+    if not rows.get(AUX_TAP) and not lost_in_graphs.get(AUX_TAP):
+        out.append(f"sglang: capture point {AUX_TAP} (the target's packed aux hidden states) never fired: "
+                   "did any request reach the server? send one with tracediff send")
+    if draft and not rows.get(FC_TAP) and not lost_in_graphs.get(FC_TAP):
+        out.append(f"sglang: capture point {FC_TAP} (the EAGLE-3 draft's fc input) never fired: "
+                   "no draft-extend forward ran")
+    for tap, n in lost_in_graphs.items():
+        out.append(f"sglang: {n} rows of {tap} were computed inside CUDA-graph replays whose tensors do not hold "
+                   "them: add --disable-cuda-graph to record them")
     if "--disable-radix-cache" not in flag and (rows.get(AUX_TAP) or rows.get(FC_TAP)):
         out.append("sglang: the radix cache was on: prefixes already cached (shared prompts, re-sent sequences) are "
                    "not forwarded again and have no rows; add --disable-radix-cache for full coverage")
+    return out
+
+
+def _graph_losses(taps: Mapping[str, Any]) -> dict[str, int]:
+    """Rows per tap that the graph-replay path counted lost (their reason names the graph replay)."""
+    out: dict[str, int] = {}
+    for tap, info in taps.items():
+        for w in info.get("writers") or []:
+            if "inside a graph replay" in str(w.get("drop_reason") or ""):
+                out[tap] = out.get(tap, 0) + int(w.get("dropped_rows") or 0)
     return out
 
 

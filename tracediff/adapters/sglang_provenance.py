@@ -228,6 +228,6 @@ def publish_meta(state: Any, recorder: Recorder) -> None:
         meta["preflight"] = predicted
     recorder.meta["sglang"] = meta
     if args.get("cuda_graphs"):
-        state.log_once("cuda-graphs", logging.WARNING,
-                  "tracediff: sglang adapter: CUDA graphs are on; graph replays (decode, verify, draft extend) never "
-                  "run Python hooks and are not recorded: add --disable-cuda-graph for full coverage")
+        state.log_once("cuda-graphs", logging.INFO,
+                  "tracediff: sglang adapter: CUDA graphs are on; replayed forwards (decode, verify, draft extend) "
+                  "run no Python hooks and are recorded from the tensors the graph runners receive and return")
