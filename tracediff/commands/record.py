@@ -361,7 +361,7 @@ def record(
                    f"exited with code {returncode}", err=True)
         sys.exit(code)
     if no_tap_fired:
-        click.echo(f"tracediff: error: {_never_fired(specs, adapters)}; exit code 2, the command itself exited with "
+        click.echo(f"tracediff: error: {_never_fired(specs, adapters, desc)}; exit code 2, the command itself exited with "
                    f"code 0", err=True)
         sys.exit(2)
     if some_taps_silent:
@@ -372,8 +372,15 @@ def record(
     sys.exit(returncode)
 
 
-def _never_fired(specs: list[Any], adapters: tuple[str, ...]) -> str:
-    """The one line of a run that recorded no row although its command succeeded."""
+def _never_fired(specs: list[Any], adapters: tuple[str, ...], desc: dict[str, Any]) -> str:
+    """The one line of a run that recorded no row although its command succeeded (``desc``: the
+    store's description: rows skipped while recording was switched off say why)."""
+    off = sum(int((w.get("skip_reasons") or {}).get("switched off") or 0)
+              for info in desc["taps"].values() for w in info["writers"])
+    if off:
+        return (f"no row was recorded: recording was switched off the whole time ({off:,} rows skipped while off: "
+                f"--start-off, tracediff control STORE off, SIGUSR2); switch it on with tracediff control STORE on "
+                f"(record --control-port) or SIGUSR1")
     what = [f"tap {s.name!r} (--tap {s.text})" for s in specs] + [f"the capture points of adapter {a!r}" for a in adapters]
     return (f"no row was recorded: {', '.join(what)} never fired in any process; check the class name in each "
             f"--tap spec, that the command reaches the module (a forward run in Python: CUDA-graph replay skips "

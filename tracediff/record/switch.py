@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from tracediff.record.ledger import OFFERED
+from tracediff.record.parts import TORCH_TO_STORE
 
 log = logging.getLogger("tracediff")
 
@@ -83,7 +84,12 @@ class Switchable:
             value = tensor() if callable(tensor) else tensor
             shape = tuple(getattr(value, "shape", ()))
             if shape and shape[-1]:
-                self.skip_off(getattr(tap, "name", tap), int(value.numel()) // int(shape[-1]))
+                name = getattr(tap, "name", tap)
+                self.skip_off(name, int(value.numel()) // int(shape[-1]))
+                state = self._taps[name]  # type: ignore[attr-defined]
+                if state.width is None and value.dtype in TORCH_TO_STORE:
+                    # the layout, as a capture learns it: a tap off all along still gets its writer group
+                    state.width, state.dtype = int(shape[-1]), TORCH_TO_STORE[value.dtype]
         except Exception:  # noqa: BLE001, S110  (counting is best effort; the host comes first)
             pass
         return True
