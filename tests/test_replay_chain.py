@@ -223,11 +223,11 @@ def test_a_server_without_chain_taps_cannot_tell(tmp_path: Path, draft: Path) ->
 
 def test_replay_against_chain_as_a_user_types_it(tmp_path: Path, draft: Path) -> None:
     """The command: exit 1, the sentence and the per-step table in the text, the JSON (replay_chain,
-    chain) and the Markdown report; two stores with --against-chain is a usage error."""
+    chain), Markdown and HTML reports; two stores with --against-chain is a usage error."""
     server = serve(tmp_path / "server.zarr", changed(draft, tmp_path / "served", _scale_norm))
-    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    out, md, page = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "r.html"
     done = subprocess.run([sys.executable, "-m", "tracediff", "replay", str(server), "--draft", str(draft),
-                           "--against-chain", "--json", str(out), "--markdown", str(md)],
+                           "--against-chain", "--json", str(out), "--markdown", str(md), "--html", str(page)],
                           env=cli_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr
     assert "The draft's inputs are the same, its outputs are not: look at draft_norm_out" in done.stdout
@@ -236,6 +236,7 @@ def test_replay_against_chain_as_a_user_types_it(tmp_path: Path, draft: Path) ->
     assert doc["replay_chain"]["first_diverging"] == "draft_norm_out"
     assert [s["status"] for s in doc["replay_chain"]["steps"]] == ["diverged"] * 3
     assert "Replay against the server's draft chain" in md.read_text()
+    assert '<section id="replay-chain">' in page.read_text() and "draft_norm_out" in page.read_text()
     assert schema_problems(doc, "compare") == []
     assert doc["candidate"]["path"] == str(server) and "tracediff-replay-chain-" not in out.read_text()
     assert f"tracediff replay {server} --draft {draft} --against-chain" in json.dumps(doc["fix"])

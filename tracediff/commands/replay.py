@@ -43,10 +43,10 @@ def replay_draft(report: Any, draft: Path, target: Path | None, server_draft: Pa
 
 
 @click.command(cls=Command, epilog=exit_codes(
-    (0, "nothing found"),
-    (1, "compare or replay found a problem"),
-    (2, "compare cannot tell; or a usage or input error, or a report file that cannot be written (when only the "
-        "write failed, after the result)")))
+    (0, "nothing found (--against-chain: every judged tap matches)"),
+    (1, "compare or replay found a problem (--against-chain: a tap of the served draft diverges)"),
+    (2, "compare cannot tell (--against-chain: the server store holds no draft chain); or a usage or input error, "
+        "or a report file that cannot be written (when only the write failed, after the result)")))
 @click.argument("reference", type=STORE)
 @click.argument("candidate", type=STORE, required=False)
 @replay_options("Replay")

@@ -63,6 +63,7 @@ class ReplayedChain:
 
     taps: dict[str, TapRows] = field(default_factory=dict)
     skipped: dict[int, int] = field(default_factory=dict)  # step -> server rows replay could not run
+    keys: set[str] = field(default_factory=set)  # the sequences replayed
     sequences: int = 0
 
     def add(self, tap: str, rows: torch.Tensor, labels: dict[str, Any]) -> None:
@@ -88,7 +89,7 @@ def replay_against_chain(server: str | Path, opts: ChainReplayOptions) -> Report
         if opts.stage is not None:
             opts.stage("replaying the draft's steps")
         replayed = _replay(store, taps, draft, opts)
-        served = server_rows(store, taps)
+        served = server_rows(store, taps, replayed.keys)
         keys = pairing_keys(served, taps)
         dtype = str(draft.fc_weight.dtype).removeprefix("torch.")
         own = {tap: {"compute_dtype": dtype, "module": f"tracediff replay ({draft.info.path})"}
@@ -140,6 +141,7 @@ def _replay(store: Any, taps: dict[tuple[int, int], tuple[str, dict[str, Any]]],
     keys = sorted(rows.sequences)[: opts.max_sequences] if opts.max_sequences else sorted(rows.sequences)
     for key in keys:
         seq = rows.sequences[key]
+        out.keys.add(key)
         values = torch.from_numpy(rows.values(seq))
         first = torch.from_numpy(seq.next_token_id).long()
         n = seq.length

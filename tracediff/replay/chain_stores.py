@@ -46,8 +46,9 @@ class TapRows:
         return sum(v.shape[0] for v in self.values)
 
 
-def server_rows(store: Any, taps: Taps) -> dict[str, TapRows]:
-    """Every chain tap of the server (the fc input too), its valid rows as recorded."""
+def server_rows(store: Any, taps: Taps, sequences: set[str] | None = None) -> dict[str, TapRows]:
+    """Every chain tap of the server (the fc input too), its valid rows as recorded (of ``sequences``
+    only, when given)."""
     out: dict[str, TapRows] = {}
     for tap, _chain in taps.values():
         for stream in store.tap_streams(tap):
@@ -66,6 +67,9 @@ def server_rows(store: Any, taps: Taps) -> dict[str, TapRows]:
                 values = decode_values(values, stream.dtype)
             block = {name: labels[name][keep] for name in ("position", "token_id", "next_token_id", "phase", "step")}
             block["seq"] = np.array([names.get(int(c), str(int(c))) for c in labels["seq"][keep]], dtype=object)
+            if sequences is not None:
+                mine = np.array([str(k) in sequences for k in block["seq"]], dtype=bool)
+                values, block = values[mine], {name: column[mine] for name, column in block.items()}
             rows.add(values, block)
     return out
 
