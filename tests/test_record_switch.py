@@ -141,6 +141,15 @@ def test_the_endpoint_switches_and_answers_status_over_loopback(tmp_path: Path) 
                                                                             "http 127.0.0.1"]
 
 
+def test_a_client_that_connects_and_sends_nothing_does_not_keep_the_endpoint(tmp_path: Path) -> None:
+    with Recorder(tmp_path / "s.zarr", handle_sigterm=False) as rec:
+        control = serve(rec, 0)
+        port = int(control.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as idle:  # holds the one-at-a-time server
+            assert ask(control.url, "status", timeout=60)["state"] == "on"  # answered once it timed out
+            assert idle.recv(1) == b""  # the idle connection was closed by the endpoint
+
+
 def test_control_command_talks_to_one_url_and_to_every_endpoint_of_a_store(tmp_path: Path) -> None:
     layer = torch.nn.Linear(8, 4)
     with Recorder(tmp_path / "s.zarr", handle_sigterm=False) as rec:

@@ -84,10 +84,13 @@ def control(target: str, action: str, timeout: float, json_path: Path | None) ->
 def _line(action: str, answer: dict[str, Any]) -> str:
     """One endpoint's answer, one line."""
     rows = answer.get("rows") if isinstance(answer.get("rows"), dict) else {}
-    did = ""
-    if action != "status":
-        did = ("switched " if answer.get("changed") else "already ") + str(answer.get("state")) + "; "
-    return (f"pid {answer.get('pid')} ({answer.get('writer')}) {answer.get('url')}: {did}{answer.get('state')} since "
-            f"{answer.get('since')} (by {answer.get('by')}); {rows.get('recorded', 0):,} rows recorded, "
-            f"{rows.get('skipped', 0):,} skipped ({rows.get('switched_off', 0):,} while off), "
-            f"{rows.get('lost', 0):,} lost")
+    state, since, by = answer.get("state"), answer.get("since"), answer.get("by")
+    if action == "status":
+        what = f"{state} since {since} (by {by})"
+    elif answer.get("changed"):
+        what = f"switched {state} at {since} (by {by})"
+    else:
+        what = f"already {state} since {since} (by {by})"
+    return (f"pid {answer.get('pid')} ({answer.get('writer')}) {answer.get('url')}: {what}; "
+            f"{rows.get('recorded', 0):,} rows recorded, {rows.get('skipped', 0):,} skipped "
+            f"({rows.get('switched_off', 0):,} while off), {rows.get('lost', 0):,} lost")

@@ -96,6 +96,10 @@ class _ControlServer(HTTPServer):
     def status(self) -> dict[str, Any]:
         return {**self.recorder.switch_status(), "pid": os.getpid(), "url": self.url}
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # (socketserver prints a traceback to stderr: the host's stderr is not ours to fill)
+        log.info("tracediff: the control endpoint %s failed a request from %s", self.url, client_address)
+
 
 class Control:
     """One recorder's endpoint: the server, its thread and its file in the store."""
@@ -230,7 +234,8 @@ def find_endpoints(store: str | os.PathLike[str]) -> list[dict[str, Any]]:
     found = []
     for path in sorted((folder / CONTROL_DIR).glob("*.json")):
         try:
-            note = json.loads(path.read_text()[:MAX_BODY * 4])
+            with open(path, "rb") as fh:
+                note = json.loads(fh.read(MAX_BODY * 4))  # an endpoint's note is small: no more is read
         except (OSError, ValueError):
             continue
         if not isinstance(note, dict) or not isinstance(note.get("url"), str):
