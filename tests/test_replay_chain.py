@@ -244,3 +244,11 @@ def test_replay_against_chain_as_a_user_types_it(tmp_path: Path, draft: Path) ->
                            "--against-chain"], env=cli_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "--against-chain takes one store" in done.stderr
+
+
+def test_max_sequences_replays_and_compares_those_sequences_only(tmp_path: Path, draft: Path) -> None:
+    report = replay_against_chain(serve(tmp_path / "server.zarr", draft), ChainReplayOptions(draft=str(draft),
+                                                                                           max_sequences=1))
+    assert report.replay_chain["sequences"] == 1 and report.verdict == "match"
+    assert _links(report)["draft_layer_out"]["rows"] == LENGTHS[0]  # req0 alone
+    assert not [f for f in report.findings if f.severity == "warning"]  # no unpaired server rows
