@@ -105,6 +105,24 @@ def test_start_off_begins_the_history_off_and_inspect_shows_the_switch(tmp_path:
     assert "switched off 4 rows" in shown.stdout and "on at" in shown.stdout, shown.stdout
 
 
+def test_compare_takes_a_switch_history_and_the_writer_cores_for_no_configuration_difference(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    rows = torch.randn(40, 64)
+    for name, switched in (("a.zarr", False), ("b.zarr", True)):
+        with Recorder(tmp_path / name, handle_sigterm=False) as rec:
+            rec.declare("fc_in", segment_size=32)
+            if switched:
+                rec.switch(False, by="test")
+                rec.capture("fc_in", rows[:5])
+                rec.switch(True, by="test")
+            rec.labels(seq=[0] * 40, position=list(range(40)), token_id=list(range(40)))
+            rec.capture("fc_in", rows)
+    result = invoke_tracediff("compare", tmp_path / "a.zarr", tmp_path / "b.zarr", "--json", tmp_path / "r.json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [f for f in report["findings"] if f["kind"] == "config"] == [], report["findings"]
+
+
 # ----------------------------------------------------------------------------- the endpoint, in process
 def test_the_endpoint_switches_and_answers_status_over_loopback(tmp_path: Path) -> None:
     layer = torch.nn.Linear(8, 4)

@@ -168,8 +168,9 @@ def stream_layout(store: TraceStore, tap: str) -> Layout:
 
 def collect_meta(store: TraceStore, tap: str) -> dict[str, Any]:
     attrs = stream_layout(store, tap).attrs
+    # (switch, skip_reasons, threads: how the recording ran, not what the rows are)
     tap_meta = {k: v for k, v in attrs.items() if k not in ("commit", "source", "meta", "limits", "phases", "rank",
-                                                            "world_size", "tap")}
+                                                            "world_size", "tap", "switch", "skip_reasons", "threads")}
     # The in-process recorder writes its meta both at the root and per writer: keep each key once.
     writer_meta = {k: v for k, v in (attrs.get("meta") or {}).items() if store.meta.get(k) != v}
     return {"store": store.meta, "writer": writer_meta, "tap": tap_meta}
