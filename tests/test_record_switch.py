@@ -301,6 +301,7 @@ def test_record_toggled_by_control_store_off_and_on_while_the_command_runs(tmp_p
             proc.wait()
     assert proc.returncode == 0, stderr
     assert "skipped 5" in stderr, stderr
+    assert "switched off 5 rows: on at " in stderr, stderr  # the summary says when and by whom
     import tracediff  # noqa: PLC0415
 
     with tracediff.open_store(store) as opened:

@@ -577,10 +577,11 @@ def _record_summary(desc: dict[str, Any], returncode: int) -> str:
             if isinstance(checks.get("zero_rows"), list):
                 lines += [f"tracediff: warning: {text}" for text in zero_row_warnings(
                     f"{tap}/{w['writer']}", checks["zero_rows"], int(checks.get("rows") or 0), w.get("segment_labels"))]
-    from tracediff.describe import keeping_lines  # noqa: PLC0415
+    from tracediff.describe import keeping_lines, switch_lines  # noqa: PLC0415
 
     for tap, info in desc["taps"].items():
         lines += [f"tracediff:   {tap}: {line}" for line in keeping_lines(info)]
+        lines += [f"tracediff:   {tap}/{w['writer']}: {line}" for w in info["writers"] for line in switch_lines(w)]
     notes, no_tokens = labelling_lines(desc)
     lines += [f"tracediff:   {note}" for note in notes]
     lines += [f"tracediff: warning: {line}" for line in no_tokens]
