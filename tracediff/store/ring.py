@@ -178,6 +178,8 @@ class RingWriter:
         carried = {k: getattr(old.counts, k) for k in _COUNT_FIELDS}
         for k in _COUNT_FIELDS:
             setattr(old.counts, k, "" if k == "drop_reason" else 0)
+        if "skip_reasons" in self._attrs:  # a breakdown of skipped_rows: it moves on with them
+            old.note_attr("skip_reasons", {})
         old.note_attr("ring", self._ring_attr())
         old.close(status="closed")
         self.closed.append((old.writer, _folder_bytes(self.store_path / self.tap / old.writer), old.counts.rows,
