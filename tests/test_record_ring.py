@@ -150,3 +150,40 @@ def _kept_tap(store: Path, tap: str) -> tuple[None, np.ndarray, list[str]]:
     with TraceStore(store) as st:
         streams = st.streams[tap]
         return None, np.concatenate([s.labels(("step",))["step"] for s in streams]), [s.writer for s in streams]
+
+
+def test_a_ring_store_whose_requests_span_segments_matches_the_trainer(tmp_path) -> None:
+    """A server's requests recorded in two batches each (prompt, then continuation), the ring rotating
+    between them: compare pairs every row with the trainer's, and the ring's bookkeeping is no config
+    difference."""
+    rng = np.random.default_rng(0)
+    hidden, length = 64, 40
+    seqs = {f"s{i}": rng.integers(0, 500, length) for i in range(12)}
+    table = rng.standard_normal((600, 3 * hidden)).astype(np.float32)
+
+    def rows(ids: np.ndarray, pos: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(table[ids] + 0.01 * pos[:, None].astype(np.float32))
+
+    def labels(key: str, ids: np.ndarray, part: slice) -> dict[str, object]:
+        pos = np.arange(length)[part]
+        return {"seq": np.array([key] * pos.size, dtype=object), "position": pos, "token_id": ids[part],
+                "next_token_id": np.r_[ids[1:], -1][part]}
+
+    train, server = tmp_path / "train.zarr", tmp_path / "server.zarr"
+    with tracediff.record(train, role="trainer") as rec:
+        rec.declare("fc_in", segment_size=hidden)
+        for key, ids in seqs.items():
+            rec.capture("fc_in", rows(ids, np.arange(length)), labels=labels(key, ids, slice(None)))
+    with tracediff.record(server, role="server", max_bytes=1_000_000, ring=True) as rec:
+        rec.declare("fc_in", segment_size=hidden)
+        for part in (slice(0, length // 2), slice(length // 2, length)):
+            for key, ids in seqs.items():
+                rec.capture("fc_in", rows(ids[part], np.arange(length)[part]), labels=labels(key, ids, part))
+    _, _, writers = _kept(server)
+    assert len(writers) == 2
+    out = subprocess.run([sys.executable, "-m", "tracediff", "compare", train, server, "--json", tmp_path / "r.json"],
+                         capture_output=True, text=True, env=cli_env(), timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["verdict"] == "match"
+    assert not any("tap.ring" in json.dumps(f) for f in report["findings"])

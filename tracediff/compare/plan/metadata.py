@@ -16,9 +16,10 @@ from typing import Any
 from tracediff.adapters.conventions import AuxLayers, aux_layers_from_meta
 
 # row_checks: what a writer counted as it wrote (lint as you go), data statistics rather than configuration
-# (row_model: compare reads it and names a difference in a finding of its own, findings/slots.py)
+# (row_model: compare reads it and names a difference in a finding of its own, findings/slots.py);
+# ring: a ring segment's bookkeeping (tracediff.store.ring: its number, what the ring dropped)
 VOLATILE_KEYS = re.compile(
-    r"(^|_)(pid|host|hostname|started|updated|time|timestamp|argv|python|recorded_by|record|limits|injected|labelled_by|row_checks|row_model)$"
+    r"(^|_)(pid|host|hostname|started|updated|time|timestamp|argv|python|recorded_by|record|limits|injected|labelled_by|row_checks|row_model|ring)$"
 )
 AUX_KEYS = re.compile(
     r"layer_ids|layers_to_capture|aux_hidden_state|eagle_aux|aux_layer|aux_layers|segment_labels|hf_hidden_states",
