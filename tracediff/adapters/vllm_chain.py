@@ -9,7 +9,8 @@ row labelled like the fc rows of its drafter call (``SpecDecodeBaseProposer.prop
 ``draft_layer_in``
     ``cat(embed(input ids), hidden state)`` as the first decoder layer reads them before its norms,
     from the draft's ``forward`` arguments (the embedding looked up again through the draft's own
-    ``embed_input_ids``, shared with the target or not; ``inputs_embeds`` when vLLM passes them).
+    ``embed_input_ids``, shared with the target or not; ``inputs_embeds`` when vLLM passes them; not
+    under a vocab-parallel embedding, whose lookup is a collective: its rows are counted lost then).
 ``draft_layer_out`` / ``draft_norm_out``
     the draft model's two outputs: vLLM's decoder layer hands ``(mlp output, residual)`` on and the
     final norm adds them (fused norm + residual), returning ``(norm(x), x)``: ``x`` is the last layer's
@@ -70,6 +71,9 @@ class VllmChain:
         self.hidden = hidden
         owner = getattr(draft, "model", None)
         self.embed = getattr(owner, "embed_input_ids", None) or getattr(draft, "embed_input_ids", None)
+        if getattr(getattr(owner, "embed_tokens", None), "tp_size", 1) != 1:
+            # a vocab-parallel embedding all-reduces across ranks: called here on one rank, it would hang
+            self.embed = None
         self.layer_out = not bool(getattr(owner, "norm_output", False))
         d2t = getattr(draft, "draft_id_to_target_id", None)
         self.d2t = d2t if isinstance(d2t, torch.Tensor) else None
@@ -144,7 +148,9 @@ class VllmChain:
             if not isinstance(embeds, torch.Tensor):
                 embeds = self.embed(ids[:rows]) if self.embed is not None and isinstance(ids, torch.Tensor) else None
             if not isinstance(embeds, torch.Tensor):
-                self._capture(call, "layer_in", "first decoder layer", None, rows)
+                why = ("the draft's embedding is vocab-parallel (tensor parallel): looking it up again would need a "
+                       "collective") if self.embed is None else "the draft's forward had no input_ids / inputs_embeds"
+                self._capture(dict(call, lost=why), "layer_in", "first decoder layer", None, rows)
                 return
             self._capture(call, "layer_in", "first decoder layer", torch.cat([embeds[:rows], hidden[:rows]], -1), rows,
                           fresh=True, dtype=_dtype(hidden))
