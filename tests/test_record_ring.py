@@ -187,3 +187,32 @@ def test_a_ring_store_whose_requests_span_segments_matches_the_trainer(tmp_path)
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["verdict"] == "match"
     assert not any("tap.ring" in json.dumps(f) for f in report["findings"])
+
+
+def test_a_store_wide_ring_keeps_the_whole_store_near_its_budget_across_writers(tmp_path) -> None:
+    """--ring-store: two writers (as two processes would) share one budget; each drops its own oldest segments
+    while the store is above it. The store stays within the budget plus the segments being written."""
+    store, budget = tmp_path / "ring.zarr", 400_000
+    limits = Limits(max_bytes=budget, ring=True, ring_store=True)
+    tracediff.record(store, limits=limits).close()
+    with (tracediff.record(store, append=True, writer_name="a", limits=limits) as a,
+          tracediff.record(store, append=True, writer_name="b", limits=limits) as b):
+        for i in range(80):
+            for rec in (a, b):
+                values, labels = _batch(i)
+                rec.capture("fc_in", values, labels=labels)
+                assert rec.flush()
+            assert _disk_bytes(store) <= budget + 2 * (budget // 20) + 32768
+    with TraceStore(store) as st:
+        desc = describe_store(st)
+    rings = desc["taps"]["fc_in"]["rings"]
+    assert sorted(rings) == ["a", "b"]
+    for ring in rings.values():
+        assert ring["dropped_segments"] > 0 and ring["rows"] + ring["dropped_rows"] == 80 * ROWS
+    _, steps, _ = _kept(store)
+    assert steps.max() == 79 and 0 < np.unique(steps).size < 80
+
+
+def test_a_store_wide_ring_needs_a_ring() -> None:
+    with pytest.raises(UsageError, match="--ring"):
+        Limits(max_bytes=1000, ring_store=True)

@@ -78,6 +78,9 @@ from tracediff.errors import TracediffError, UsageError
     click.option("--ring", is_flag=True,
                  help="With --max-bytes SIZE: keep recording, holding the most recent rows within SIZE on disk per "
                       "tap and process (the oldest dropped a whole segment at a time, counted; local stores)."),
+    click.option("--ring-store", "ring_store", is_flag=True,
+                 help="With --ring: SIZE is the whole store's budget, shared by every process and tap recording into "
+                      "it (each drops its own oldest segments while the store is above it)."),
     click.option("--sample-requests", "sample_requests", type=float, metavar="RATE",
                  help="Record whole requests (trainer samples) chosen by a hash of their prompt's token ids, a share "
                       "RATE (0 < RATE <= 1) of them; tracediff.sampled(token_ids, RATE) says which."),
@@ -135,6 +138,7 @@ def record(
     max_rows: int | None,
     max_bytes: str | None,
     ring: bool,
+    ring_store: bool,
     sample_requests: float | None,
     max_requests: int | None,
     every_n_steps: int,
@@ -213,6 +217,7 @@ def record(
         sample_requests=sample_requests,
         max_requests=max_requests,
         ring=ring,
+        ring_store=ring_store,
     )
     queue_limit = parse_size(queue_bytes, "--queue-bytes") or 0
     if queue_limit <= 0:

@@ -36,7 +36,7 @@ def start(*args: Any, **kwargs: Any) -> Any:
     """
     from tracediff.record.recorder import Recorder  # noqa: PLC0415
 
-    keep = {k: kwargs.pop(k) for k in ("sample_requests", "max_requests", "ring", "max_bytes") if k in kwargs}
+    keep = {k: kwargs.pop(k) for k in ("sample_requests", "max_requests", "ring", "ring_store", "max_bytes") if k in kwargs}
     if keep:  # tracediff.record(..., sample_requests=0.1): the same as Limits(sample_requests=0.1)
         import dataclasses  # noqa: PLC0415
 

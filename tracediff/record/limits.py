@@ -16,7 +16,8 @@ class Limits:
     """Sampling and resource controls; per tap and per process. ``None`` means unlimited.
 
     ``max_bytes`` caps the rows recorded; with ``ring`` it is a budget instead: the writer keeps the
-    most recent rows within it, dropping its oldest segments whole (:mod:`tracediff.store.ring`).
+    most recent rows within it, dropping its oldest segments whole (:mod:`tracediff.store.ring`);
+    with ``ring_store`` too, the budget is the whole store's, shared by its processes and taps.
     ``sample_requests``: keep whole requests chosen by :func:`tracediff.sampled` of their prompt;
     ``max_requests``: keep the first N requests (of those chosen) whole (:mod:`tracediff.record.sampling`)."""
 
@@ -28,6 +29,7 @@ class Limits:
     sample_requests: float | None = None
     max_requests: int | None = None
     ring: bool = False
+    ring_store: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_bytes", "first_n_steps", "max_requests"):
@@ -49,6 +51,10 @@ class Limits:
                 raise UsageError(f"limit sample_requests (--sample-requests): {exc}") from None
         if not isinstance(self.ring, bool):
             raise UsageError(f"limit ring must be true or false, got {self.ring!r}")
+        if not isinstance(self.ring_store, bool):
+            raise UsageError(f"limit ring_store must be true or false, got {self.ring_store!r}")
+        if self.ring_store and not self.ring:
+            raise UsageError("limit ring_store (--ring-store) shares the --ring budget over the whole store: give --ring")
         if self.ring and not self.max_bytes:
             raise UsageError("limit ring (--ring) keeps the most recent rows within --max-bytes: give --max-bytes SIZE")
 
@@ -85,4 +91,6 @@ class Limits:
             out["max_requests"] = self.max_requests
         if self.ring:
             out["ring"] = True
+        if self.ring_store:
+            out["ring_store"] = True
         return out

@@ -106,7 +106,8 @@ class WriterThread:
             writer = RemoteTraceWriter(self.location, state.name, self.writer_name, retry_seconds=retry, **common)
             writer.give_up_at = self._give_up_at
         elif self.limits.ring and self.limits.max_bytes:  # --max-bytes SIZE --ring (tracediff.store.ring)
-            writer = RingWriter(self.path, state.name, self.writer_name, budget=self.limits.max_bytes, **common)
+            writer = RingWriter(self.path, state.name, self.writer_name, budget=self.limits.max_bytes,
+                                store_wide=self.limits.ring_store, **common)
         else:
             writer = TraceWriter(self.path, state.name, self.writer_name, **common)
         self._writers[state.name] = writer

@@ -18,6 +18,12 @@ segments; the newest segment's numbers are the totals). The commit counts ``drop
 ``skipped_*`` of the recorder are kept by the newest segment only (a segment closed by a rotation
 records zero), so that summing them over a tap's writer groups counts each row once.
 
+``--ring-store`` (``store_wide``): SIZE is the whole store's budget, shared by every process and tap
+recording into it. Segments are then SIZE / 20, and after each rotation the process measures the
+store on disk and drops its own oldest segments (at once) while the store would exceed SIZE; it can
+exceed SIZE by the segments being written (one per process and tap) and by what processes that have
+not rotated since hold.
+
 Local folders only (the writer thread's own; never raises past :class:`StoreWriteError`).
 """
 
@@ -39,6 +45,8 @@ from tracediff.store.writer import TraceWriter
 #: A ring rotates to a new segment once the current one holds this share of the budget (1 / 5: four
 #: segments of rows, and room for a dropped one whose files wait for deletion).
 SEGMENTS = 5
+#: With ``--ring-store`` (one budget for the whole store): segments of 1 / 20 of it.
+STORE_SEGMENTS = 20
 CHUNKS_PER_SEGMENT = 8
 _LABEL_BYTES = sum(dtype.itemsize for dtype in LABEL_DTYPES.values())
 _COUNT_FIELDS = ("dropped_rows", "dropped_batches", "skipped_rows", "skipped_batches", "drop_reason")
@@ -88,11 +96,16 @@ class RingWriter:
         chunk_rows: int = 1024,
         compressor: str = "none",
         durable: bool = False,
+        store_wide: bool = False,
     ) -> None:
         self.store_path = Path(store_path)
         self.tap = tap
         self.budget = int(budget)
-        self.segment_budget = max(1, self.budget // SEGMENTS)
+        # --ring-store: the budget is the whole store's, so segments are smaller (every process and
+        # tap writes one at a time, beyond what the others can drop).
+        self.store_wide = bool(store_wide)
+        self.segment_budget = max(1, self.budget // (STORE_SEGMENTS if self.store_wide else SEGMENTS))
+        self._share_pending = False  # store_wide: a rotation since the store's size was last measured
         row_bytes = int(width) * VALUE_DTYPES[dtype].itemsize if dtype in VALUE_DTYPES else int(width)
         self.row_bytes = row_bytes
         # A chunk is written whole (a partial one padded): at most an eighth of a segment, so that
@@ -137,6 +150,8 @@ class RingWriter:
             return
         self._rotate_when_full()
         self._make_room(rows)
+        if self._share_pending:
+            self._share_store(rows)
         self.current.note_attr("ring", self._ring_attr())
         self.current.append(values, labels)
         self.totals.rows += rows
@@ -166,7 +181,8 @@ class RingWriter:
 
     def _ring_attr(self) -> dict[str, Any]:
         return {"writer": getattr(self, "writer", None), "segment": self.index, "budget_bytes": self.budget,
-                "segment_bytes": self.segment_budget, **{f"dropped_{k}": v for k, v in self.dropped.items()}}
+                "segment_bytes": self.segment_budget, **({"store_wide": True} if self.store_wide else {}),
+                **{f"dropped_{k}": v for k, v in self.dropped.items()}}
 
     def _rotate_when_full(self) -> None:
         if self.current.counts.rows and self._current_bytes(0) >= self.segment_budget:
@@ -186,6 +202,7 @@ class RingWriter:
                             old.counts.batches))
         self.index += 1
         self._ahead_of_lingering += 1
+        self._share_pending = self.store_wide
         self.current = TraceWriter(self.store_path, self.tap, segment_name(self.writer, self.index),
                                    attrs=self._segment_attrs(), **self._make)
         for k, v in carried.items():
@@ -204,14 +221,36 @@ class RingWriter:
                     (folder / "zarr.json").unlink()  # no node from now on (the one step a reader sees)
                 self._lingering = (folder, size)
                 self._ahead_of_lingering = 0
-                self.dropped["rows"] += seg_rows
-                self.dropped["batches"] += batches
-                self.dropped["bytes"] += seg_rows * self.row_bytes
-                self.dropped["segments"] += 1
+                self._count_drop(seg_rows, batches)
             else:
                 break
         if self._lingering[0] is not None and self._ahead_of_lingering >= 1:
             self._delete_lingering()
+
+    def _share_store(self, rows: int) -> None:
+        """``--ring-store``, after a rotation: drop this process's own oldest segments (at once, no
+        grace) while the whole store (every process and tap, as measured on disk now) plus ``rows``
+        more would exceed the budget. Each process can only drop its own: one that writes little
+        keeps its rows until it rotates."""
+        self._share_pending = False
+        if self._lingering[0] is not None:
+            self._delete_lingering()
+        extra = self._current_bytes(rows) - self._current_bytes(0)
+        total = _folder_bytes(self.store_path) + extra
+        while total > self.budget and self.closed:
+            group, size, seg_rows, batches = self.closed.pop(0)
+            folder = self.store_path / self.tap / group
+            with contextlib.suppress(FileNotFoundError):
+                (folder / "zarr.json").unlink()
+            shutil.rmtree(folder, ignore_errors=True)
+            total -= size
+            self._count_drop(seg_rows, batches)
+
+    def _count_drop(self, rows: int, batches: int) -> None:
+        self.dropped["rows"] += rows
+        self.dropped["batches"] += batches
+        self.dropped["bytes"] += rows * self.row_bytes
+        self.dropped["segments"] += 1
 
     def _delete_lingering(self) -> None:
         shutil.rmtree(self._lingering[0], ignore_errors=True)  # type: ignore[arg-type]
