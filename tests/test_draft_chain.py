@@ -192,6 +192,24 @@ def test_clean_pair_matches_at_every_tap(tmp_path: Path, batches: list[dict[str,
     from tracediff.report.html import render_html  # noqa: PLC0415
 
     assert '<section id="chain">' in render_html(report)
+    assert "not_comparable" not in text  # two trainers: every step pairs
+
+
+def test_a_trainer_chain_records_teacher_forced_steps_that_pair_only_with_teacher_forced_ones(
+        tmp_path: Path, batches: list[dict[str, Any]]) -> None:
+    from tracediff.compare.chain import chain_taps, step_inputs_differ  # noqa: PLC0415
+    from tracediff.store import open_store  # noqa: PLC0415
+
+    taps = chain_taps(open_store(record_draft(tmp_path / "a.zarr", batches)))
+    assert {chain["step_inputs"] for _, chain in taps.values()} == {"teacher_forced"}
+    (_, step1), (_, step0) = taps[(1, 3)], taps[(0, 3)]
+    server = dict(step1, step_inputs="proposed")  # what the vLLM adapter records (tests/test_vllm_chain_live.py)
+    assert step_inputs_differ(1, step1, server) == ("step 1 of the candidate reads its own proposals, of the "
+                                                    "reference the data's tokens: only step 0 pairs")
+    assert step_inputs_differ(1, server, step1).startswith("step 1 of the reference reads its own proposals")
+    assert step_inputs_differ(0, step0, dict(step0, step_inputs="proposed")) is None  # step 0 always pairs
+    older = {k: v for k, v in step1.items() if k != "step_inputs"}  # stores from before the attribute
+    assert step_inputs_differ(1, older, step1) is None and step_inputs_differ(1, server, server) is None
 
 
 @pytest.mark.parametrize(("case", "change", "layer_config", "tap"), CASES, ids=[c[0] for c in CASES])
