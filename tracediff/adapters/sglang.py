@@ -59,6 +59,7 @@ from tracediff.adapters._serving import (
     claim_rank,
     command_flags,
 )
+from tracediff.adapters.sglang_chain import attach_sglang_chain, chain_warnings
 from tracediff.adapters.sglang_graphs import GraphReplays, install_replay_wrappers
 from tracediff.adapters.sglang_labels import (
     call_argument,
@@ -400,7 +401,7 @@ def _attach_draft(recorder: Recorder, draft: torch.nn.Module, fc_owner: torch.nn
     _state.point(FC_TAP)["attached"] += 1
     if raw_differs:
         _state.point(FC_RAW_TAP)["attached"] += 1
-    _state.replays.add_draft(recorder, FC_TAP, FC_RAW_TAP if raw_differs else None, hidden_width)
+    _state.replays.add_draft(recorder, FC_TAP, FC_RAW_TAP if raw_differs else None, hidden_width, mtp=mtp)
     _state.replay_wrappers = install_replay_wrappers(lambda: _state.replays)
 
     def owner_pre_hook(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -420,6 +421,8 @@ def _attach_draft(recorder: Recorder, draft: torch.nn.Module, fc_owner: torch.nn
             if not _state.point(FC_TAP)["calls"] and not _state.point(FC_RAW_TAP)["calls"]:
                 publish_meta(_state, recorder)
             local.labels = labels
+            if chain is not None:
+                chain.extend_labels(labels)
             if raw_differs:
                 info = _state.point(FC_RAW_TAP)
                 info["calls"] += 1
@@ -450,6 +453,8 @@ def _attach_draft(recorder: Recorder, draft: torch.nn.Module, fc_owner: torch.nn
 
     recorder.keep_handle(fc_owner.register_forward_pre_hook(owner_pre_hook, with_kwargs=True))
     recorder.keep_handle(fc.register_forward_pre_hook(fc_pre_hook, with_kwargs=True))
+    # record --draft-chain: its owner pre-hook runs after owner_pre_hook, which hands it each extend's labels
+    chain = None if mtp else attach_sglang_chain(recorder, _state, draft, fc_owner, fc)
     publish_meta(_state, recorder)
     return True
 
@@ -561,6 +566,7 @@ def record_warnings(command: Sequence[str], desc: dict[str, Any]) -> list[str]:
     for tap, n in lost_in_graphs.items():
         out.append(f"sglang: {n} rows of {tap} were computed inside CUDA-graph replays whose tensors do not hold "
                    "them: add --disable-cuda-graph to record them")
+    out.extend(chain_warnings(taps, graphs))
     if "--disable-radix-cache" not in flag and (rows.get(AUX_TAP) or rows.get(FC_TAP)):
         out.append("sglang: the radix cache was on: prefixes already cached (shared prompts, re-sent sequences) are "
                    "not forwarded again and have no rows; add --disable-radix-cache for full coverage")

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from tracediff.adapters.sglang_labels import capturing_graph, draft_labels
+from tracediff.adapters.sglang_labels import capturing_graph, draft_labels, mode_name
 from tracediff.adapters.sglang_provenance import publish_meta, target_provenance
 from tracediff.record.recorder import Recorder
 
@@ -65,6 +65,7 @@ class _Draft:
     fc_tap: str
     raw_tap: str | None  # set when norm_before_fc / fc_norm make the fc input differ from the raw rows
     width: int  # spec_info.hidden_states width of a draft-extend forward
+    exposed: bool = True  # False: the fc input is built inside the graph (an MTP head's eh_proj input)
 
 
 @dataclass
@@ -85,14 +86,19 @@ class GraphReplays:
                                                          "hidden_states of the LogitsProcessorOutput a target "
                                                          "graph replay returns"))
 
-    def add_draft(self, recorder: Recorder, fc_tap: str, raw_tap: str | None, width: int) -> None:
-        self.drafts[recorder] = _Draft(fc_tap, raw_tap, width)
+    def add_draft(self, recorder: Recorder, fc_tap: str, raw_tap: str | None, width: int, *, mtp: bool = False) -> None:
+        """``mtp``: an MTP head, whose ``eh_proj`` input (``enorm(embed) | hnorm(h)``) is built inside the graph."""
+        self.drafts[recorder] = _Draft(fc_tap, raw_tap, width, exposed=not mtp)
         replay = "forward_batch.spec_info.hidden_states going into a draft-extend graph replay"
-        recorder.declare(fc_tap, capture_path=_capture_path("forward pre-hook of the draft's fc", replay
-                                                            if raw_tap is None else "not exposed (normed inside "
-                                                            "the graph): counted lost, the raw rows in " + raw_tap))
+        if mtp:
+            replay = "not exposed (eh_proj's input is built inside the graph): counted lost"
+        elif raw_tap is not None:
+            replay = "not exposed (normed inside the graph): counted lost, the raw rows in " + raw_tap
+        recorder.declare(fc_tap, capture_path=_capture_path("forward pre-hook of the draft's fc", replay))
         if raw_tap is not None:
-            recorder.declare(raw_tap, capture_path=_capture_path("forward pre-hook of the draft's fc owner", replay))
+            recorder.declare(raw_tap, capture_path=_capture_path(
+                "forward pre-hook of the draft's fc owner",
+                "forward_batch.spec_info.hidden_states going into a draft-extend graph replay"))
 
 
 def _capture_path(hook: str, replay: str) -> dict[str, str]:
@@ -161,7 +167,7 @@ def _before(runner: Any, batch: Any) -> _Plan | None:
         if not draft:
             return _Plan(replays, runner, batch, False, (state.step,)) if replays.targets else None
         hidden = getattr(getattr(batch, "spec_info", None), "hidden_states", None)
-        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[0] == 0:
+        if mode_name(batch) in ("DECODE", "IDLE") or not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[0] == 0:
             return None
         taps = [(rec, d) for rec, d in list(replays.drafts.items()) if d.width == hidden.shape[-1] and rec.enabled]
         if not taps:
@@ -175,7 +181,8 @@ def _before(runner: Any, batch: Any) -> _Plan | None:
         plan.captures = [(rec, d, hidden, labels) for rec, d in taps]
         return plan
     except Exception as exc:  # noqa: BLE001  (never raise into SGLang)
-        _stop(replays, "fc_in" if draft else replays.aux_tap, exc, batch)
+        drafts = list(replays.drafts.values())
+        _stop(replays, drafts[0].fc_tap if draft and drafts else replays.aux_tap, exc, batch)
         return None
 
 
@@ -210,14 +217,13 @@ def _record_target(plan: _Plan, output: Any) -> None:
         replays.aux_width is not None and aux.shape[-1] == replays.aux_width
     info = replays.state.point(replays.aux_tap)
     for recorder in list(replays.targets):
-        if info["skipped"] is not None:
-            return
         before = info["rows"]
-        # Steps and the draft's first tokens advance as in the hook path, rows or not.
+        # Steps and the draft's first tokens advance as in the hook path, rows or not (after an error there,
+        # the rows are counted lost).
         assert replays.target_rows is not None
         replays.target_rows(recorder, input_ids, batch, aux[:rows] if ok else None, model)
         info[f"{GRAPH_PATH}_rows"] = info.get(f"{GRAPH_PATH}_rows", 0) + info["rows"] - before
-        if not ok and replays.aux_width is not None and recorder.enabled:
+        if not ok and replays.aux_width is not None and recorder.enabled and info["skipped"] is None:
             shape = "none" if not isinstance(aux, torch.Tensor) else f"shape {tuple(aux.shape)}"
             recorder.count_lost(replays.aux_tap, rows, f"the target's aux states stayed {LOST_HINT} (the replay "
                                 f"returned hidden_states {shape}, not [{rows}, {replays.aux_width}])")
@@ -230,15 +236,18 @@ def _record_draft(plan: _Plan) -> None:
         first = not state.point(draft.fc_tap)["calls"] and not (draft.raw_tap and state.point(draft.raw_tap)["calls"])
         if first:
             publish_meta(state, recorder)
-        tap = draft.raw_tap or draft.fc_tap
-        info = state.point(tap)
-        info["calls"] += 1
-        info["rows"] += rows
-        info[f"{GRAPH_PATH}_rows"] = info.get(f"{GRAPH_PATH}_rows", 0) + rows
-        recorder.capture(tap, hidden, labels=labels)
+        tap = draft.raw_tap or (draft.fc_tap if draft.exposed else None)
+        if tap is not None:
+            info = state.point(tap)
+            info["calls"] += 1
+            info["rows"] += rows
+            info[f"{GRAPH_PATH}_rows"] = info.get(f"{GRAPH_PATH}_rows", 0) + rows
+            recorder.capture(tap, hidden, labels=labels)
         if draft.raw_tap:
             recorder.count_lost(draft.fc_tap, rows, f"the fc input after norm_before_fc / fc_norm stays {LOST_HINT} "
                                 f"({draft.raw_tap} holds the raw rows)")
+        elif not draft.exposed:
+            recorder.count_lost(draft.fc_tap, rows, f"the eh_proj input (enorm(embed) | hnorm(h)) stays {LOST_HINT}")
 
 
 def _stop(replays: GraphReplays, tap: str, exc: BaseException, batch: Any) -> None:
