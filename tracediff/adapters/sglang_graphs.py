@@ -87,7 +87,7 @@ class GraphReplays:
                                                          "graph replay returns"))
 
     def add_draft(self, recorder: Recorder, fc_tap: str, raw_tap: str | None, width: int, *, mtp: bool = False) -> None:
-        """``mtp``: an MTP head, whose ``eh_proj`` input (``enorm(embed) | hnorm(h)``) is built inside the graph."""
+        """``mtp``: an MTP head, whose ``eh_proj`` input (``cat(enorm(embed), hnorm(h))``) is built inside the graph."""
         self.drafts[recorder] = _Draft(fc_tap, raw_tap, width, exposed=not mtp)
         replay = "forward_batch.spec_info.hidden_states going into a draft-extend graph replay"
         if mtp:
@@ -247,7 +247,7 @@ def _record_draft(plan: _Plan) -> None:
             recorder.count_lost(draft.fc_tap, rows, f"the fc input after norm_before_fc / fc_norm stays {LOST_HINT} "
                                 f"({draft.raw_tap} holds the raw rows)")
         elif not draft.exposed:
-            recorder.count_lost(draft.fc_tap, rows, f"the eh_proj input (enorm(embed) | hnorm(h)) stays {LOST_HINT}")
+            recorder.count_lost(draft.fc_tap, rows, f"the eh_proj input cat(enorm(embed), hnorm(h)) stays {LOST_HINT}")
 
 
 def _stop(replays: GraphReplays, tap: str, exc: BaseException, batch: Any) -> None:
