@@ -276,7 +276,7 @@ def test_a_failing_replay_path_never_raises_into_sglang_and_counts_the_rows_lost
     assert adapter.capture_summary()["fc_in"]["skipped"] == "RuntimeError: spec_info moved"
 
 
-def test_sglangs_graph_runner_classes_are_wrapped_once(target) -> None:
+def test_sglangs_graph_runner_classes_are_wrapped_once() -> None:
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
     from sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner import EAGLEDraftExtendCudaGraphRunner
 
