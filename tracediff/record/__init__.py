@@ -6,6 +6,10 @@
 * :mod:`tracediff.record.inject`: ``tracediff record -- CMD`` (the start-up shim's side: environment,
   child processes, their reports);
 * :mod:`tracediff.record.limits`: the recorder's bounds (queue bytes, rows, disk);
+* :mod:`tracediff.record.switch`: recording switched off and on at runtime (rows skipped, the history);
+  :mod:`tracediff.record.control` its controls (the 127.0.0.1 endpoint, SIGUSR1/SIGUSR2, ``--start-off``,
+  and the client of ``tracediff control``);
+* :mod:`tracediff.record.cores`: the recorder's threads placed off the cores the engine pinned;
 * :mod:`tracediff.record.calibration`: calibration rows recomputed by the target in the server's
   compute dtype (``tracediff calibrate``).
 
