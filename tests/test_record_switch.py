@@ -185,6 +185,21 @@ def test_control_command_talks_to_one_url_and_to_every_endpoint_of_a_store(tmp_p
         assert on.returncode == 0 and "switched on" in on.stdout
 
 
+def test_control_store_switches_every_recording_process_of_the_store(tmp_path: Path) -> None:
+    first = Recorder(tmp_path / "s.zarr", handle_sigterm=False, writer_name="rank0")  # two ranks of one run
+    second = Recorder(tmp_path / "s.zarr", handle_sigterm=False, writer_name="rank1", append=True)
+    try:
+        for rec in (first, second):
+            serve(rec, 0)
+        off = invoke_tracediff("control", tmp_path / "s.zarr", "off")
+        assert off.returncode == 0, off.stderr
+        assert len(off.stdout.strip().splitlines()) == 2 and "(rank0)" in off.stdout and "(rank1)" in off.stdout
+        assert not first.recording_on and not second.recording_on
+    finally:
+        first.close()
+        second.close()
+
+
 def test_control_command_names_an_endpoint_it_cannot_reach_and_exits_2(tmp_path: Path) -> None:
     with Recorder(tmp_path / "s.zarr", handle_sigterm=False):
         pass
