@@ -380,5 +380,5 @@ def test_draft_chain_without_an_adapter_that_taps_it_is_a_usage_error(tmp_path: 
                            str(tmp_path / "x.zarr"), "--", sys.executable, "-c", "pass"],
                           env=cli_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "--draft-chain taps the draft of --adapter speculators, specforge or vllm" in done.stderr
+    assert "--draft-chain taps the draft of --adapter speculators, specforge, vllm or sglang" in done.stderr
     assert not (tmp_path / "x.zarr").exists()

@@ -55,7 +55,7 @@ from tracediff.errors import TracediffError, UsageError
     click.option("--draft-chain", "draft_chain", is_flag=True,
                  help="Also tap the draft's forward in order (fc output, decoder layer input and output, final norm, "
                       "the logits' top k), every draft step labelled, so that compare names the first tap that "
-                      "diverges (speculators, SpecForge and vLLM adapters; docs/draft-chain.md)."),
+                      "diverges (speculators, SpecForge, vLLM and SGLang adapters; docs/draft-chain.md)."),
     click.option("--role", default="", help="What this recording is (trainer, server, bank...)."),
     click.option("--all-ranks", is_flag=True,
                  help="Record every tensor-parallel rank (sglang: default is attention-TP rank 0 only)."),
@@ -196,9 +196,9 @@ def record(
         check_installed(name)
     if not specs and not adapters:
         raise UsageError("nothing to record: give --tap SPEC and/or --adapter NAME")
-    if draft_chain and not {"speculators", "specforge", "vllm"} & set(adapters):
-        raise UsageError("--draft-chain taps the draft of --adapter speculators, specforge or vllm; SGLang's draft "
-                         "chain is not recorded yet (docs/draft-chain.md)")
+    if draft_chain and not {"speculators", "specforge", "vllm", "sglang"} & set(adapters):
+        raise UsageError("--draft-chain taps the draft of --adapter speculators, specforge, vllm or sglang "
+                         "(docs/draft-chain.md)")
     if segment_size is not None and segment_size <= 0:
         raise UsageError(f"--segment-size must be positive, got {segment_size}")
     labels_list = [x.strip() for x in segment_labels.split(",")] if segment_labels else None
