@@ -137,6 +137,7 @@ def test_the_endpoint_switches_and_answers_status_over_loopback(tmp_path: Path) 
         assert rec.flush()
         code, status = _http(control.url + "/status")
         assert code == 200 and status["state"] == "on" and status["rows"]["recorded"] == 3
+        assert set(status["threads"]) >= {"engine_cores", "writer_cores"}  # where the writer runs, live
         code, answer = _http(control.url + "/off", "POST", b"")
         assert code == 200 and answer["changed"] and answer["state"] == "off" and answer["by"] == "http 127.0.0.1"
         layer(torch.ones(5, 8))

@@ -150,6 +150,7 @@ class Switchable:
             "taps": taps,
             "switch": history,
             "writer": self.writer_name,  # type: ignore[attr-defined]
+            "threads": getattr(self, "threads", None),  # where the writer runs (tracediff.record.cores)
             "store": self.location.display,  # type: ignore[attr-defined]
         }
 
