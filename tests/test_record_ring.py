@@ -109,9 +109,11 @@ def test_without_ring_max_bytes_is_still_a_cap(tmp_path) -> None:
     assert steps.tolist() == [0] * ROWS + [1] * ROWS + [2] * 5 and len(writers) == 1
 
 
-def test_a_ring_needs_a_budget() -> None:
+def test_a_ring_needs_a_budget_and_a_local_store() -> None:
     with pytest.raises(UsageError, match="--max-bytes"):
         Limits(ring=True)
+    with pytest.raises(UsageError, match="URL"):  # refused before anything is written there
+        tracediff.record("s3://bucket/server.zarr", max_bytes=1 << 20, ring=True)
 
 
 RING_SCRIPT = """

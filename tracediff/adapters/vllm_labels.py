@@ -97,8 +97,8 @@ def register_prompts(sampler: Any, runner: Any, requests: tuple[list[str], list[
     """Request sampling (``--sample-requests``): each request of this drafter call decided once from
     its prompt's token ids (the model runner's ``requests[engine id].prompt_token_ids``), keyed by
     the client id its rows carry as ``seq``; the decisions of requests the runner no longer holds
-    (finished) are freed. A request whose prompt is not reachable (prompt embeddings) is decided by
-    its rows' own token ids in the recorder (:meth:`RequestSampler.row_mask`)."""
+    (finished) are freed. A request whose prompt is not reachable (prompt embeddings) is decided batch
+    by batch by its rows' own token ids in the recorder (:meth:`RequestSampler.row_mask`): not whole."""
     if sampler is None:
         return
     clients, req_ids = requests

@@ -47,6 +47,12 @@ def start(*args: Any, **kwargs: Any) -> Any:
         from tracediff.record.limits import Limits  # noqa: PLC0415
 
         kwargs["limits"] = dataclasses.replace(kwargs.get("limits") or Limits(), **keep)
+    limits = kwargs.get("limits")
+    if getattr(limits, "ring", False) and "://" in str(args[0] if args else kwargs.get("path", "")):
+        from tracediff.errors import UsageError  # noqa: PLC0415
+
+        raise UsageError("ring=True keeps a local store within max_bytes; a store at a URL cannot be a ring: "
+                         "record into a local folder (tracediff push uploads it)")
     adapter = kwargs.get("adapter")
     if adapter:
         from tracediff.adapters import adapter_names, attach_in_process  # noqa: PLC0415
