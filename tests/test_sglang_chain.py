@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import skip_unless_installed
@@ -59,7 +60,8 @@ def _fresh_adapter_state(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def target():
+def models():
+    """The target as transformers runs it (the trainer's side) and as SGLang runs it (the server's)."""
     from sglang.srt.models.llama import LlamaForCausalLM
     from transformers import LlamaForCausalLM as HFLlama
 
@@ -70,7 +72,12 @@ def target():
     model = LlamaForCausalLM(config)
     model.load_weights(hf.state_dict().items())
     model.set_eagle3_layers_to_capture(LAYER_IDS)
-    return model
+    return hf, model
+
+
+@pytest.fixture(scope="module")
+def target(models):
+    return models[1]
 
 
 def make_draft(**change: object):
@@ -245,3 +252,71 @@ def test_record_accepts_the_sglang_adapter_with_draft_chain_and_names_the_graph_
     assert adapter.record_warnings([*server, "--disable-cuda-graph"], {"taps": taps}) == []
     no_chain = {tap: info for tap, info in taps.items() if not tap.startswith("draft_")}
     assert adapter.record_warnings(server, {"taps": no_chain}) == []
+
+
+# ------------------------------------------------------------------------------- trainer vs server
+def _checkpoint_drafts(root: Path, hf: Any) -> tuple[Any, Any]:
+    """One EAGLE-3 checkpoint (tracediff.testing.eagle3) loaded by SGLang's ``load_weights`` and by
+    speculators' ``Eagle3DraftModel``, both with the target's embedding (as SGLang's worker sets it)."""
+    from safetensors.torch import load_file
+    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
+
+    from tracediff.testing.eagle3 import write_eagle3_draft
+
+    spec = write_eagle3_draft(root / "draft", hf.config, LAYER_IDS, where="eagle_config", draft_vocab_size=DRAFT_VOCAB,
+                              naming="layers.0", seed=5)
+    weights = load_file(str(spec.path / "model.safetensors"))
+    embed = hf.model.embed_tokens.weight.detach().clone()
+    served = LlamaForCausalLMEagle3(LlamaConfig(**spec.config))
+    served.load_weights(weights.items())
+    with torch.no_grad():
+        served.model.embed_tokens.weight.copy_(embed)
+    cfg = spec.config
+    layer = LlamaConfig(**{k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                               "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
+                                               "max_position_embeddings")},
+                        num_hidden_layers=1, rope_theta=cfg["rope_theta"])
+    layer._attn_implementation = "sdpa"
+    trainer = Eagle3DraftModel(Eagle3SpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=DRAFT_VOCAB, eagle_aux_hidden_state_layer_ids=LAYER_IDS,
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=STEPS)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]))))
+    missing, unexpected = trainer.load_state_dict({**weights, "embed_tokens.weight": embed}, strict=False)
+    assert not unexpected and set(missing) <= {"verifier_lm_head.weight", "verifier_norm.weight"}, (missing, unexpected)
+    return served, trainer.eval()
+
+
+@pytest.mark.slow
+def test_the_trainers_chain_of_the_same_checkpoint_matches_sglangs_at_step_0_only(tmp_path: Path, models) -> None:
+    skip_unless_installed("speculators", reason="speculators is not installed (requirements/frameworks-trainers.sh)")
+    from tracediff.adapters import speculators as speculators_adapter
+
+    hf, target = models
+    served, trainer = _checkpoint_drafts(tmp_path, hf)
+    server = record_server(tmp_path / "server.zarr", target, served)
+    train = tmp_path / "train.zarr"
+    with Recorder(train, draft_chain=True, role="trainer") as rec, torch.no_grad():
+        assert speculators_adapter.attach(rec, trainer)
+        for seq, sampled in zip(SEQS, SAMPLED, strict=True):
+            ids = torch.tensor([*seq, sampled])  # the draft-extend rows: x_p at p, input x_{p+1}, the last sampled
+            states = hf(ids[None], output_hidden_states=True).hidden_states
+            aux = torch.cat([states[i + 1] for i in LAYER_IDS], -1)  # SGLang id i = HF hidden_states[i + 1]
+            n = ids.numel()
+            trainer(hidden_states=aux[:, :-1], input_ids=ids[None, 1:], document_ids=torch.zeros(1, n - 1, dtype=torch.long),
+                    position_ids=torch.arange(1, n)[None], ttt_steps=2)
+    done, report = _compare(train, server)
+    step0 = {x["tap_candidate"]: x for x in report["chain"] if x["step"] == 0}
+    assert {tap: x["status"] for tap, x in step0.items()} == {chain_tap(p, 0): "match" for p in POINTS}, \
+        [(x["tap_candidate"], x["status"], x["found"]) for x in step0.values()]
+    # every row but each sequence's first: speculators' trainer never sees x_0 (its input is ids[1:])
+    assert {x["rows"] for x in step0.values()} == {sum(len(s) for s in SEQS) - len(SEQS)}
+    later = [x for x in report["chain"] if x["step"] >= 1 and x["tap_reference"] and x["tap_candidate"]]
+    assert later and {x["status"] for x in later} == {"not_comparable"}  # teacher forced against proposals
+    assert not [f for f in report["findings"] if f["kind"] == "draft_chain"]
+    assert done.returncode == 0, done.stdout + done.stderr
