@@ -86,8 +86,12 @@ def make_draft(**change: object):
     from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
 
     norm_scale = change.pop("norm_weight", None)
+    theta = change.pop("rope_theta", None)
     config = h.llama_config(1, hidden=H, vocab=VOCAB, draft_vocab_size=DRAFT_VOCAB,
                             eagle_config={"eagle_aux_hidden_state_layer_ids": LAYER_IDS}, **change)
+    if theta is not None:  # SGLang reads rope_parameters first (transformers 5 configs hold it)
+        config.rope_parameters = {**(getattr(config, "rope_parameters", None) or {}), "rope_type": "default",
+                                  "rope_theta": float(theta)}
     draft = LlamaForCausalLMEagle3(config)
     h.init_params(draft, seed=1)
     hot = HOT
@@ -149,6 +153,8 @@ def stores(tmp_path_factory: pytest.TempPathFactory, target) -> dict[str, Path]:
     out["a_again"] = record_server(root / "a_again.zarr", target, make_draft())
     adapter._state = adapter._Process()
     out["norm"] = record_server(root / "norm.zarr", target, make_draft(norm_weight=1.5))
+    adapter._state = adapter._Process()
+    out["rope"] = record_server(root / "rope.zarr", target, make_draft(rope_theta=1e6))
     return out
 
 
@@ -235,6 +241,16 @@ def test_a_final_norm_weight_changed_in_the_draft_is_named_at_the_final_norm(sto
     assert status == {**{(chain_tap(p, k), k): "match" for k in range(STEPS) for p in POINTS
                          if k == 0 or p not in ("fc_in", "fc_out")},
                       **{(chain_tap("norm_out", k), k): "diverged" for k in range(STEPS)}}
+
+
+@pytest.mark.slow
+def test_a_rope_theta_changed_in_the_draft_is_named_at_the_decoder_layer(stores) -> None:
+    done, report = _compare(stores["a"], stores["rope"])
+    assert done.returncode == 1, done.stdout + done.stderr
+    roots = [f for f in report["findings"] if f["kind"] == "draft_chain" and not f["evidence"].get("explained_by")]
+    assert len(roots) == 1, [f["message"] for f in report["findings"]]
+    assert (roots[0]["evidence"]["tap_candidate"], roots[0]["evidence"]["step"]) == ("draft_layer_out", 0)
+    assert roots[0]["evidence"]["matched_before"] == ["fc_in", "draft_fc_out", "draft_layer_in"]
 
 
 def test_record_accepts_the_sglang_adapter_with_draft_chain_and_names_the_graph_replay_limit(stores) -> None:
