@@ -102,7 +102,7 @@ def make_draft(**change: object):
     return draft
 
 
-def serve_round(target, draft, topk: int = 1) -> None:
+def serve_round(target, draft, topk: int = 1) -> torch.Tensor:
     """One prefill, its draft extend and the draft decode forwards of one speculative round."""
     from sglang.srt.speculative.eagle_info import EagleDraftExtendInput, EagleDraftInput
     from sglang.srt.speculative.spec_utils import select_top_k_tokens
@@ -131,6 +131,7 @@ def serve_round(target, draft, topk: int = 1) -> None:
         topk_p, topk_index = torch.topk(torch.softmax(logits.next_token_logits, -1), topk, dim=-1)
         topk_index = draft.hot_token_id[topk_index]
         hidden = logits.hidden_states
+    return logits.next_token_logits
 
 
 def record_server(path: Path, target, draft, topk: int = 1) -> Path:
@@ -336,3 +337,28 @@ def test_the_trainers_chain_of_the_same_checkpoint_matches_sglangs_at_step_0_onl
     assert later and {x["status"] for x in later} == {"not_comparable"}  # teacher forced against proposals
     assert not [f for f in report["findings"] if f["kind"] == "draft_chain"]
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_draft_decode_rows_that_cannot_be_labelled_are_counted_lost_and_serving_goes_on(
+        tmp_path: Path, target, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tracediff.adapters import sglang_chain
+
+    expected = serve_round(target, make_draft())
+
+    def moved(batch: object) -> None:
+        raise AttributeError("'ForwardBatch' object has no attribute 'rids'")
+
+    monkeypatch.setattr(sglang_chain, "request_keys", moved)  # SGLang internals moved (draft decode labels)
+    with Recorder(tmp_path / "server.zarr", role="server", draft_chain=True) as rec:
+        draft = make_draft()
+        assert adapter.attach(rec, target) and adapter.attach(rec, draft)
+        got = serve_round(target, draft)
+        assert rec.enabled and rec.error is None
+    assert torch.equal(got, expected)
+    taps = rec.outcome()["taps"]
+    assert taps["draft_norm_out"]["rows"] == sum(len(s) for s in SEQS)  # step 0 labels come from the fc rows
+    for step in (1, 2):
+        for point in ("layer_in", "layer_out", "norm_out", "logits_topk"):
+            outcome = taps[chain_tap(point, step)]
+            assert (outcome["rows"], outcome["dropped_rows"]) == (0, len(SEQS)), (point, step, outcome)
+            assert "not labelled after an error: AttributeError" in outcome["drop_reason"]
