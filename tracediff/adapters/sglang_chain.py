@@ -206,7 +206,9 @@ class SglangChain:
             if call["step"] == 0:
                 self._dense_logits(call, normed)
 
-        self._guard("final norm", ("layer_out", "norm_out"), body)
+        points = ("layer_out", "norm_out", "logits_topk") if self.call is not None and self.call["step"] == 0 else \
+            ("layer_out", "norm_out")
+        self._guard("final norm", points, body)
 
     def _on_logits(self, _mod: torch.nn.Module, _args: tuple, output: Any) -> None:
         def body(call: dict[str, Any]) -> None:
@@ -252,11 +254,14 @@ class SglangChain:
                 or _capturing(normed):
             self._capture(call, "logits_topk", "lm_head", None)
             return
+        vocab = vocab if isinstance(vocab, int) and vocab > 0 else None
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[-1] != normed.shape[-1] \
-                or not weight.is_floating_point() or (isinstance(vocab, int) and weight.shape[0] != vocab):
+                or not weight.is_floating_point() or getattr(head, "tp_size", 1) != 1 \
+                or (vocab is not None and weight.shape[0] < vocab):
             self.recorder.count_lost(tap_name("logits_topk", 0), rows, "the draft's lm_head is vocab-parallel or "
                                      "quantised: step 0's logits at every row are not computed")
             return
+        weight = weight[:vocab] if vocab is not None else weight  # SGLang pads the vocabulary to a multiple of 64
         scale = getattr(self.processor, "logit_scale", None)
         cap = getattr(self.processor, "final_logit_softcapping", None)
         parts = []
