@@ -182,8 +182,9 @@ def test_control_command_talks_to_one_url_and_to_every_endpoint_of_a_store(tmp_p
         assert status.returncode == 0, status.stderr
         (answer,) = json.loads(status.stdout)["endpoints"]
         assert answer["state"] == "off" and answer["rows"]["switched_off"] == 4
-        on = invoke_tracediff("control", control.url, "on")
+        on = invoke_tracediff("control", control.url, "on", "--json", tmp_path / "on.json")
         assert on.returncode == 0 and "switched on" in on.stdout
+        assert json.loads((tmp_path / "on.json").read_text())["endpoints"][0]["changed"] is True
 
 
 def test_control_store_switches_every_recording_process_of_the_store(tmp_path: Path) -> None:

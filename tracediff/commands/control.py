@@ -78,6 +78,8 @@ def control(target: str, action: str, timeout: float, json_path: Path | None) ->
         click.echo(f"tracediff: error: {error}", err=True)
     if unwritten is not None:
         raise unwritten
+    if json_path is not None and not out:
+        click.echo(f"tracediff control: wrote the JSON result {json_path}", err=True)
     sys.exit(2 if errors else 0)
 
 
