@@ -311,7 +311,7 @@ def report(runs: dict[str, list[dict[str, Any]]], left_out: list[str], args: arg
             f"| {', '.join(str(r['exit']) for r in rs)} |")
     if left_out:
         lines += ["", f"Left out (this tracediff's record has no such option): {', '.join(left_out)}."]
-    lines += ["", "Recorded requests count the fc_in tap's sequences; a sampled run records the requests whose "
+    lines += ["", "Recorded requests count the fc_in tap's sequences, the two warm-up requests included; a sampled run records the requests whose "
               "prompt hash falls under the rate (the same prompts every run)."]
     return "\n".join(lines) + "\n"
 

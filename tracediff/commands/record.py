@@ -365,6 +365,10 @@ def record(
         click.echo(f"tracediff: error: recording lost rows (above); exit code {code}, the command itself "
                    f"exited with code {returncode}", err=True)
         sys.exit(code)
+    if no_tap_fired and _switched_off_rows(desc):
+        # Off the whole time is what was asked for (--start-off, never switched on): said, not an error.
+        click.echo(f"tracediff: note: {_never_fired(specs, adapters, desc)}", err=True)
+        sys.exit(returncode)
     if no_tap_fired:
         click.echo(f"tracediff: error: {_never_fired(specs, adapters, desc)}; exit code 2, the command itself exited with "
                    f"code 0", err=True)
@@ -377,11 +381,16 @@ def record(
     sys.exit(returncode)
 
 
+def _switched_off_rows(desc: dict[str, Any]) -> int:
+    """Rows the store's writers skipped while recording was switched off."""
+    return sum(int((w.get("skip_reasons") or {}).get("switched off") or 0)
+               for info in desc["taps"].values() for w in info["writers"])
+
+
 def _never_fired(specs: list[Any], adapters: tuple[str, ...], desc: dict[str, Any]) -> str:
     """The one line of a run that recorded no row although its command succeeded (``desc``: the
     store's description: rows skipped while recording was switched off say why)."""
-    off = sum(int((w.get("skip_reasons") or {}).get("switched off") or 0)
-              for info in desc["taps"].values() for w in info["writers"])
+    off = _switched_off_rows(desc)
     if off:
         return (f"no row was recorded: recording was switched off the whole time ({off:,} rows skipped while off: "
                 f"--start-off, tracediff control STORE off, SIGUSR2); switch it on with tracediff control STORE on "
