@@ -51,6 +51,16 @@ def chain_attrs(point: str, step: int, step_inputs: str = TEACHER_FORCED, **extr
             "step_inputs": step_inputs, **extra}
 
 
+def declare_chain_tap(recorder: Recorder, name: str, point: str, step: int, *, hidden: int, module: str,
+                      compute_dtype: str, step_inputs: str = TEACHER_FORCED, **attrs: Any) -> None:
+    """Declare one chain tap (on its first rows: a draft's step count is known only as it runs): its
+    width in segments of ``hidden`` (the logits' top k are one row of values and ids), the decoder
+    layer input's two halves, where it sits in the forward, the dtype the draft computed it in."""
+    recorder.declare(name, segment_size=hidden if point != "logits_topk" else None, module=module,
+                     segment_labels=["embedding", "hidden_state"] if point == "layer_in" else None,
+                     chain=chain_attrs(point, step, step_inputs), compute_dtype=compute_dtype, **attrs)
+
+
 class DraftSteps:
     """Which step of a multi-step draft forward is running: reset when ``fc`` runs (once a forward,
     before any decoder layer), advanced each time the first decoder layer is entered."""
@@ -114,10 +124,8 @@ def attach_chain(recorder: Recorder, *, fc: torch.nn.Module, first_layer: torch.
         step = max(steps.step, 0)
         name = tap_name(point, step)
         if name not in declared:  # declared on first use: a draft's step count is known only as it runs
-            recorder.declare(name, segment_size=hidden if point != "logits_topk" else None, module=module_path,
-                             segment_labels=["embedding", "hidden_state"] if point == "layer_in" else None,
-                             phase="train", chain=chain_attrs(point, step),
-                             compute_dtype=attrs.pop("compute_dtype", str(tensor.dtype).removeprefix("torch.")), **attrs)
+            declare_chain_tap(recorder, name, point, step, hidden=hidden, module=module_path, phase="train",
+                              compute_dtype=attrs.pop("compute_dtype", str(tensor.dtype).removeprefix("torch.")), **attrs)
             declared.add(name)
         recorder.capture(name, tensor)
 

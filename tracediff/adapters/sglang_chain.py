@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracediff.adapters._chain import PROPOSED, chain_attrs, tap_name, topk_row
+from tracediff.adapters._chain import PROPOSED, chain_attrs, declare_chain_tap, tap_name, topk_row
 from tracediff.adapters.sglang_labels import HEALTH_CHECK_PREFIX, capturing_graph, request_keys
 from tracediff.adapters.sglang_provenance import server_args
 from tracediff.record.recorder import Recorder
@@ -292,11 +292,9 @@ class SglangChain:
             return
         if name not in self.declared:  # declared on first use: the step count is known only as the draft runs
             extra: dict[str, Any] = {"rows_per_request": call.get("per"), "topk": self.topk} if step else {}
-            self.recorder.declare(
-                name, segment_size=self.hidden if point != "logits_topk" else None,
-                segment_labels=["embedding", "hidden_state"] if point == "layer_in" else None,
-                module=f"{self.prefix}.{where}", chain=chain_attrs(point, step, PROPOSED),
-                compute_dtype=dtype or _dtype(tensor), graph_replay=GRAPH_NOTE, **extra, **attrs)
+            declare_chain_tap(self.recorder, name, point, step, hidden=self.hidden, module=f"{self.prefix}.{where}",
+                              step_inputs=PROPOSED, compute_dtype=dtype or _dtype(tensor), graph_replay=GRAPH_NOTE,
+                              **extra, **attrs)
             self.declared.add(name)
         self.recorder.capture(name, tensor[:rows], labels=call["labels"], fresh=fresh)
 

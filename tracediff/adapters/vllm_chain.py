@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from tracediff.adapters._chain import PROPOSED, chain_attrs, tap_name, topk_row
+from tracediff.adapters._chain import PROPOSED, chain_attrs, declare_chain_tap, tap_name, topk_row
 from tracediff.record.recorder import Recorder
 
 log = logging.getLogger("tracediff")
@@ -239,11 +239,8 @@ class VllmChain:
         if _capturing(tensor):
             return
         if name not in self.declared:  # declared on first use: the step count is known only as the draft runs
-            self.recorder.declare(
-                name, segment_size=self.hidden if point != "logits_topk" else None,
-                segment_labels=["embedding", "hidden_state"] if point == "layer_in" else None,
-                module=f"{self.prefix}.{where}", chain=chain_attrs(point, step, PROPOSED),
-                compute_dtype=dtype or _dtype(tensor), **attrs)
+            declare_chain_tap(self.recorder, name, point, step, hidden=self.hidden, module=f"{self.prefix}.{where}",
+                              step_inputs=PROPOSED, compute_dtype=dtype or _dtype(tensor), **attrs)
             self.declared.add(name)
         self.recorder.capture(name, tensor[:rows], labels=labels or call["step_labels"], fresh=fresh)
 
