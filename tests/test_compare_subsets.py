@@ -99,14 +99,16 @@ def traces(request, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     draft = DraftHead(64, 3)
     with tracediff.record(root / "insertion.zarr", role="insertion", on_full="block") as rec:
         rec.tap(draft.fc, "fc_in", segment_size=64)
+        # (in the prompt: a real engine's decode rows hold what it generated, where other tokens are a
+        # generation that diverged, not an insertion: compare/align/rowpairs.py)
         run_engine(bf16, draft, inserted, REF, dtype=torch.bfloat16, on_batch=lambda lab: rec.labels(**lab),
-                   max_running=3)
+                   max_running=3, prefill_len=lambda i, seq: 16)
     out["insertion"] = root / "insertion.zarr"
     draft = DraftHead(64, 3)
     with tracediff.record(root / "deletion.zarr", role="deletion", on_full="block") as rec:
         rec.tap(draft.fc, "fc_in", segment_size=64)
         run_engine(bf16, draft, [seq[:12] + seq[15:] for seq in seqs], REF, dtype=torch.bfloat16,
-                   on_batch=lambda lab: rec.labels(**lab), max_running=3)
+                   on_batch=lambda lab: rec.labels(**lab), max_running=3, prefill_len=lambda i, seq: 16)
     out["deletion"] = root / "deletion.zarr"
 
     def radix_hit(labels: dict) -> dict:

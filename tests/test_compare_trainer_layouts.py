@@ -157,8 +157,10 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out["ending_server"] = _record(root / "ending_server.zarr", run_engine, bf16, ending, torch.bfloat16,
                                    max_running=3)
     inserted = [s[:8] + [77, 78] + s[8:] for s in ending]
+    # The insertion is in the prompt (a template's tokens): a real engine's decode rows hold what it generated,
+    # where other tokens are a generation that diverged, not an insertion (compare/align/rowpairs.py).
     out["ending_inserted"] = _record(root / "ending_inserted.zarr", run_engine, bf16, inserted, torch.bfloat16,
-                                     max_running=3)
+                                     max_running=3, prefill_len=lambda i, s: max(12, len(s) // 2))
     out["ending_sequences"] = len(ending)
     return out
 
@@ -242,3 +244,4 @@ def test_a_real_insertion_mid_sequence_is_still_an_insertion(layouts):
     found = [f for f in report.findings if f.kind == "sequence_insertion"]
     assert found and found[0].severity == "error", messages(report)
     assert found[0].evidence["sequences"] == layouts["ending_sequences"]
+

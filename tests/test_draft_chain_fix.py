@@ -42,6 +42,7 @@ def test_a_chain_root_cause_gets_a_fix_box_saying_where_in_the_draft(tmp_path: P
     assert f"draft_{point}" in fix["target_from"]
     assert words in fix["steps"][0]["text"]
     assert fix["config_can_fix"] is False and fix["value"] is None
+    assert report.record_next is None  # the fix box says where to look: nothing about aux-layer ids to record
     text = render_text(report)
     assert "Fix: in the candidate's draft (its checkpoint, config or code), not its inputs" in text
     assert words in text

@@ -3,8 +3,9 @@
 ``tracediff record --adapter vllm --draft-chain -- python -m vllm.entrypoints.openai.api_server ...``
 serves the tiny target of tests/vllm_harness.py with a one-layer EAGLE-3 draft (3 draft tokens a
 step: draft steps 0, 1, 2), ``tracediff send`` replays the trainer's sequences, the server is
-stopped through the pid of the ``tracediff record`` process we started. Three servers, each once:
-the draft ``a``, the same draft ``a`` again, and ``b``: ``a`` with its final norm weight rescaled. The trainer side is speculators' own ``Eagle3DraftModel`` holding draft ``a``'s weights
+stopped through the pid of the ``tracediff record`` process we started. Four servers, each once:
+the draft ``a``, the same draft ``a`` again, ``b``: ``a`` with its final norm weight rescaled, and
+``c``: ``a`` with the final norm weight of another checkpoint (other proposals). The trainer side is speculators' own ``Eagle3DraftModel`` holding draft ``a``'s weights
 (the target's embedding, as vLLM shares it), run teacher forced over the same sequences with the
 target's aux hidden states, recorded by the speculators adapter with ``--draft-chain``.
 """
@@ -53,6 +54,22 @@ def _rescaled_norm(src: Path, dst: Path) -> Path:
     return dst
 
 
+def _other_norm(src: Path, dst: Path) -> Path:
+    """Draft ``src`` with the final norm weight of another checkpoint (a fresh draw per channel): its
+    proposals differ, so the two servers verify other drafts and their generations may part."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    gen = torch.Generator().manual_seed(123)
+    weights["norm.weight"] = torch.rand(weights["norm.weight"].shape, generator=gen) * 1.5 + 0.25
+    save_file(weights, str(dst / "model.safetensors"))
+    return dst
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from tracediff.testing.tiny_llama import make_sequences
@@ -64,7 +81,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     h.record_trainer(root / "train.zarr", tl, LAYERS, seqs)
     draft_a = h.build_draft(root, "draft_a", tl, [2, 4, 5], "top")
     return {"root": root, "python": python, "tl": tl, "seqs": seqs, "train": root / "train.zarr", "draft_a": draft_a,
-            "draft_b": _rescaled_norm(draft_a, root / "draft_b")}
+            "draft_b": _rescaled_norm(draft_a, root / "draft_b"), "draft_c": _other_norm(draft_a, root / "draft_c")}
 
 
 def _serve(models: dict[str, Any], name: str, draft: Path) -> dict[str, Any]:
@@ -90,7 +107,7 @@ def _serve(models: dict[str, Any], name: str, draft: Path) -> dict[str, Any]:
 def served(models: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each server variant recorded once: the draft a, a again, b (a's final norm weight rescaled)."""
     return {name: _serve(models, name, models[draft]) for name, draft in
-            (("a", "draft_a"), ("a_again", "draft_a"), ("b", "draft_b"))}
+            (("a", "draft_a"), ("a_again", "draft_a"), ("b", "draft_b"), ("c", "draft_c"))}
 
 
 def _compare(models: dict[str, Any], ref: Path, cand: Path, name: str) -> tuple[subprocess.CompletedProcess[str], dict]:
@@ -157,6 +174,20 @@ def test_a_rescaled_final_norm_weight_is_named_at_the_final_norm(models, served)
     # The next step reads the state before the norm and the same proposals: it matches up to its own norm.
     assert (status[("draft_layer_in_s1", 1)], status[("draft_norm_out_s1", 1)]) == ("match", "diverged")
     assert "not_comparable" not in status.values()  # two servers: every step pairs
+
+
+def test_a_final_norm_of_another_checkpoint_is_named_even_when_the_generations_part(models, served) -> None:
+    """Other proposals, so other verified drafts: where the two servers' generated tokens part, the
+    rows from there on are left out (a warning), never a tokens-missing root cause that hides the
+    draft (it did: sequence_insertion, 'a chat-template difference', for this pair)."""
+    done, report = _compare(models, served["a"]["store"], served["c"]["store"], "a_c")
+    assert done.returncode == 1, done.stdout + done.stderr
+    errors = [f for f in report["findings"] if f["severity"] == "error" and not f["evidence"].get("explained_by")]
+    assert [(f["kind"], f["evidence"].get("tap_candidate")) for f in errors] == [("draft_chain", "draft_norm_out")], \
+        [f["message"] for f in report["findings"]]
+    assert all(f["severity"] == "warning" and f["evidence"]["kind"] == "generation"
+               for f in report["findings"] if f["kind"] == "sequence_insertion")
+    assert report["fix"]["how"] == "draft" and report["record_next"] is None
 
 
 def test_the_same_draft_served_twice_matches_at_every_tap(models, served) -> None:

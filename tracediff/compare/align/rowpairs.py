@@ -24,6 +24,7 @@ from tracediff.compare.align.sequences import (
 )
 from tracediff.compare.rows.gather import usable_cpus
 from tracediff.compare.rows.index import COMPACT_BOUND, index_dtype
+from tracediff.store import PHASES
 
 
 @dataclass
@@ -145,7 +146,56 @@ def pair_rows(alignment: Alignment, offset: int = 0, candidate_groups: Sequence[
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-    return _made_pairs(alignment, offset, written, tally)
+    return cut_diverged_generations(_made_pairs(alignment, offset, written, tally), alignment)
+
+
+#: Phases of rows whose token the engine generated (its own choice), not the prompt's.
+GENERATED_PHASES = frozenset(PHASES.index(p) for p in ("draft_extend", "decode", "verify"))
+
+
+def cut_diverged_generations(pairs: RowPairs, alignment: Alignment) -> RowPairs:
+    """An insertion or deletion at a candidate row the engine generated (phase decode, verify or
+    draft_extend: its token is the engine's own choice, not the prompt's) is where two generations
+    diverge (another draft or numerics flipping a near tie), never a template difference (when every
+    prompt row of the sequence is paired: an unpaired prompt row is a template's tokens): from
+    there on, the rows of that sequence pair only by chance with shifted rows of another context.
+    They are left unpaired (counted unaligned), the insertion is kept marked ``generated``, and the
+    sequence's later insertions (artefacts of that chance pairing) are dropped."""
+    cand = alignment.candidate
+    cuts: dict[int, int] = {}
+    for ins in pairs.insertions:
+        g = alignment.cand_groups.get(ins["group"])
+        if g is None or ins["group"] in cuts:
+            continue
+        at = int(np.searchsorted(g.positions, ins["position"]))
+        if at >= g.size or int(cand.phase[g.rows[at]]) not in GENERATED_PHASES:
+            continue
+        # Every prompt row of the sequence paired: the tokens part in what the engine generated. A
+        # prompt row left unpaired is a template's tokens, whichever later row the boundary fell on
+        # (repeated tokens let the alignment place it a few positions late).
+        prompt = ~np.isin(cand.phase[g.rows], list(GENERATED_PHASES))
+        if np.isin(g.rows[prompt], pairs.candidate).all():
+            cuts[int(ins["group"])] = int(ins["position"])
+    if not cuts:
+        return pairs
+    groups = np.asarray(cand.group[pairs.candidate], dtype=np.int64)
+    position = np.asarray(cand.position[pairs.candidate], dtype=np.int64)
+    limit = np.full(max(len(cand.group_keys), 1), np.iinfo(np.int64).max, dtype=np.int64)
+    for group, at in cuts.items():
+        limit[group] = at
+    drop = position >= limit[groups]
+    kept: list[dict] = []
+    for ins in pairs.insertions:
+        at = cuts.get(int(ins["group"]))
+        if at is None:
+            kept.append(ins)
+        elif int(ins["position"]) == at and not any(k is ins for k in kept):
+            kept.append({**ins, "generated": True})
+    pairs.candidate, pairs.reference = pairs.candidate[~drop], pairs.reference[~drop]
+    pairs.unaligned += int(drop.sum())
+    pairs.insertions = kept
+    pairs.distinct_reference = -1
+    return pairs
 
 
 @dataclass

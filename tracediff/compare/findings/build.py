@@ -37,7 +37,9 @@ def build_findings(
     out += _label_findings(report)
     if segplan is not None:
         out += segment_findings(report, segplan, stream, ref_aux, cand_aux, bank,
-                                next((f for f in out if f.kind in ("sequence_prefix", "sequence_insertion")), None),
+                                # (diverged generations are cut from the pairs: they explain no value)
+                                next((f for f in out if f.kind in ("sequence_prefix", "sequence_insertion")
+                                      and f.evidence.get("kind") != "generation"), None),
                                 subsets or {})
     out += _nonfinite_findings(report, alignment, pairs, stream)
     out += _coverage_findings(report, pairs)
@@ -231,8 +233,22 @@ def _coverage_findings(report: Report, pairs: RowPairs) -> list[Finding]:
 def _insertion_findings(alignment: Alignment, pairs: RowPairs) -> list[Finding]:
     """Tokens inserted into (or deleted from) the middle of candidate sequences, one finding per kind."""
     out: list[Finding] = []
+    generated = [i for i in pairs.insertions if i.get("generated")]
+    if generated:
+        positions = sorted({i["position"] for i in generated})
+        seqs = sorted({alignment.candidate.group_keys[i["group"]] for i in generated})
+        out.append(Finding(
+            "sequence_insertion", "warning",
+            f"{len(seqs)} candidate sequence(s) generate other tokens than the reference from position "
+            f"{positions[0] if len(positions) == 1 else positions[:8]} on, in rows the engine generated (its own "
+            f"choice, not the prompt: another draft, or numerics flipping a near tie): the rows from there on see "
+            f"another context and are left out of the compare. The prompt rows decide; to compare more rows, "
+            f"record both sides on the same token ids (tracediff send a trainer store to each).",
+            {"kind": "generation", "sequences": len(seqs), "example_sequences": seqs[:5], "positions": positions[:32],
+             "length": 0, "tokens": [], "occurrences": len(generated)},
+            f"the generations of {len(seqs)} candidate sequence{'s' if len(seqs) != 1 else ''} diverge"))
     for kind in ("insertion", "deletion"):
-        found = [i for i in pairs.insertions if i["kind"] == kind]
+        found = [i for i in pairs.insertions if i["kind"] == kind and not i.get("generated")]
         if not found:
             continue
         shapes: dict[tuple, list[dict]] = {}

@@ -358,7 +358,7 @@ def record_next_box(report: Any) -> dict[str, Any] | None:
         if not _bank_used(report):
             steps.append(_bank_step(report))
     found = _root_fix(report)
-    if found is not None and _target_unknown(found[1]):
+    if found is not None and not found[1].get("draft_chain") and _target_unknown(found[1]):
         finding, fix = found
         reasons.append(f"{finding.kind} has no fix value: " + " ".join(str(r) for r in fix.get("reasons") or []))
         steps.append({"text": "Record the reference's aux-layer ids with their numbering (tracediff record --aux-layers "
