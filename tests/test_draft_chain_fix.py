@@ -52,6 +52,9 @@ def test_a_chain_root_cause_gets_a_fix_box_saying_where_in_the_draft(tmp_path: P
 def test_a_clean_pair_has_no_fix_box(tmp_path: Path, batches: list[dict[str, Any]]) -> None:
     report = compare_stores(dc.record_draft(tmp_path / "a.zarr", batches), dc.record_draft(tmp_path / "b.zarr", batches))
     assert report.verdict == "match" and report.fix is None
+    # Two recordings by one process within a second are two recordings, not copies of one (each
+    # store's source carries its own recording id: this pair was taken for a copy before).
+    assert not [f for f in report.findings if f.kind == "same_recording"] and report.record_next is None
 
 
 def test_each_chain_tap_assumes_the_depth_its_rows_carry(tmp_path: Path, batches: list[dict[str, Any]]) -> None:

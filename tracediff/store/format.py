@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -107,6 +108,9 @@ def default_source(role: str, framework: str = "", framework_version: str = "") 
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "started": now_iso(),
+        # One id per recording: two recordings by one process within a second are two, a copy of one
+        # (a .zarr.zip) is one (compare's same_recording).
+        "recording": uuid.uuid4().hex,
         "python": sys.version.split()[0],
     }
 
