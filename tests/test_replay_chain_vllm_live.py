@@ -12,14 +12,12 @@ draft_norm_out.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import servers
 import vllm_harness as h
 
 pytestmark = pytest.mark.slow
@@ -32,19 +30,6 @@ def tracediff(*args: object, timeout: float = 600) -> subprocess.CompletedProces
                           timeout=timeout, env=h.vllm_env())
 
 
-def _other_norm(src: Path, dst: Path) -> Path:
-    """Draft ``src`` with the final norm weight of another checkpoint (a fresh draw at the same scale)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    weights = load_file(str(dst / "model.safetensors"))
-    gen = torch.Generator().manual_seed(99)
-    weights["norm.weight"] = torch.empty_like(weights["norm.weight"]).uniform_(0.5, 1.5, generator=gen)
-    save_file(weights, str(dst / "model.safetensors"))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from tracediff.testing.tiny_llama import make_sequences
@@ -55,20 +40,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     seqs = make_sequences(n_seqs=4, min_len=6, max_len=20, vocab_size=h.VOCAB, seed=1)
     h.record_trainer(root / "train.zarr", tl, ["hs2", "hs4", "hs5"], seqs)
     draft = h.build_draft(root, "draft", tl, [2, 4, 5], "top")
-    store, port = root / "server.zarr", h.free_port()
-    url, log_path = f"http://127.0.0.1:{port}", root / "server.log"
-    cmd = [str(Path(python).parent / "tracediff"), "record", "--adapter", "vllm", "--draft-chain", "-o", str(store),
-           "--", *h.serve_command(python, root / "target", draft, port, k=K)]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=h.vllm_env(), start_new_session=True)
-        try:
-            servers.wait_healthy(url, proc, log_path)
-            sent = tracediff("send", root / "train.zarr", "--url", url, "--engine", "vllm", "--max-new-tokens", 12)
-        finally:
-            servers.stop(proc)
-    assert sent.returncode == 0, sent.stdout + sent.stderr
-    assert proc.returncode == 0, log_path.read_text()[-4000:]
-    return {"root": root, "store": store, "draft": draft, "other": _other_norm(draft, root / "draft_other")}
+    store = h.record_served(python, root, "server", draft, root / "train.zarr", "--draft-chain", k=K)["store"]
+    return {"root": root, "store": store, "draft": draft, "other": h.with_norm_weight(draft, root / "draft_other", seed=99)}
 
 
 def _replay(served: dict[str, Any], draft: Path, name: str) -> tuple[subprocess.CompletedProcess[str], dict]:

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import servers
 import vllm_harness as h
 
 pytestmark = pytest.mark.slow
@@ -39,37 +38,6 @@ def _chain_tap(point: str, step: int) -> str:
     return f"draft_{point}" + (f"_s{step}" if step else "")
 
 
-def _rescaled_norm(src: Path, dst: Path) -> Path:
-    """Draft ``src`` with its final norm weight 1.5 times its own (a converter that rescaled it). The
-    draft's greedy proposals stay the same (every logit scaled alike), so both servers verify the same
-    drafts and their fc rows are the same rows: what differs is inside the draft alone."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    weights = load_file(str(dst / "model.safetensors"))
-    weights["norm.weight"] = weights["norm.weight"] * 1.5
-    save_file(weights, str(dst / "model.safetensors"))
-    return dst
-
-
-def _other_norm(src: Path, dst: Path) -> Path:
-    """Draft ``src`` with the final norm weight of another checkpoint (a fresh draw per channel): its
-    proposals differ, so the two servers verify other drafts and their generations may part."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    weights = load_file(str(dst / "model.safetensors"))
-    gen = torch.Generator().manual_seed(123)
-    weights["norm.weight"] = torch.rand(weights["norm.weight"].shape, generator=gen) * 1.5 + 0.25
-    save_file(weights, str(dst / "model.safetensors"))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from tracediff.testing.tiny_llama import make_sequences
@@ -81,26 +49,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     h.record_trainer(root / "train.zarr", tl, LAYERS, seqs)
     draft_a = h.build_draft(root, "draft_a", tl, [2, 4, 5], "top")
     return {"root": root, "python": python, "tl": tl, "seqs": seqs, "train": root / "train.zarr", "draft_a": draft_a,
-            "draft_b": _rescaled_norm(draft_a, root / "draft_b"), "draft_c": _other_norm(draft_a, root / "draft_c")}
+            "draft_b": h.with_norm_weight(draft_a, root / "draft_b", scale=1.5),
+            "draft_c": h.with_norm_weight(draft_a, root / "draft_c")}
 
 
 def _serve(models: dict[str, Any], name: str, draft: Path) -> dict[str, Any]:
-    root, python = models["root"], models["python"]
-    store, port = root / f"{name}.zarr", h.free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = root / f"{name}.log"
-    cmd = [str(Path(python).parent / "tracediff"), "record", "--adapter", "vllm", "--draft-chain", "-o", str(store),
-           "--", *h.serve_command(python, root / "target", draft, port, k=K)]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=h.vllm_env(), start_new_session=True)
-        try:
-            servers.wait_healthy(url, proc, log_path)
-            sent = tracediff("send", models["train"], "--url", url, "--engine", "vllm", "--max-new-tokens", NEW_TOKENS)
-        finally:
-            servers.stop(proc)
-    assert sent.returncode == 0, sent.stdout + sent.stderr
-    assert proc.returncode == 0, log_path.read_text()[-4000:]
-    return {"store": store, "log": log_path.read_text()}
+    return h.record_served(models["python"], models["root"], name, draft, models["train"], "--draft-chain", k=K,
+                           new_tokens=NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

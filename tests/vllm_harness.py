@@ -124,3 +124,47 @@ def record_trainer(path: Path, tl: Any, layers: list[str], seqs: Any) -> None:
     with td.record(path, role="trainer", meta={"aux_layers": {"ids": ids, "convention": "capture"}}) as rec:
         rec.tap(draft.fc, "fc_in", segment_size=HIDDEN, segment_labels=layers)
         run_trainer(tl, draft, seqs, layers, on_batch=lambda labels: rec.labels(**labels))
+
+
+def with_norm_weight(src: Path, dst: Path, scale: float | None = None, seed: int = 123) -> Path:
+    """A copy of draft ``src`` at ``dst`` whose final norm weight is ``scale`` times its own (a converter
+    that rescaled it: greedy proposals unchanged) or, without ``scale``, another checkpoint's (a fresh
+    draw per channel in [0.25, 1.75): other proposals)."""
+    import shutil  # noqa: PLC0415
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    if scale is not None:
+        weights["norm.weight"] = weights["norm.weight"] * scale
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        weights["norm.weight"] = torch.rand(weights["norm.weight"].shape, generator=gen) * 1.5 + 0.25
+    save_file(weights, str(dst / "model.safetensors"))
+    return dst
+
+
+def record_served(python: Path, root: Path, name: str, draft: Path, train: Path, *record_args: str, k: int = 3,
+                  new_tokens: int = 12) -> dict[str, Any]:
+    """``tracediff record --adapter vllm RECORD_ARGS -o ROOT/NAME.zarr -- <server of root/target with draft>``,
+    the trainer store ``train`` sent to it, the server stopped through the pid we started; both exits
+    asserted 0. Returns the store and the server's log."""
+    import sys  # noqa: PLC0415
+
+    import servers  # noqa: PLC0415
+
+    store, port = root / f"{name}.zarr", free_port()
+    url, log_path = f"http://127.0.0.1:{port}", root / f"{name}.log"
+    cmd = [str(Path(python).parent / "tracediff"), "record", "--adapter", "vllm", *record_args, "-o", str(store),
+           "--", *serve_command(python, root / "target", draft, port, k=k)]
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True)
+        try:
+            servers.wait_healthy(url, proc, log_path)
+            sent = subprocess.run([sys.executable, "-m", "tracediff", "send", str(train), "--url", url, "--engine",
+                                   "vllm", "--max-new-tokens", str(new_tokens)],
+                                  capture_output=True, text=True, timeout=600, env=vllm_env())
+        finally:
+            servers.stop(proc)
+    assert sent.returncode == 0, sent.stdout + sent.stderr
+    assert proc.returncode == 0, log_path.read_text()[-4000:]
+    return {"store": store, "log": log_path.read_text()}
