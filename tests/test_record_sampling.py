@@ -66,6 +66,9 @@ def _serve(store, prompts: dict[str, list[int]], **limits: object) -> dict[str, 
                 produced[key] = n
             for step in range(3):
                 seq = np.array(running, dtype=object)
+                # every running request is registered: decided without reading the batch's token ids
+                # (capture then waits for no device copy of them)
+                assert sampler.decides(seq) and not sampler.decides(np.array([*running, "unregistered"], dtype=object))
                 labels = {"seq": seq, "position": np.array([len(prompts[k]) + step for k in running]),
                           "token_id": np.array([5000 + step] * len(running)), "phase": "decode"}
                 rec.capture("aux_hidden", torch.randn(len(running), WIDTH), labels=labels)

@@ -164,10 +164,16 @@ class CapturePath:
         sampler = self.request_sampler()
         assert sampler is not None
         labels = {k: v.array() if isinstance(v, DefaultLabels) else v for k, v in fields.items()}
-        if any(isinstance(v, torch.Tensor) and v.is_pinned() for v in labels.values()):
-            torch.cuda.current_stream().synchronize()  # labels copied asynchronously from the device
         seq, token = labels.get("seq"), labels.get("token_id")
-        mask = sampler.row_mask(_host(seq), _host(token))
+        pinned = [v for v in (seq, token) if isinstance(v, torch.Tensor) and v.is_pinned()]
+        if not (isinstance(seq, torch.Tensor) and seq.is_pinned()) and sampler.decides(_host(seq)):
+            # Every request decided from its registered prompt (a server): its token ids are not read,
+            # so a device-side copy of them is not waited for (no host sync on the forward path).
+            mask = sampler.row_mask(_host(seq), None)
+        else:
+            if pinned:
+                torch.cuda.current_stream().synchronize()  # labels copied asynchronously from the device
+            mask = sampler.row_mask(_host(seq), _host(token))
         if mask is None or bool(mask.all()):
             return tensor, fields, False, rows
         kept = int(mask.sum())

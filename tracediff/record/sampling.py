@@ -91,6 +91,15 @@ class RequestSampler:
     def __len__(self) -> int:
         return len(self._decided)
 
+    def decides(self, seq: Any) -> bool:
+        """Whether every key of ``seq`` (a batch's labels) has its decision already (registered
+        prompts): then :meth:`row_mask` needs no token ids."""
+        if seq is None:
+            return True
+        keys = np.asarray(seq).reshape(-1)
+        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if keys.size else keys
+        return all(key in self._decided for key in keys[starts].tolist())
+
     def row_mask(self, seq: Any, token_id: Any) -> np.ndarray | None:
         """Which rows of a batch to keep, from their ``seq`` labels (one per row, or one for all) and
         ``token_id`` labels: a request registered with :meth:`prompt` keeps its decision; rows of an
