@@ -77,7 +77,7 @@ PARENT = textwrap.dedent(
     """
 )
 
-LOST = re.compile(r"tracediff: error: fc_in/[\w-]+ \(pid \d+\): ([\d,]+) of ([\d,]+) rows (dropped|were taken)")
+LOST = re.compile(r"tracediff: error: fc_in(?:/[\w-]+)? \(pid \d+\): ([\d,]+) of ([\d,]+) rows (dropped|were taken)")
 
 
 def _record(tmp_path: Path, *options: str, command: list[str]) -> tuple[subprocess.CompletedProcess[str], Path]:
@@ -114,8 +114,12 @@ def test_batches_dropped_when_the_writer_falls_behind_fail_the_run_and_name_the_
     assert run.returncode == 2, run.stderr  # the command exited 0
 
 
-def test_rows_a_killed_process_had_not_committed_are_counted_and_fail_a_command_that_exited_0(tmp_path: Path) -> None:
-    run, store = _record(tmp_path, "--on-full", "block", command=["parent.py", "200"])
+@pytest.mark.parametrize("interval", [None, "60"], ids=["a-commit-a-batch", "commit-interval"])
+def test_rows_a_killed_process_had_not_committed_are_counted_and_fail_a_command_that_exited_0(tmp_path: Path,
+                                                                                             interval) -> None:
+    # --commit-interval: the rows the writer was gathering when the kill came are lost, and counted.
+    options = ["--commit-interval", interval] if interval else []
+    run, store = _record(tmp_path, "--on-full", "block", *options, command=["parent.py", "200"])
     assert "then killed" in run.stdout, run.stdout + run.stderr
     lost = [(int(a.replace(",", "")), int(b.replace(",", "")), kind) for a, b, kind in LOST.findall(run.stderr)]
     assert len(lost) == 1 and lost[0][2] == "were taken", run.stderr

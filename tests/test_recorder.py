@@ -35,6 +35,7 @@ from conftest import (
 )
 
 import tracediff
+from tracediff.errors import UsageError
 from tracediff.record.recorder import Limits
 from tracediff.store import TraceStore, TraceWriter
 from tracediff.testing.pipelines import run_engine, run_trainer
@@ -137,6 +138,59 @@ def test_fc_output_rows_equal_what_fc_returned_bit_for_bit(tmp_path: Path, tiny,
     assert group.attrs["capture"] == "output" and group.attrs["width"] == HIDDEN
     assert_bits_equal(group.values, np.concatenate([stored_bits(t) for t in returned]))
     assert np.array_equal(group.labels["token_id"], expected_labels(batches)["token_id"])
+
+
+def test_a_commit_interval_stores_the_same_rows_in_fewer_commits_and_a_waiting_host_ends_its_round(
+    tmp_path: Path, tiny, seqs
+) -> None:
+    """``commit_interval``: the writer gathers each tap's batches and writes them as one commit. Rows,
+    labels and their order are what a commit a batch stores; nothing is committed before the round
+    ends; ``flush`` and ``wait_for_writer`` (a host waiting: the vLLM adapter after a step) end the
+    round at once, long before the interval."""
+    store = tmp_path / "trace.zarr"
+    draft = DraftHead(HIDDEN, len(FC_LAYERS))
+    returned: list[torch.Tensor] = []
+    draft.fc.register_forward_hook(lambda _m, _a, out: returned.append(out))
+    engine = functools.partial(PIPELINES["engine"], tiny, draft, seqs, FC_LAYERS, dtype=torch.bfloat16, keep_inputs=True)
+    with tracediff.record(store, role="engine", commit_interval=60.0) as rec:
+        rec.tap(draft.fc, name="fc_in", capture="input", segment_size=HIDDEN, segment_labels=FC_LAYERS)
+        rec.tap(draft.fc, name="fc_out", capture="output")
+        first = engine(on_batch=lambda lab: rec.labels(**lab))
+        assert len(first) > 2  # several engine steps: a batch each, per tap
+        time.sleep(0.5)
+        assert not (store / "fc_in").exists() or not read_plain(store, "fc_in")  # gathered, not committed
+        assert rec.flush(timeout=30.0) is True  # the host waits: the round ends now, not in 60 s
+        (group,) = read_plain(store, "fc_in").values()
+        assert group.rows == sum(b.fc_input.shape[-2] for b in first) and group.commit["batches"] == 1
+        second = engine(on_batch=lambda lab: rec.labels(**lab))
+        assert rec.wait_for_writer(0, timeout=30.0) is True
+        (group,) = read_plain(store, "fc_out").values()
+        assert group.commit["batches"] == 2  # a commit a round, per tap
+    batches = first + second
+    (group,) = read_plain(store, "fc_in").values()
+    assert_bits_equal(group.values, np.concatenate([stored_bits(b.fc_input) for b in batches]))
+    expected = expected_labels(batches)
+    for key in ("seq", "position", "token_id", "next_token_id", "step"):
+        assert np.array_equal(group.labels[key], expected[key]), key
+    assert group.phase_names == expected["phase"].tolist()
+    assert group.commit["status"] == "closed" and group.commit["batches"] == 2 and group.commit["dropped_rows"] == 0
+    (out,) = read_plain(store, "fc_out").values()
+    assert_bits_equal(out.values, np.concatenate([stored_bits(t) for t in returned]))
+    assert np.array_equal(out.labels["position"], expected["position"])
+
+
+def test_close_writes_what_a_commit_interval_had_gathered(tmp_path: Path) -> None:
+    layer = torch.nn.Linear(8, 2)
+    with tracediff.record(tmp_path / "s.zarr", commit_interval=60.0) as rec:
+        rec.tap(layer, "x_in")
+        for i in range(30):
+            layer(torch.full((1, 3, 8), float(i)))
+    (group,) = read_plain(tmp_path / "s.zarr", "x_in").values()
+    assert group.rows == 90 and group.commit["batches"] == 1 and group.commit["status"] == "closed"
+    assert np.array_equal(group.values[:, 0], np.repeat(np.arange(30, dtype=np.float32), 3))
+    assert group.labels["step"].tolist() == np.repeat(np.arange(30), 3).tolist()  # call numbers, in order
+    with pytest.raises(UsageError, match="commit_interval"):
+        tracediff.record(tmp_path / "t.zarr", commit_interval=-1.0)
 
 
 def test_rows_are_copies_taken_at_the_forward_not_views_of_host_tensors(tmp_path: Path) -> None:

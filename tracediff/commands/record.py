@@ -113,6 +113,10 @@ from tracediff.errors import TracediffError, UsageError
                  help="vllm: step = each drafter call's rows are committed before vLLM returns its tokens (survives a "
                       "SIGKILL of the worker); background = writes overlap serving, at most 64 batches behind (faster; a "
                       "kill loses that backlog: counted, and record exits 2)."),
+    click.option("--commit-interval", type=click.FloatRange(0, 60), default=None, metavar="SECONDS",
+                 help="Gather each tap's rows this long and write them as one commit (fewer, larger commits: less cost "
+                      "to the host; a kill loses up to this much more). Default: 1 with --commit background, else 0 "
+                      "(a commit a batch). A waiting host (--commit step, close) is served at once."),
 )
 @section(
     REMOTE,
@@ -152,6 +156,7 @@ def record(
     retry_seconds: float,
     all_ranks: bool,
     commit: str,
+    commit_interval: float | None,
     control_port: int | None,
     start_off: bool,
     command: tuple[str, ...],
@@ -256,6 +261,7 @@ def record(
         "retry_seconds": retry_seconds,
         "all_ranks": all_ranks,
         "commit": commit,
+        "commit_interval": (1.0 if commit == "background" else 0.0) if commit_interval is None else commit_interval,
         "control_port": control_port,  # tracediff.record.control
         "start_off": start_off,
     }
@@ -365,12 +371,12 @@ def record(
         click.echo(f"tracediff: error: recording lost rows (above); exit code {code}, the command itself "
                    f"exited with code {returncode}", err=True)
         sys.exit(code)
-    if no_tap_fired and _switched_off_rows(desc):
+    if no_tap_fired and _switched_off_rows(desc, notes):
         # Off the whole time is what was asked for (--start-off, never switched on): said, not an error.
-        click.echo(f"tracediff: note: {_never_fired(specs, adapters, desc)}", err=True)
+        click.echo(f"tracediff: note: {_never_fired(specs, adapters, desc, notes)}", err=True)
         sys.exit(returncode)
     if no_tap_fired:
-        click.echo(f"tracediff: error: {_never_fired(specs, adapters, desc)}; exit code 2, the command itself exited with "
+        click.echo(f"tracediff: error: {_never_fired(specs, adapters, desc, notes)}; exit code 2, the command itself exited with "
                    f"code 0", err=True)
         sys.exit(2)
     if some_taps_silent:
@@ -381,16 +387,25 @@ def record(
     sys.exit(returncode)
 
 
-def _switched_off_rows(desc: dict[str, Any]) -> int:
-    """Rows the store's writers skipped while recording was switched off."""
+def _switched_off_rows(desc: dict[str, Any], notes: list[dict[str, Any]]) -> int:
+    """Rows seen while recording was switched off: the processes' row ledgers count them (a process
+    off all along and then killed, as vLLM ends its worker, leaves no writer group); without a
+    ledger, the store's writers (``skip_reasons``)."""
+    from tracediff.record.ledger import FIELDS, SWITCHED_OFF  # noqa: PLC0415
+
+    key = FIELDS[SWITCHED_OFF]
+    ledgers = [n for n in notes if n.get("kind") == "ledger" and n.get("counts")]
+    if ledgers:
+        return sum(int(c.get(key) or 0) for n in ledgers for c in n["counts"].values())
     return sum(int((w.get("skip_reasons") or {}).get("switched off") or 0)
                for info in desc["taps"].values() for w in info["writers"])
 
 
-def _never_fired(specs: list[Any], adapters: tuple[str, ...], desc: dict[str, Any]) -> str:
+def _never_fired(specs: list[Any], adapters: tuple[str, ...], desc: dict[str, Any], notes: list[dict[str, Any]]) -> str:
     """The one line of a run that recorded no row although its command succeeded (``desc``: the
-    store's description: rows skipped while recording was switched off say why)."""
-    off = _switched_off_rows(desc)
+    store's description, ``notes``: what its processes left: rows seen while recording was switched
+    off say why)."""
+    off = _switched_off_rows(desc, notes)
     if off:
         return (f"no row was recorded: recording was switched off the whole time ({off:,} rows skipped while off: "
                 f"--start-off, tracediff control STORE off, SIGUSR2); switch it on with tracediff control STORE on "

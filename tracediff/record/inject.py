@@ -95,6 +95,7 @@ class _Context:
                 ledger=_ledger(),
                 row_model=cfg.get("row_model"),  # record --row-model: every tap that declares none
                 draft_chain=bool(cfg.get("draft_chain")),  # record --draft-chain
+                commit_interval=float(cfg.get("commit_interval") or 0.0),  # record --commit-interval
                 **({"retry_seconds": float(cfg["retry_seconds"])} if cfg.get("retry_seconds") is not None else {}),
             )
             from tracediff.record.control import setup_switch  # noqa: PLC0415

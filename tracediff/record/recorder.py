@@ -67,7 +67,7 @@ from tracediff.record.parts import (  # noqa: E402
     pick_output,
 )
 from tracediff.record.switch import Switchable  # noqa: E402
-from tracediff.record.writing import WriterThread  # noqa: E402
+from tracediff.record.writing import MAX_COMMIT_INTERVAL, WriterThread  # noqa: E402
 
 _active: list[weakref.ReferenceType[Recorder]] = []
 _active_lock = threading.Lock()
@@ -132,6 +132,9 @@ class Recorder(CapturePath, WriterThread, Switchable):
     ``max_queue_bytes``, 64 to 4096).
     ``draft_chain``: the trainer adapters tap the draft's whole forward, in order (fc output, decoder
     layer input and output, final norm, the logits' top k), each step labelled (docs/draft-chain.md).
+    ``commit_interval``: seconds the writer gathers a tap's batches before writing them as one commit
+    (0: one commit a batch); :meth:`flush`, a host waiting in :meth:`wait_for_writer`, a queue half full
+    and close write at once. Fewer, larger commits cost the host less; a SIGKILL loses that much more.
     ``ledger``: where to keep this recorder's row counts so that they outlive a SIGKILL (how
     `tracediff record` learns what a killed process lost; :mod:`tracediff.record.ledger`).
     """
@@ -165,6 +168,7 @@ class Recorder(CapturePath, WriterThread, Switchable):
         ledger: Ledger | None = None,
         row_model: RowModel | Mapping[str, Any] | None = None,
         draft_chain: bool = False,
+        commit_interval: float = 0.0,
     ) -> None:
         if on_full not in ("drop", "block"):
             raise UsageError(f"on_full must be 'drop' or 'block', got {on_full!r}")
@@ -177,6 +181,8 @@ class Recorder(CapturePath, WriterThread, Switchable):
             raise UsageError("max_queue_bytes and max_queue_batches must be positive")
         if not retry_seconds >= 0:
             raise UsageError(f"retry_seconds must be 0 or more, got {retry_seconds!r}")
+        if not 0 <= commit_interval <= MAX_COMMIT_INTERVAL:
+            raise UsageError(f"commit_interval must be 0 to {MAX_COMMIT_INTERVAL:g} seconds, got {commit_interval!r}")
         # A folder, or an fsspec URL (s3://...) written through zarr's FsspecStore.
         self.location = Location.of(path, None if storage_options is None else dict(storage_options))
         self.path: Any = self.location if self.location.remote else Path(self.location.local)
@@ -192,6 +198,7 @@ class Recorder(CapturePath, WriterThread, Switchable):
         self.chunk_rows = chunk_rows
         self.compressor = compressor
         self.durable = durable
+        self.commit_interval = float(commit_interval)  # the writer's rounds (writing.py); 0: a commit a batch
         self.rank = rank
         self.world_size = world_size
         self.meta: dict[str, Any] = dict(meta or {})
@@ -206,7 +213,8 @@ class Recorder(CapturePath, WriterThread, Switchable):
         self._handles: list[Any] = []
         self._writers: dict[str, TraceWriter] = {}
         self._row_checks: dict[str, dict[str, Any]] = {}  # tap -> the light lint of its rows (writing.py)
-        self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=max_queue_batches)
+        self._queue: queue.Queue[Batch | str | None] = queue.Queue(maxsize=max_queue_batches)  # str: writing.WAKE
+        self._wake_queued = False  # a WAKE on the queue (writing.py)
         self._queued_bytes = 0
         self._enqueued = 0  # batches put on the queue / taken off it and written (or dropped): flush()
         self._done = 0
@@ -474,39 +482,6 @@ class Recorder(CapturePath, WriterThread, Switchable):
                     self._add_drop(state, offered)
                 else:
                     self._count_lost(state, tensor)
-
-    def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until every batch captured before this call is written and committed (or counted
-        as dropped), at most ``timeout`` seconds; True when it is. While the host thread waits here
-        the writer thread has the interpreter to itself, so this is also the fastest way through a
-        backlog. Never raises; a closed or failed recorder returns at once."""
-        if self.closed or not self._thread.is_alive() or self._thread is threading.current_thread():
-            return self.closed
-        deadline = time.monotonic() + max(float(timeout), 0.0)
-        with self._cond:
-            target = self._enqueued
-            while self._done < target:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
-                    return False
-                self._cond.wait(left)
-        return True
-
-    def wait_for_writer(self, behind: int, timeout: float = 10.0) -> bool:
-        """Wait until the writer is at most ``behind`` batches behind the captures (queued and not yet
-        written), at most ``timeout`` seconds; True when it is. A host that calls this after each step
-        bounds what a kill can take (``behind`` batches) without waiting for every write. Never
-        raises; a closed or failed recorder returns at once."""
-        if self.closed or not self._thread.is_alive() or self._thread is threading.current_thread():
-            return self.closed
-        deadline = time.monotonic() + max(float(timeout), 0.0)
-        with self._cond:
-            while self._enqueued - self._done > behind:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
-                    return False
-                self._cond.wait(left)
-        return True
 
     def stats(self) -> dict[str, Any]:
         """Counts per tap as seen from the host thread (rows queued, dropped, skipped)."""

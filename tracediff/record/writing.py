@@ -1,6 +1,12 @@
 """The writer-thread half of :class:`tracediff.record.recorder.Recorder`: takes captured batches off
 the queue, waits for their copies, writes and commits them (a local folder or an object store), counts
-what it could not write, and on close or SIGTERM finishes the queue and reports the outcome."""
+what it could not write, and on close or SIGTERM finishes the queue and reports the outcome.
+
+With a ``commit_interval`` the writer works in rounds: it gathers the batches captured within the
+interval (or fewer: a host waiting for it, a queue half full, close), then writes each tap's batches of
+the round as one append, one commit. A commit costs the same for one row as for a thousand (chunk
+files, every array's shape, the commit record): on a server that records one row a request a step,
+the commits were the recording's cost (benchmarks/RESULTS.md, ## bench_serve_record)."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -27,6 +34,12 @@ from tracediff.store.remote_writer import (
 from tracediff.store.ring import RingWriter
 
 log = logging.getLogger("tracediff")
+
+#: Put on the queue by a host thread that waits for the writer (flush, wait_for_writer): the writer
+#: ends its round and writes what it gathered at once.
+WAKE = "wake"
+#: The longest commit interval (seconds): rows wait in memory that long, and a kill loses them.
+MAX_COMMIT_INTERVAL = 60.0
 
 
 class WriterThread:
@@ -50,23 +63,116 @@ class WriterThread:
             if item is None:
                 closing = True
                 continue
+            if item == WAKE:
+                self._wake_queued = False
+                continue
+            batches = [item]
+            if self.commit_interval > 0:
+                closing = self._gather(batches) or closing
+            self._write_round(batches)
+        self._finish()
+
+    def _gather(self, batches: list[Batch]) -> bool:
+        """Add to ``batches`` what the queue brings within the commit interval, counted from the first:
+        stop early at a host waiting for the writer (:data:`WAKE`), at close (True: the sentinel was
+        taken), or at half the queue's batches or bytes (the captures never drop for the rows the
+        writer holds). Once the interval is over, what is queued already still joins the round."""
+        deadline = time.monotonic() + self.commit_interval
+        most, held = max(1, self._queue.maxsize // 2), batches[0].nbytes
+        while len(batches) < most and held < self.max_queue_bytes // 2:
+            left = deadline - time.monotonic()
             try:
-                if self._writer_error is None:
-                    self._write(item)
-                else:
-                    self._count_drop(item)
-            except BaseException as exc:  # noqa: BLE001  (even SystemExit: a dead writer would stall the host)
-                self._writer_error = one_line(exc)
-                self.fail(f"the writer of tap {item.tap!r}", exc)
-                self._count_drop(item)
-            finally:
+                item = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                return False
+            if item is None:
+                return True
+            if item == WAKE:
+                self._wake_queued = False
+                return False
+            batches.append(item)
+            held += item.nbytes
+        return False
+
+    def _write_round(self, batches: list[Batch]) -> None:
+        """Write a round: each tap's batches (in order) as one append where their label fields agree,
+        then settle every batch (its buffer back to the pool, its bytes off the budget, flush's count)."""
+        taps: dict[str, list[list[Batch]]] = {}  # a tap's runs of batches alike, in the order captured
+        for item in batches:
+            runs = taps.setdefault(item.tap, [])
+            if runs and sorted(runs[-1][-1].labels) == sorted(item.labels):
+                runs[-1].append(item)
+            else:
+                runs.append([item])
+        try:
+            for run in (run for runs in taps.values() for run in runs):
+                try:
+                    if self._writer_error is None:
+                        self._write(run)
+                    else:
+                        for item in run:
+                            self._count_drop(item)
+                except BaseException as exc:  # noqa: BLE001  (even SystemExit: a dead writer would stall the host)
+                    self._writer_error = one_line(exc)
+                    self.fail(f"the writer of tap {run[0].tap!r}", exc)
+                    for item in run:
+                        self._count_drop(item)
+        finally:
+            for item in batches:
                 state = self._taps.get(item.tap)
                 if state is not None:
                     state.rows_settled += item.rows
                 if item.pooled:
                     self._pool.put(item.data, pinned=item.event is not None)
                 self._release(item.nbytes, done=True)
-        self._finish()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every batch captured before this call is written and committed (or counted
+        as dropped), at most ``timeout`` seconds; True when it is. While the host thread waits here
+        the writer thread has the interpreter to itself, so this is also the fastest way through a
+        backlog. Never raises; a closed or failed recorder returns at once."""
+        if self.closed or not self._thread.is_alive() or self._thread is threading.current_thread():
+            return self.closed
+        deadline = time.monotonic() + max(float(timeout), 0.0)
+        with self._cond:
+            target = self._enqueued
+            if self._done < target:
+                self._wake_writer()
+            while self._done < target:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def wait_for_writer(self, behind: int, timeout: float = 10.0) -> bool:
+        """Wait until the writer is at most ``behind`` batches behind the captures (queued and not yet
+        written), at most ``timeout`` seconds; True when it is. A host that calls this after each step
+        bounds what a kill can take (``behind`` batches) without waiting for every write. Never
+        raises; a closed or failed recorder returns at once."""
+        if self.closed or not self._thread.is_alive() or self._thread is threading.current_thread():
+            return self.closed
+        deadline = time.monotonic() + max(float(timeout), 0.0)
+        with self._cond:
+            if self._enqueued - self._done > behind:
+                self._wake_writer()
+            while self._enqueued - self._done > behind:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def _wake_writer(self) -> None:
+        """End the writer's round now (with a commit interval): one :data:`WAKE` on the queue at a time
+        (called holding ``_cond``); a full queue needs none, the round ends at half of it."""
+        if self.commit_interval <= 0 or self._wake_queued:
+            return
+        try:
+            self._queue.put_nowait(WAKE)
+            self._wake_queued = True
+        except queue.Full:
+            pass
 
     def _writer_for(self, item: Batch) -> TraceWriter:
         writer = self._writers.get(item.tap)
@@ -152,26 +258,32 @@ class WriterThread:
                 return size, None
         return size, labels
 
-    def _write(self, item: Batch) -> None:
-        if item.event is not None:
-            item.event.synchronize()
-        values = item.values
-        bf16 = values.dtype == torch.bfloat16
-        array = values.view(torch.int16).numpy().view(np.uint16) if bf16 else values.numpy()
-        writer = self._writer_for(item)
-        labels = {
-            k: (v.numpy() if isinstance(v, torch.Tensor) else v.array() if isinstance(v, DefaultLabels) else v)
-            for k, v in item.labels.items()
-        }
-        seq = labels.get("seq")
-        if seq is not None and np.asarray(seq).dtype.kind in "OUS":
-            labels["seq"] = np.array([writer.seq_id(k) for k in np.asarray(seq).reshape(-1)], dtype=np.int64)
-        rows = array.shape[0]
-        labels = {k: (np.broadcast_to(np.asarray(v), (rows,)) if np.ndim(v) == 0 else v) for k, v in labels.items()}
-        self._sync_counts(writer, item.tap)
-        self._check_rows(item.tap, writer, array, labels.get("position"))
+    def _write(self, run: list[Batch]) -> None:
+        """One append of a tap's batches (one commit), their label fields alike."""
+        writer = self._writer_for(run[0])
+        arrays, columns = [], []
+        for item in run:
+            if item.event is not None:
+                item.event.synchronize()
+            values = item.values
+            bf16 = values.dtype == torch.bfloat16
+            arrays.append(values.view(torch.int16).numpy().view(np.uint16) if bf16 else values.numpy())
+            labels = {
+                k: (v.numpy() if isinstance(v, torch.Tensor) else v.array() if isinstance(v, DefaultLabels) else v)
+                for k, v in item.labels.items()
+            }
+            seq = labels.get("seq")
+            if seq is not None and np.asarray(seq).dtype.kind in "OUS":
+                labels["seq"] = np.array([writer.seq_id(k) for k in np.asarray(seq).reshape(-1)], dtype=np.int64)
+            rows = arrays[-1].shape[0]
+            columns.append({k: (np.broadcast_to(np.asarray(v), (rows,)) if np.ndim(v) == 0 else v)
+                            for k, v in labels.items()})
+        array = arrays[0] if len(run) == 1 else np.concatenate(arrays)
+        labels = columns[0] if len(run) == 1 else {k: np.concatenate([c[k] for c in columns]) for k in columns[0]}
+        self._sync_counts(writer, run[0].tap)
+        self._check_rows(run[0].tap, writer, array, labels.get("position"))
         writer.append(array, labels)
-        self._account(item.tap, COMMITTED, rows)
+        self._account(run[0].tap, COMMITTED, int(array.shape[0]))
 
     def _check_rows(self, tap: str, writer: TraceWriter, array: np.ndarray, position: Any = None) -> None:
         """The light lint (:mod:`tracediff.lint.light`): all-zero rows per segment, counted as the
