@@ -432,6 +432,9 @@ class _Binding:
         steps as the draft computes them."""
         for tap in self._taps():
             self.recorder.count_lost(tap, rows, why)
+        if why == self.recorder.off_reason:  # fired while switched off: not "never fired" at exit
+            for tap in (*self._taps(), DRAFT_TAP):
+                _state.point(tap)["off"] = _state.point(tap).get("off", 0) + 1
         _state.local.draft = {"lost": why}
         if self.chain is not None:
             self.chain.begin(rows, None, _state.local.draft)
@@ -591,7 +594,7 @@ def capture_summary() -> dict[str, dict[str, Any]]:
 
 def _report_at_exit() -> None:
     for name, info in _state.points.items():
-        if info["attached"] and not info["calls"] and info["skipped"] is None:
+        if info["attached"] and not info["calls"] and not info.get("off") and info["skipped"] is None:
             log.warning("tracediff: vllm adapter: %s was attached in pid %d but never fired: no request reached the "
                         "drafter", name, os.getpid())
 

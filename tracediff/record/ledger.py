@@ -14,7 +14,11 @@ what the process wrote to it stays in the file whatever ends the process):
 ``dropped``
     rows counted as lost (the queue was full, a writer or hook error, a timeout);
 ``skipped``
-    rows left out on purpose (``--every-n-steps``, ``--first-n-steps``, ``--phases``, ``--max-rows``).
+    rows left out on purpose (``--every-n-steps``, ``--first-n-steps``, ``--phases``, ``--max-rows``,
+    sampling, switched off);
+``switched_off``
+    the part of ``skipped`` seen while recording was switched off (a process that was off all along
+    and then killed leaves no writer group to say it: this says it).
 
 After the command, ``tracediff record`` reads them back (:func:`read_ledger`) with the store's own
 commit records: ``offered - skipped - committed - dropped`` rows were still queued when the process
@@ -40,8 +44,8 @@ from typing import Any
 
 log = logging.getLogger("tracediff")
 
-FIELDS = ("offered", "committed", "dropped", "skipped")
-OFFERED, COMMITTED, DROPPED, SKIPPED = range(len(FIELDS))
+FIELDS = ("offered", "committed", "dropped", "skipped", "switched_off")
+OFFERED, COMMITTED, DROPPED, SKIPPED, SWITCHED_OFF = range(len(FIELDS))
 SLOTS = 256  # taps per recorder; a tap past them is not accounted (logged once)
 _serial = itertools.count(1)
 

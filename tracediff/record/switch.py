@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from tracediff.record.ledger import OFFERED
+from tracediff.record.ledger import OFFERED, SWITCHED_OFF
 from tracediff.record.parts import TORCH_TO_STORE
 
 log = logging.getLogger("tracediff")
@@ -103,6 +103,7 @@ class Switchable:
             state = self._taps.get(name) or self.declare(name)  # type: ignore[attr-defined]
             self._account(name, OFFERED, rows)  # type: ignore[attr-defined]
             self._add_skip(state, rows)  # type: ignore[attr-defined]
+            self._account(name, SWITCHED_OFF, rows)  # type: ignore[attr-defined]
             with _lock:
                 counts = self._off_rows if self._off_rows is not None else {}
                 counts[name] = counts.get(name, 0) + rows
