@@ -104,7 +104,9 @@ def record_options() -> str:
 CONFIGS: list[tuple[str, list[str] | None]] = [
     ("off", None),
     ("every row", []),
+    ("every row, background", ["--commit", "background"]),
     ("sampled 1%", ["--sample-requests", "0.01"]),
+    ("sampled 1%, background", ["--sample-requests", "0.01", "--commit", "background"]),
     ("switched off", ["--start-off"]),
 ]
 
@@ -239,6 +241,9 @@ def run_one(name: str, extra: list[str] | None, models: tuple[Path, Path], work:
     finally:
         code = stop(proc)
     result.update(store_facts(store), name=name, exit=code)
+    if code:  # why, from record's own lines (the log goes with the work folder)
+        said = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("tracediff:")]
+        print(f"{name}: exit {code}:\n" + "\n".join(said[-8:]), file=sys.stderr, flush=True)
     shutil.rmtree(store, ignore_errors=True)
     if result["errors"]:
         raise RuntimeError(f"{name}: {len(result['errors'])} requests failed: {result['errors'][0]}\n"
@@ -254,6 +259,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--no-write", action="store_true", help="print only; RESULTS.md unchanged")
+    ap.add_argument("--only", default="", help="comma-separated configuration names (with --no-write): these alone")
     args = ap.parse_args()
     free = shutil.disk_usage(tempfile.gettempdir()).free
     if free < NEED_FREE:
@@ -261,6 +267,11 @@ def main() -> None:
     options = record_options()
     configs = [(n, e) for n, e in CONFIGS if e is None or all(o in options for o in e if o.startswith("--"))]
     left_out = [n for n, _ in CONFIGS if n not in dict(configs)]
+    if args.only:
+        if not args.no_write:
+            sys.exit("bench_serve_record: --only measures a part of the table: give --no-write too")
+        wanted = {n.strip() for n in args.only.split(",")}
+        configs = [(n, e) for n, e in configs if n in wanted or n == "off"]  # off: the ratios' base
     import random
 
     rng = random.Random(0)
