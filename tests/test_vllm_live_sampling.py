@@ -104,6 +104,11 @@ def test_exactly_the_sampled_requests_are_recorded_whole_within_the_ring(run) ->
         assert size <= BUDGET, tap
     summary = run["log"].split("tracediff: command exited with code")[-1]
     assert "sampled requests: rate 0.5" in summary and "dropped 0 rows" in summary, summary
+    # Every row of the others counted as skipped (a drafter call none of whose requests is chosen is
+    # skipped whole, before any label or copy; a mixed call by its rows): none lost, none twice.
+    others = sum(len(prompts[k]) + responses[k]["spec_decoding"]["num_spec_steps"] * 4 for k in prompts if k not in chosen)
+    commits = [json.loads(f.read_text())["attributes"]["commit"] for f in (run["store"] / "fc_in").glob("*/zarr.json")]
+    assert max(c["skipped_rows"] for c in commits) == others and all(c["dropped_rows"] == 0 for c in commits)
 
 
 def test_the_sampled_server_store_matches_the_trainer_store_of_every_sequence(run) -> None:

@@ -140,4 +140,5 @@ def test_a_server_left_switched_off_says_so_and_exits_0_even_when_vllm_kills_its
     notes = [line for line in lines if line.startswith("tracediff: note:")]
     assert len(notes) == 1 and "switched off the whole time" in notes[0], lines
     assert not [line for line in lines if "never fired" in line or "tracediff: error" in line], lines
+    assert not [line for line in lines if "tracediff: warning" in line], lines  # ("did a request reach the server?")
     assert not store.exists()  # nothing recorded: no empty store left behind

@@ -27,6 +27,11 @@ class CaptureState:
     def point(self, name: str) -> dict[str, Any]:
         return self.points.setdefault(name, {"attached": 0, "calls": 0, "rows": 0, "skipped": None})
 
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per capture point of this process: attached hooks, calls, rows, skip reason (an adapter's
+        ``capture_summary``)."""
+        return {name: dict(info) for name, info in self.points.items()}
+
     def log_once(self, key: str, level: int, fmt: str, *args: Any) -> None:
         if key not in self.logged:
             self.logged.add(key)

@@ -505,9 +505,7 @@ def _describe_process(recorder: Recorder) -> None:
         atexit.register(_report_at_exit)
 
 
-def capture_summary() -> dict[str, dict[str, Any]]:
-    """Per capture point of this process: attached hooks, calls, rows, skip reason."""
-    return {name: dict(info) for name, info in _state.points.items()}
+capture_summary = _state.summary  # per capture point of this process: attached hooks, calls, rows, skip reason
 
 
 def _report_at_exit() -> None:

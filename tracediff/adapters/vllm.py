@@ -80,7 +80,7 @@ from tracediff.adapters._serving import (
     command_flags,
 )
 from tracediff.adapters.vllm_chain import attach_vllm_chain
-from tracediff.adapters.vllm_labels import batch_labels, register_prompts
+from tracediff.adapters.vllm_labels import any_sampled, batch_labels, register_prompts
 from tracediff.adapters.vllm_mtp import declare_mtp_taps, mtp_layer_modules, mtp_provenance
 from tracediff.adapters.vllm_provenance import canonical_aux_layers, draft_config_facts, provenance, vllm_version
 from tracediff.record.recorder import Recorder
@@ -172,7 +172,7 @@ def attach(recorder: Recorder, module: torch.nn.Module) -> bool:
         recorder.keep_handle(binding)
         for each in fcs:  # MTP: every layer's eh_proj; the first call of a propose is the one recorded
             recorder.keep_handle(each.register_forward_pre_hook(binding.fc_pre_hook, with_kwargs=True))
-        _describe_process(recorder)
+        recorder.source.update(framework="vllm", framework_version=vllm_version())
         return True
     except Exception as exc:  # noqa: BLE001  (never raise into the engine)
         _log_once(f"attach:{type(module).__name__}", logging.WARNING,
@@ -396,6 +396,9 @@ class _Binding:
                 _state.step += 1
                 step = _state.step
             runner = getattr(_state.local, "runner", None)
+            if not any_sampled(self.recorder.request_sampler(), bound, runner):  # counted skipped, not lost
+                self._lose(int(hidden.shape[0]), self.recorder.unsampled_reason)
+                return
             labels = batch_labels(_state, bound, runner, step)
             if labels is None:
                 self._lose(int(hidden.shape[0]), "a drafter batch whose rows do not match its query_start_loc "
@@ -432,9 +435,9 @@ class _Binding:
         steps as the draft computes them."""
         for tap in self._taps():
             self.recorder.count_lost(tap, rows, why)
-        if why == self.recorder.off_reason:  # fired while switched off: not "never fired" at exit
+        if why in (self.recorder.off_reason, self.recorder.unsampled_reason):  # fired: not "never fired" at exit
             for tap in (*self._taps(), DRAFT_TAP):
-                _state.point(tap)["off"] = _state.point(tap).get("off", 0) + 1
+                _state.point(tap)["unrecorded"] = _state.point(tap).get("unrecorded", 0) + 1
         _state.local.draft = {"lost": why}
         if self.chain is not None:
             self.chain.begin(rows, None, _state.local.draft)
@@ -582,19 +585,12 @@ def _recorded_commit(config: Any) -> str:
     return "background" if str(mode or "").strip().lower() == "background" else commit_mode()
 
 
-def _describe_process(recorder: Recorder) -> None:
-    recorder.source["framework"] = "vllm"
-    recorder.source["framework_version"] = vllm_version()
-
-
-def capture_summary() -> dict[str, dict[str, Any]]:
-    """Per capture point of this process: attached hooks, calls, rows, skip reason."""
-    return {name: dict(info) for name, info in _state.points.items()}
+capture_summary = _state.summary  # per capture point of this process: attached hooks, calls, rows, skip reason
 
 
 def _report_at_exit() -> None:
     for name, info in _state.points.items():
-        if info["attached"] and not info["calls"] and not info.get("off") and info["skipped"] is None:
+        if info["attached"] and not info["calls"] and not info.get("unrecorded") and info["skipped"] is None:
             log.warning("tracediff: vllm adapter: %s was attached in pid %d but never fired: no request reached the "
                         "drafter", name, os.getpid())
 
@@ -613,11 +609,11 @@ def record_warnings(command: Sequence[str], desc: dict[str, Any]) -> list[str]:
         out.append("vllm: the server runs no draft: add --speculative-config '{\"method\": \"eagle3\", \"model\": "
                    "DRAFT, \"num_speculative_tokens\": K}'")
         return out
-    if not rows.get(FC_TAP) and not rows.get(MTP_TAP) and not rows.get(AUX_TAP):
+    recorded = rows.get(FC_TAP) or rows.get(MTP_TAP) or rows.get(AUX_TAP)
+    if not recorded:
         out.append("vllm: no drafter rows were recorded: did a request reach the server (tracediff send --engine "
                    "vllm)? is the draft an EAGLE-3 draft or an MTP head?")
-    if serving and "--no-enable-prefix-caching" not in flag and (rows.get(FC_TAP) or rows.get(MTP_TAP) or
-                                                                  rows.get(AUX_TAP)):
+    if serving and "--no-enable-prefix-caching" not in flag and recorded:
         out.append("vllm: prefix caching was on: prefixes already cached (shared prompts, re-sent sequences) are not "
                    "forwarded again and have no rows; add --no-enable-prefix-caching for full coverage")
     if serving and "--shutdown-timeout" not in flag and _recorded_commit((desc.get("meta") or {}).get("record")) == \

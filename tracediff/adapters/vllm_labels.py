@@ -110,3 +110,18 @@ def register_prompts(sampler: Any, runner: Any, requests: tuple[list[str], list[
                 sampler.prompt(client, prompt)
     if len(sampler) > len(clients):
         sampler.forget([client_request_id(r) for r in states] or clients)
+
+
+def any_sampled(sampler: Any, bound: dict[str, Any], runner: Any) -> bool:
+    """Request sampling: whether a request of this drafter call may be chosen. False only when every
+    one is decided, from its registered prompt, as not chosen: the call's rows then need neither
+    labels nor a copy (what a server with ``--sample-requests 0.01`` does on 99% of its steps)."""
+    qsl = getattr(bound.get("common_attn_metadata"), "query_start_loc_cpu", None)
+    if sampler is None or not isinstance(qsl, torch.Tensor) or qsl.numel() < 2:
+        return True
+    engine_ids = list(getattr(getattr(runner, "input_batch", None), "req_ids", None) or [])[: qsl.numel() - 1]
+    if len(engine_ids) != qsl.numel() - 1:
+        return True
+    clients = [client_request_id(r) for r in engine_ids]
+    register_prompts(sampler, runner, (clients, engine_ids))
+    return any(sampler.decided(c) is not False for c in clients)

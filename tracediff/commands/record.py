@@ -350,6 +350,8 @@ def record(
     some_taps_silent = bool(silent) and not recorded_nothing and not problems and returncode == 0
     if problems or no_tap_fired or some_taps_silent:  # (with problems, "check the class name" would send the user the wrong way)
         warnings = [w for w in warnings if "never fired in any process" not in w]
+    if no_tap_fired and _switched_off_rows(desc, notes):
+        warnings = []  # the taps fired while switched off: the note below says so ("did a request reach it?" would not)
     for warning in warnings:
         click.echo(f"tracediff: warning: {warning}", err=True)
     for problem in problems:

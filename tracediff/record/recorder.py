@@ -139,6 +139,8 @@ class Recorder(CapturePath, WriterThread, Switchable):
     `tracediff record` learns what a killed process lost; :mod:`tracediff.record.ledger`).
     """
 
+    unsampled_reason = "request not sampled"  # what an adapter gives count_lost for rows sampling left out
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -394,7 +396,8 @@ class Recorder(CapturePath, WriterThread, Switchable):
         """Rows of tap ``name`` the host produced that cannot be captured (an adapter that cannot
         label or pick them): counted as dropped, with ``why`` (the first reason a tap gives is kept),
         so that a run that lost them says so; ``why`` :attr:`off_reason`: skipped while switched off,
-        counted as such (:meth:`skip_off`). Never raises."""
+        counted as such (:meth:`skip_off`); :attr:`unsampled_reason`: rows of requests sampling did not
+        choose, skipped as a capture would have skipped them. Never raises."""
         try:
             if rows <= 0:
                 return
@@ -402,6 +405,10 @@ class Recorder(CapturePath, WriterThread, Switchable):
                 self.skip_off(name, rows)
                 return
             state = self._taps.get(name) or self.declare(name)
+            if why == self.unsampled_reason and self.limits.samples_requests:
+                self._account(name, OFFERED, rows)
+                self._add_skip(state, rows)
+                return
             self._note_drop_reason(state, why)
             self._account(name, OFFERED, rows)
             self._add_drop(state, rows)

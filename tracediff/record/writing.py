@@ -47,6 +47,7 @@ class WriterThread:
     reads is the Recorder's)."""
 
     threads: dict[str, Any] | None = None  # where the writer runs (tracediff.record.cores), for the store
+    _bounded_behind: int | None = None  # the backlog a host bounds with wait_for_writer (its last call)
 
     def _writer_loop(self) -> None:
         self.threads = place_this_thread("writer")  # off the engine's cores, before any write
@@ -76,9 +77,10 @@ class WriterThread:
         """Add to ``batches`` what the queue brings within the commit interval, counted from the first:
         stop early at a host waiting for the writer (:data:`WAKE`), at close (True: the sentinel was
         taken), or at half the queue's batches or bytes (the captures never drop for the rows the
-        writer holds). Once the interval is over, what is queued already still joins the round."""
+        writer holds) or of the backlog a host bounds with :meth:`wait_for_writer` (it then never
+        waits for a round). Once the interval is over, what is queued already still joins the round."""
         deadline = time.monotonic() + self.commit_interval
-        most, held = max(1, self._queue.maxsize // 2), batches[0].nbytes
+        most, held = max(1, min(self._queue.maxsize, self._bounded_behind or self._queue.maxsize) // 2), batches[0].nbytes
         while len(batches) < most and held < self.max_queue_bytes // 2:
             left = deadline - time.monotonic()
             try:
@@ -152,6 +154,7 @@ class WriterThread:
         raises; a closed or failed recorder returns at once."""
         if self.closed or not self._thread.is_alive() or self._thread is threading.current_thread():
             return self.closed
+        self._bounded_behind = max(int(behind), 1)
         deadline = time.monotonic() + max(float(timeout), 0.0)
         with self._cond:
             if self._enqueued - self._done > behind:
