@@ -28,6 +28,7 @@ from tracediff.store import (
     PHASES,
     TraceWriter,
 )
+from tracediff.store.batches import batch_columns
 from tracediff.store.remote_writer import (
     RemoteTraceWriter,
 )
@@ -97,17 +98,13 @@ class WriterThread:
         return False
 
     def _write_round(self, batches: list[Batch]) -> None:
-        """Write a round: each tap's batches (in order) as one append where their label fields agree,
-        then settle every batch (its buffer back to the pool, its bytes off the budget, flush's count)."""
-        taps: dict[str, list[list[Batch]]] = {}  # a tap's runs of batches alike, in the order captured
+        """Write a round: each tap's batches (in order) as one append, then settle every batch (its
+        buffer back to the pool, its bytes off the budget, flush's count)."""
+        taps: dict[str, list[Batch]] = {}  # each tap's batches, in the order captured
         for item in batches:
-            runs = taps.setdefault(item.tap, [])
-            if runs and sorted(runs[-1][-1].labels) == sorted(item.labels):
-                runs[-1].append(item)
-            else:
-                runs.append([item])
+            taps.setdefault(item.tap, []).append(item)
         try:
-            for run in (run for runs in taps.values() for run in runs):
+            for run in taps.values():
                 try:
                     if self._writer_error is None:
                         self._write(run)
@@ -262,7 +259,8 @@ class WriterThread:
         return size, labels
 
     def _write(self, run: list[Batch]) -> None:
-        """One append of a tap's batches (one commit), their label fields alike."""
+        """One append of a tap's batches (one commit). Each batch's labels are checked against its own
+        rows first (:func:`batch_columns`: two wrong batches must not add up to a right length)."""
         writer = self._writer_for(run[0])
         arrays, columns = [], []
         for item in run:
@@ -281,8 +279,14 @@ class WriterThread:
             rows = arrays[-1].shape[0]
             columns.append({k: (np.broadcast_to(np.asarray(v), (rows,)) if np.ndim(v) == 0 else v)
                             for k, v in labels.items()})
-        array = arrays[0] if len(run) == 1 else np.concatenate(arrays)
-        labels = columns[0] if len(run) == 1 else {k: np.concatenate([c[k] for c in columns]) for k in columns[0]}
+        if len(run) == 1:
+            array, labels = arrays[0], columns[0]
+        else:
+            state = self._taps[run[0].tap]
+            width, dtype = int(state.width or 0), str(state.dtype)
+            columns = [batch_columns(a, c, state.name, width, dtype) for a, c in zip(arrays, columns, strict=True)]
+            array = np.concatenate(arrays)
+            labels = {k: np.concatenate([c[k] for c in columns]) for k in columns[0]}
         self._sync_counts(writer, run[0].tap)
         self._check_rows(run[0].tap, writer, array, labels.get("position"))
         writer.append(array, labels)
