@@ -396,6 +396,9 @@ class _Binding:
                 _state.step += 1
                 step = _state.step
             runner = getattr(_state.local, "runner", None)
+            if not self.published:  # provenance at the first call, sampled or not (not inside a measured load)
+                self.published = True
+                self.publish(proposer, runner, hidden)
             if not any_sampled(self.recorder.request_sampler(), bound, runner):  # counted skipped, not lost
                 self._lose(int(hidden.shape[0]), self.recorder.unsampled_reason)
                 return
@@ -405,9 +408,6 @@ class _Binding:
                            "(parallel drafting / extra slots?) cannot be labelled")
                 return
             register_prompts(self.recorder.request_sampler(), runner, labels.pop("_requests"))
-            if not self.published:
-                self.published = True
-                self.publish(proposer, runner, hidden)
             aux_labels = dict(labels)
             fc_labels = dict(labels, phase=labels["fc_phase"])
             aux_labels["phase"] = labels["phase"]
