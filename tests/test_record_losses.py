@@ -142,12 +142,14 @@ def test_the_ledger_keeps_its_counts_after_the_process_that_wrote_them_is_killed
     code = textwrap.dedent(
         f"""
         import os, signal
-        from tracediff.record.ledger import COMMITTED, OFFERED, Ledger
+        from tracediff.record.ledger import COMMITTED, OFFERED, SKIPPED, SWITCHED_OFF, Ledger
         ledger = Ledger({str(tmp_path)!r})
         ledger.add("fc_in", OFFERED, 640)
         ledger.add("fc_in", COMMITTED, 64)
         ledger.set_group("fc_in", "fc_in/pid1")
         ledger.add("draft_steps", OFFERED, 3)
+        ledger.add("draft_steps", SKIPPED, 3)
+        ledger.add("draft_steps", SWITCHED_OFF, 3)  # seen while recording was switched off
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )
@@ -156,8 +158,10 @@ def test_the_ledger_keeps_its_counts_after_the_process_that_wrote_them_is_killed
     (header,) = [json.loads(p.read_text()) for p in tmp_path.glob("*-ledger*.json")]
     counts = read_ledger(header, tmp_path)
     assert counts == {
-        "fc_in": {"offered": 640, "committed": 64, "dropped": 0, "skipped": 0, "group": "fc_in/pid1", "reason": ""},
-        "draft_steps": {"offered": 3, "committed": 0, "dropped": 0, "skipped": 0, "group": None, "reason": ""}}
+        "fc_in": {"offered": 640, "committed": 64, "dropped": 0, "skipped": 0, "switched_off": 0, "group": "fc_in/pid1",
+                  "reason": ""},
+        "draft_steps": {"offered": 3, "committed": 0, "dropped": 0, "skipped": 3, "switched_off": 3, "group": None,
+                        "reason": ""}}
 
 
 @pytest.mark.parametrize("bad", ["missing", "short"])

@@ -96,6 +96,18 @@ def committed_batches(store: Path, tap: str, writer: str) -> int:
         return 0
 
 
+def assert_stored_as_fed(store: Path, batches: list[Any]) -> Any:
+    """The store's one fc_in group holds what the draft's fc received, bit for bit, each row with the
+    labels the pipeline gave it; returns the group."""
+    (group,) = read_plain(store, "fc_in").values()
+    assert_bits_equal(group.values, np.concatenate([stored_bits(b.fc_input) for b in batches]))
+    expected = expected_labels(batches)
+    for key in ("seq", "position", "token_id", "next_token_id", "step"):
+        assert np.array_equal(group.labels[key], expected[key]), key
+    assert group.phase_names == expected["phase"].tolist()
+    return group
+
+
 # ------------------------------------------------------------------------------- what is stored
 @pytest.mark.parametrize("pipeline", ["trainer", "engine"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -108,12 +120,7 @@ def test_fc_input_rows_equal_what_the_draft_received_bit_for_bit(tmp_path: Path,
             tiny, draft, seqs, FC_LAYERS, dtype=dtype, on_batch=lambda lab: rec.labels(**lab), keep_inputs=True
         )
 
-    (group,) = read_plain(store, "fc_in").values()
-    assert_bits_equal(group.values, np.concatenate([stored_bits(b.fc_input) for b in batches]))
-    expected = expected_labels(batches)
-    for key in ("seq", "position", "token_id", "next_token_id", "step"):
-        assert np.array_equal(group.labels[key], expected[key]), key
-    assert group.phase_names == expected["phase"].tolist()
+    group = assert_stored_as_fed(store, batches)
     assert group.labels["valid"].all()
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     assert group.attrs["dtype"] == dtype_name and group.attrs["width"] == 3 * HIDDEN
@@ -167,16 +174,11 @@ def test_a_commit_interval_stores_the_same_rows_in_fewer_commits_and_a_waiting_h
         (group,) = read_plain(store, "fc_out").values()
         assert group.commit["batches"] == 2  # a commit a round, per tap
     batches = first + second
-    (group,) = read_plain(store, "fc_in").values()
-    assert_bits_equal(group.values, np.concatenate([stored_bits(b.fc_input) for b in batches]))
-    expected = expected_labels(batches)
-    for key in ("seq", "position", "token_id", "next_token_id", "step"):
-        assert np.array_equal(group.labels[key], expected[key]), key
-    assert group.phase_names == expected["phase"].tolist()
+    group = assert_stored_as_fed(store, batches)
     assert group.commit["status"] == "closed" and group.commit["batches"] == 2 and group.commit["dropped_rows"] == 0
     (out,) = read_plain(store, "fc_out").values()
     assert_bits_equal(out.values, np.concatenate([stored_bits(t) for t in returned]))
-    assert np.array_equal(out.labels["position"], expected["position"])
+    assert np.array_equal(out.labels["position"], group.labels["position"])
 
 
 def test_close_writes_what_a_commit_interval_had_gathered(tmp_path: Path) -> None:

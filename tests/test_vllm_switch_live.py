@@ -115,27 +115,13 @@ def test_a_server_left_switched_off_says_so_and_exits_0_even_when_vllm_kills_its
     capture points never fired", "no request reached the drafter" while requests had)."""
     from tracediff.testing.tiny_llama import make_sequences
 
-    python = h.vllm_python()
     tl = h.build_target(tmp_path)
     h.record_trainer(tmp_path / "train.zarr", tl, RIGHT, make_sequences(n_seqs=2, min_len=6, max_len=12,
                                                                          vocab_size=h.VOCAB, seed=2))
     draft = h.build_draft(tmp_path, "draft_vllm", tl, [2, 4, 5], "top")
-    store, port = tmp_path / "server.zarr", h.free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "server.log"
-    cmd = [str(Path(python).parent / "tracediff"), "record", "--adapter", "vllm", "--start-off", "--sample-requests",
-           "0.5", "--commit", "background", "-o", str(store), "--", *h.serve_command(python, tmp_path / "target", draft,
-                                                                                    port)]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=h.vllm_env(), start_new_session=True)
-        try:
-            servers.wait_healthy(url, proc, log_path)
-            sent = tracediff("send", tmp_path / "train.zarr", "--url", url, "--engine", "vllm", "--max-new-tokens", 4)
-        finally:
-            servers.stop(proc)
-    said = log_path.read_text()
-    assert sent.returncode == 0, sent.stderr
-    assert proc.returncode == 0, said[-3000:]
+    served = h.record_served(h.vllm_python(), tmp_path, "server", draft, tmp_path / "train.zarr", "--start-off",
+                             "--sample-requests", "0.5", "--commit", "background", new_tokens=4)  # both exit 0
+    store, said = served["store"], served["log"]
     lines = [line for line in said.splitlines() if line.startswith("tracediff:")]
     notes = [line for line in lines if line.startswith("tracediff: note:")]
     assert len(notes) == 1 and "switched off the whole time" in notes[0], lines

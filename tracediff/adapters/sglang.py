@@ -505,7 +505,9 @@ def _describe_process(recorder: Recorder) -> None:
         atexit.register(_report_at_exit)
 
 
-capture_summary = _state.summary  # per capture point of this process: attached hooks, calls, rows, skip reason
+def capture_summary() -> dict[str, dict[str, Any]]:
+    """Per capture point of this process: attached hooks, calls, rows, skip reason."""
+    return _state.summary()
 
 
 def _report_at_exit() -> None:

@@ -585,7 +585,9 @@ def _recorded_commit(config: Any) -> str:
     return "background" if str(mode or "").strip().lower() == "background" else commit_mode()
 
 
-capture_summary = _state.summary  # per capture point of this process: attached hooks, calls, rows, skip reason
+def capture_summary() -> dict[str, dict[str, Any]]:
+    """Per capture point of this process: attached hooks, calls, rows, skip reason."""
+    return _state.summary()
 
 
 def _report_at_exit() -> None:
