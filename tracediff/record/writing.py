@@ -168,11 +168,11 @@ class WriterThread:
         (called holding ``_cond``); a full queue needs none, the round ends at half of it."""
         if self.commit_interval <= 0 or self._wake_queued:
             return
+        self._wake_queued = True  # before the put: the writer, which clears it, may take the WAKE at once
         try:
             self._queue.put_nowait(WAKE)
-            self._wake_queued = True
         except queue.Full:
-            pass
+            self._wake_queued = False
 
     def _writer_for(self, item: Batch) -> TraceWriter:
         writer = self._writers.get(item.tap)
