@@ -80,7 +80,7 @@ from tracediff.adapters._serving import (
     command_flags,
 )
 from tracediff.adapters.vllm_chain import attach_vllm_chain
-from tracediff.adapters.vllm_labels import any_sampled, batch_labels, register_prompts
+from tracediff.adapters.vllm_labels import any_sampled, batch_labels
 from tracediff.adapters.vllm_mtp import declare_mtp_taps, mtp_layer_modules, mtp_provenance
 from tracediff.adapters.vllm_provenance import canonical_aux_layers, draft_config_facts, provenance, vllm_version
 from tracediff.record.recorder import Recorder
@@ -407,7 +407,7 @@ class _Binding:
                 self._lose(int(hidden.shape[0]), "a drafter batch whose rows do not match its query_start_loc "
                            "(parallel drafting / extra slots?) cannot be labelled")
                 return
-            register_prompts(self.recorder.request_sampler(), runner, labels.pop("_requests"))
+            labels.pop("_requests")  # (their prompts were registered by any_sampled above)
             aux_labels = dict(labels)
             fc_labels = dict(labels, phase=labels["fc_phase"])
             aux_labels["phase"] = labels["phase"]

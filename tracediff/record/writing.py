@@ -65,7 +65,7 @@ class WriterThread:
             if item is None:
                 closing = True
                 continue
-            if item == WAKE:
+            if item is WAKE:
                 self._wake_queued = False
                 continue
             batches = [item]
@@ -81,7 +81,8 @@ class WriterThread:
         writer holds) or of the backlog a host bounds with :meth:`wait_for_writer` (it then never
         waits for a round). Once the interval is over, what is queued already still joins the round."""
         deadline = time.monotonic() + self.commit_interval
-        most, held = max(1, min(self._queue.maxsize, self._bounded_behind or self._queue.maxsize) // 2), batches[0].nbytes
+        most = max(1, min(self._queue.maxsize, self._bounded_behind or self._queue.maxsize) // 2)
+        held = batches[0].nbytes
         while len(batches) < most and held < self.max_queue_bytes // 2:
             left = deadline - time.monotonic()
             try:
@@ -90,7 +91,7 @@ class WriterThread:
                 return False
             if item is None:
                 return True
-            if item == WAKE:
+            if item is WAKE:
                 self._wake_queued = False
                 return False
             batches.append(item)
